@@ -1,0 +1,159 @@
+"""Layer shapes, presets and service settings: the only module that reads the environment.
+
+Dimension letters (used in every module):
+    T tokens in a batch, H hidden, I total intermediate, E experts, K top-k, R ranks,
+    C token capacity per rank, Ir = I / R intermediate slice per rank,
+    S rows of the gathered layout, BM = 128 row block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Literal
+
+import torch
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from service.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+BM = 128  # rows per block of the gathered layout; every expert's run is padded to a multiple
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerConfig:
+    """Shape of the served MoE layer and of the rank group that serves it."""
+
+    E: int  # experts
+    H: int  # hidden size
+    I: int  # noqa: E741  total intermediate size (all ranks together)
+    K: int  # experts per token (top-k)
+    R: int  # ranks
+    C: int  # token capacity per rank and step
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self) -> None:
+        for name in ("E", "H", "I", "K", "R", "C"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.K > self.E:
+            raise ConfigError(f"K (top-k = {self.K}) must not exceed E (experts = {self.E})")
+        if self.I % self.R:
+            raise ConfigError(f"I ({self.I}) must be divisible by R ({self.R}) for the tensor-parallel split")
+        if self.dtype not in DTYPE_NAMES:
+            raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype}")
+
+    @property
+    def Ir(self) -> int:
+        return self.I // self.R
+
+    @property
+    def tokens_per_step(self) -> int:
+        """The most tokens one step of the whole group takes: R * C."""
+        return self.R * self.C
+
+    @property
+    def S(self) -> int:
+        """Rows of the gathered layout at capacity: every hit plus the worst-case padding."""
+        hits = self.R * self.C * self.K
+        return -(-(hits + self.E * (BM - 1)) // BM) * BM
+
+    def replace(self, **changes) -> "LayerConfig":
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        return (f"E={self.E} H={self.H} I={self.I} K={self.K} R={self.R} C={self.C} "
+                f"dtype={DTYPE_NAMES[self.dtype]}")
+
+
+PRESETS: dict[str, LayerConfig] = {
+    # The reference shape of the project (Hunyuan-A13B geometry, TP4 over one host).
+    "seed": LayerConfig(E=64, H=4096, I=3072, K=8, R=4, C=512, dtype=torch.bfloat16),
+    # The embedded default where there is no GPU: a full batch (512 tokens) in tens of ms.
+    "cpu": LayerConfig(E=16, H=256, I=512, K=4, R=4, C=128, dtype=torch.float32),
+}
+
+
+def preset(name: str, **overrides) -> LayerConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"preset must be one of {sorted(PRESETS)}, got {name!r}")
+    cfg = PRESETS[name]
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    return cfg.replace(**overrides) if overrides else cfg
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+class Settings(BaseSettings):
+    """Every knob of the service; each is a flag of `moe-serve` and a `MOE_*` variable."""
+
+    model_config = SettingsConfigDict(env_prefix="MOE_", extra="ignore")
+
+    host: str = "0.0.0.0"
+    http_port: int = Field(8000, ge=0, le=65535)
+    grpc_port: int = Field(8001, ge=0, le=65535)
+    metrics_port: int = Field(0, ge=0, le=65535, description="separate /metrics port; 0 = only on the HTTP port")
+    model_name: str = "moe"
+
+    preset: str | None = Field(None, description="layer preset; default seed on GPU, cpu otherwise")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    world_size: int | None = Field(None, ge=1, description="ranks R; default the preset's (capped by GPUs)")
+    capacity: int | None = Field(None, ge=1, description="tokens per rank and step C; default the preset's")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    weights: str | None = Field(None, description="safetensors checkpoint; synthetic weights when unset")
+    weights_prefix: str = ""
+    seed: int = 0
+    backend: Literal["auto", "serial", "fused"] = "auto"
+
+    batch_delay_ms: float = Field(2.0, ge=0, description="how long the batcher waits to fill a step")
+    queue_tokens: int = Field(65536, ge=1, description="queued tokens beyond which requests get 503")
+    max_request_bytes: int = Field(256 << 20, ge=1024)
+    grpc_max_message_bytes: int = Field(256 << 20, ge=1024)
+    request_timeout_s: float = Field(30.0, gt=0, description="default per-request deadline")
+    step_timeout_s: float = Field(60.0, gt=0, description="a step slower than this fails the group")
+    start_timeout_s: float = Field(300.0, gt=0, description="rank group start-up limit")
+    drain_timeout_s: float = Field(20.0, ge=0, description="SIGTERM grace period for in-flight requests")
+    restart_backoff_s: float = Field(1.0, ge=0)
+    slots: int = Field(2, ge=1, le=16, description="shared-memory batch slots")
+    log_level: str = "INFO"
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, v: str | None) -> str | None:
+        if v is not None and v not in PRESETS:
+            raise ValueError(f"must be one of {sorted(PRESETS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> "Settings":
+        ports = [p for p in (self.http_port, self.grpc_port, self.metrics_port) if p]
+        if len(ports) != len(set(ports)):
+            raise ValueError(f"http_port, grpc_port and metrics_port must differ, got {ports}")
+        return self
+
+    def resolve_device(self) -> tuple[str, str]:
+        """The device to run on and why."""
+        if self.device == "cuda":
+            if not cuda_available():
+                raise ConfigError("device=cuda was asked for but torch sees no CUDA device")
+            return "cuda", "device=cuda was asked for"
+        if self.device == "cpu":
+            return "cpu", "device=cpu was asked for"
+        if cuda_available():
+            return "cuda", f"{torch.cuda.device_count()} CUDA device(s) found"
+        return "cpu", "no CUDA device found"
+
+    def layer_config(self, device: str) -> LayerConfig:
+        """The layer shape: the preset (seed on GPU, cpu on CPU) with any overrides applied."""
+        name = self.preset or ("seed" if device == "cuda" else "cpu")
+        overrides = dict(R=self.world_size, C=self.capacity, dtype=DTYPES[self.dtype] if self.dtype else None)
+        return preset(name, **overrides)

@@ -1,0 +1,44 @@
+"""The exception tree. `service.api` maps each class to an HTTP status and a gRPC code in one place."""
+
+
+class MoEError(Exception):
+    """Base of every error the service raises on purpose."""
+
+
+class ConfigError(MoEError, ValueError):
+    """An impossible configuration value; the message names the field."""
+
+
+class WeightsError(MoEError):
+    """A checkpoint that cannot be loaded: missing key, wrong shape, unreadable file."""
+
+
+class InvalidInput(MoEError, ValueError):
+    """A request whose tensors are malformed (shape, dtype, range, non-finite values)."""
+
+
+class WorkerError(MoEError):
+    """The rank group failed: a rank raised, died, or timed out. Carries the rank's traceback."""
+
+    def __init__(self, message: str, rank: int | None = None, traceback: str | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.traceback = traceback
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if self.traceback:
+            text += f"\n--- rank {self.rank} traceback ---\n{self.traceback}"
+        return text
+
+
+class GroupUnavailable(MoEError):
+    """The rank group is not ready (starting, restarting or stopping)."""
+
+
+class Overloaded(MoEError):
+    """The queue is full; the request was not accepted."""
+
+
+class DeadlineExceeded(MoEError):
+    """The request's deadline passed before its answer was ready."""

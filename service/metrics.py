@@ -1,0 +1,66 @@
+"""Every Prometheus metric of the service, declared once.
+
+Metrics live in the front end only: ranks report their timings with each finished step
+(no Prometheus multiprocess mode). Names carry the `moe_` prefix and base units; every label
+takes values from a fixed, small set.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# 50 microseconds to 10 seconds, roughly 1-2.5-5 per decade.
+TIME_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
+                0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+TOKEN_BUCKETS = tuple(float(2 ** i) for i in range(0, 17))  # 1 .. 65536 tokens
+
+PROTOCOLS = ("http_json", "http_safetensors", "v2_json", "v2_binary", "grpc")
+STAGES = ("tables", "all_gather", "gemm1", "swiglu", "gemm2", "combine", "reduce_scatter")
+
+
+class Metrics:
+    """The service's metrics on their own registry (one per front end; tests make several)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.request_duration = Histogram(
+            "moe_request_duration_seconds", "Time from a request's arrival to its answer.",
+            ["protocol", "status"], buckets=TIME_BUCKETS, registry=r)
+        self.requests = Counter(
+            "moe_requests_total", "Requests answered, by protocol and status code.",
+            ["protocol", "status"], registry=r)
+        self.queue_time = Histogram(
+            "moe_queue_time_seconds", "Time a request's first rows waited before their step started.",
+            buckets=TIME_BUCKETS, registry=r)
+        self.batch_tokens = Histogram(
+            "moe_batch_tokens", "Tokens in one step of the rank group.",
+            buckets=TOKEN_BUCKETS, registry=r)
+        self.layer_time = Histogram(
+            "moe_layer_seconds", "Time of the MoE layer for one step, measured on rank 0.",
+            ["backend"], buckets=TIME_BUCKETS, registry=r)
+        self.stage_time = Histogram(
+            "moe_stage_seconds", "Time of one stage of the layer for one step, measured on rank 0.",
+            ["stage"], buckets=TIME_BUCKETS, registry=r)
+        self.exposed_comm = Histogram(
+            "moe_exposed_comm_seconds",
+            "Communication time not hidden behind compute, per step (serial backend: all time in "
+            "collectives; see service.moe.serial).",
+            ["backend"], buckets=TIME_BUCKETS, registry=r)
+        self.tokens = Counter("moe_tokens_total", "Tokens processed by the layer.", registry=r)
+        self.steps = Counter("moe_steps_total", "Steps run by the rank group.", registry=r)
+        self.queued_tokens = Gauge("moe_queued_tokens", "Tokens waiting in the batcher's queue.", registry=r)
+        self.inflight = Gauge("moe_inflight_requests", "Requests accepted and not yet answered.", registry=r)
+        self.worker_restarts = Counter(
+            "moe_worker_restarts_total", "Restarts of the rank group after a failure.", registry=r)
+        self.ready = Gauge("moe_ready", "1 when the service answers inference requests, else 0.", registry=r)
+
+    def observe_step(self, stats) -> None:
+        """Record one finished step (a `service.worker.group.StepStats`)."""
+        self.steps.inc()
+        self.tokens.inc(stats.tokens)
+        self.batch_tokens.observe(stats.tokens)
+        self.layer_time.labels(stats.backend).observe(stats.layer_s)
+        self.exposed_comm.labels(stats.backend).observe(stats.exposed_comm_s)
+        for stage, seconds in stats.stages.items():
+            self.stage_time.labels(stage).observe(seconds)
