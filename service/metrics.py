@@ -15,7 +15,7 @@ TIME_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2
 TOKEN_BUCKETS = tuple(float(2 ** i) for i in range(0, 17))  # 1 .. 65536 tokens
 
 PROTOCOLS = ("http_json", "http_safetensors", "v2_json", "v2_binary", "grpc")
-STAGES = ("tables", "all_gather", "gemm1", "swiglu", "gemm2", "combine", "reduce_scatter")
+STAGES = ("tables", "all_gather", "scatter", "gemm1", "swiglu", "gemm2", "combine", "reduce_scatter")
 
 
 class Metrics:

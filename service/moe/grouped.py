@@ -1,0 +1,71 @@
+"""Grouped GEMM over the gathered layout: rows grouped by expert, one weight matrix per expert.
+
+    out[rows of e] = a[rows of e] @ b[e]      a [S, Kd], b [E, Kd, N], out [S, N]
+
+Expert e owns rows [offsets[e], offsets[e+1]) (service.moe.tables). Rows past offsets[E] are
+not computed and hold no defined value; nothing downstream reads them.
+
+Two implementations:
+- `torch._grouped_mm` (CUTLASS grouped GEMM) on CUDA devices of compute capability 9.x/10.x
+  with bf16 operands: one launch, offsets stay on the device (no host sync).
+- a per-expert `torch.mm` loop everywhere else (CPU, other GPUs, fp32/fp16). It reads the
+  offsets on the host, which syncs on CUDA; on the CPU that costs nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def native_grouped_mm_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when `torch._grouped_mm` serves this device and dtype, else why not (logged once)."""
+    if not hasattr(torch, "_grouped_mm"):
+        reason = "this torch has no torch._grouped_mm"
+    elif device.type != "cuda":
+        reason = f"device {device.type} is not CUDA"
+    elif dtype != torch.bfloat16:
+        reason = f"dtype {dtype} is not bfloat16"
+    elif torch.cuda.get_device_capability(device)[0] not in (9, 10):
+        reason = f"compute capability {torch.cuda.get_device_capability(device)} is not 9.x/10.x"
+    else:
+        return None
+    log.info("grouped GEMM: per-expert loop (%s)", reason)
+    return reason
+
+
+def prepare_weight(b: torch.Tensor) -> torch.Tensor:
+    """Lay out per-expert weights `[E, Kd, N]` the way `grouped_mm` reads them fastest.
+
+    CUTLASS wants the reduction dimension contiguous in `b` (column-major per expert), so on
+    the native path the weight is stored as `[E, N, Kd]` and handed over transposed (a view).
+    """
+    if native_grouped_mm_reason(b.device, b.dtype) is None:
+        return b.transpose(1, 2).contiguous().transpose(1, 2)  # [E, Kd, N], strides (N*Kd, 1, Kd)
+    return b.contiguous()
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`a [S, Kd]` times `b [E, Kd, N]` per expert row range; `offsets [E+1]` int32 -> `[S, N]`."""
+    assert a.dim() == 2 and b.dim() == 3 and a.shape[1] == b.shape[1], (a.shape, b.shape)
+    assert offsets.numel() == b.shape[0] + 1, (offsets.shape, b.shape)
+    if native_grouped_mm_reason(a.device, a.dtype) is None:
+        # offs are the cumulative row ends of the E groups; rows past offs[-1] are left alone.
+        return torch._grouped_mm(a, b, offs=offsets[1:].to(torch.int32))
+    return grouped_mm_loop(a, b, offsets)
+
+
+def grouped_mm_loop(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The portable fallback: one `mm` per expert with rows."""
+    out = torch.empty(a.shape[0], b.shape[2], dtype=a.dtype, device=a.device)  # [S, N]
+    bounds = offsets.tolist()
+    for e in range(b.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            torch.mm(a[lo:hi], b[e], out=out[lo:hi])
+    return out

@@ -1,0 +1,154 @@
+"""The serial backend: the MoE layer as collectives and grouped GEMMs, one after the other.
+
+Rank r holds x_r [n_r, H], ids_r / w_r [n_r, K] (n_r <= C) and its tensor-parallel slice of
+every expert, W13 [E, H, 2*Ir] (gate columns, then up columns) and W2 [E, Ir, H]. One step:
+
+    1. all-gather routing (n_r, seq, ids, weights)       -> ids_g, w_g [R*C, K]
+    2. schedule tables (service.moe.tables)              -> slots, offsets, ...
+    3. all-gather tokens                                  -> x_g [R*C, H]
+       scatter into the gathered layout                   -> A [S, H]
+    4. grouped GEMM1, SwiGLU, grouped GEMM2               -> D [S, H]
+    5. top-k combine in fp32: partial[g] = sum_k w_g[g,k] * D[slots[g,k]]   [R*C, H]
+    6. reduce-scatter over ranks (sum of the Ir slices)   -> out_r [n_r, H]
+
+It runs on gloo (CPU) and NCCL (GPU) and is the baseline the fused backend is measured
+against, and its fallback.
+
+Exposed communication of this backend (`StepStats.exposed_comm_s`) is the time spent in the
+collectives (stages `all_gather` and `reduce_scatter`): nothing overlaps them.
+
+Gloo has no reduce-scatter; there the step all-reduces the partials and keeps its own rows
+(R times the traffic of a reduce-scatter, on the CPU path only).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from service.config import LayerConfig
+from service.moe.grouped import grouped_mm, prepare_weight
+from service.moe.tables import build_tables
+from service.moe.timing import StageTimer
+from service.moe.weights import RankWeights
+
+COLLECTIVE_STAGES = ("all_gather", "reduce_scatter")
+META = 4  # int32 words in front of each rank's routing block: n_r, seq low, seq high, unused
+
+
+class SequenceMismatch(RuntimeError):
+    """Ranks disagree about the batch sequence number: the group is out of step."""
+
+
+class SerialLayer:
+    """One rank's share of the layer; buffers are allocated once at capacity and reused."""
+
+    name = "serial"
+
+    def __init__(self, cfg: LayerConfig, weights: RankWeights, *, rank: int, device: torch.device,
+                 group: dist.ProcessGroup | None = None):
+        self.cfg, self.rank, self.device, self.group = cfg, rank, device, group
+        self.w13 = prepare_weight(weights.w13.to(device))  # [E, H, 2*Ir]
+        self.w2 = prepare_weight(weights.w2.to(device))    # [E, Ir, H]
+        R, C, K, H = cfg.R, cfg.C, cfg.K, cfg.H
+        self.nccl = dist.is_initialized() and dist.get_backend(group) == "nccl"
+        kw = dict(device=device)
+        # Routing block of this rank: META words, then ids [C, K] and weights [C, K] as int32 bits.
+        self.routing = torch.zeros(META + 2 * C * K, dtype=torch.int32, **kw)  # [META + 2*C*K]
+        self.routing_g = torch.zeros(R, META + 2 * C * K, dtype=torch.int32, **kw)
+        self.x = torch.zeros(C, H, dtype=cfg.dtype, **kw)        # [C, H]
+        self.x_g = torch.zeros(R * C, H, dtype=cfg.dtype, **kw)  # [R*C, H]
+        self.A = torch.zeros(cfg.S, H, dtype=cfg.dtype, **kw)    # [S, H]
+        self.out = torch.zeros(C, H, dtype=torch.float32, **kw)  # [C, H] fp32 sum of the slices
+        self.positions = torch.arange(C, device=device)          # [C]
+
+    # -- collectives: the same call on gloo and NCCL -------------------------------------------
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        if self.cfg.R == 1:
+            out.copy_(inp.reshape(out.shape))
+        elif self.nccl:
+            dist.all_gather_into_tensor(out, inp, group=self.group)
+        else:
+            # gloo: no bf16 kernels; a 2-byte view moves the same bits.
+            view = (lambda t: t.view(torch.int16)) if inp.element_size() == 2 else (lambda t: t)
+            chunks = [c.view(inp.shape) for c in view(out).chunk(self.cfg.R)]
+            dist.all_gather(chunks, view(inp), group=self.group)
+
+    def _reduce_scatter(self, partial: torch.Tensor) -> torch.Tensor:
+        C = self.cfg.C
+        if self.cfg.R == 1:
+            return partial
+        if self.nccl:
+            dist.reduce_scatter_tensor(self.out, partial, group=self.group)
+            return self.out
+        dist.all_reduce(partial, group=self.group)
+        return partial[self.rank * C:(self.rank + 1) * C]
+
+    # -- one step --------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, seq: int,
+                timer: StageTimer | None = None) -> torch.Tensor:
+        """x [n, H], ids [n, K], w [n, K] on any device -> this rank's output [n, H] fp32."""
+        cfg = self.cfg
+        R, C, K = cfg.R, cfg.C, cfg.K
+        n = x.shape[0]
+        assert n <= C, f"rank {self.rank} got {n} tokens, capacity is {C}"
+        timer = timer or StageTimer(self.device)
+        timer.start()
+
+        # 1. routing all-gather; padding rows get weight 0 so they add nothing anywhere.
+        meta = torch.tensor([n, seq & 0x7FFFFFFF, seq >> 31, 0], dtype=torch.int32)
+        self.routing[:META].copy_(meta)
+        ids_l = self.routing[META:META + C * K].view(C, K)            # [C, K]
+        w_l = self.routing[META + C * K:].view(torch.float32).view(C, K)  # [C, K]
+        ids_l[:n].copy_(ids)
+        ids_l[n:].zero_()
+        w_l[:n].copy_(w)
+        w_l[n:].zero_()
+        self.x[:n].copy_(x)
+        self._all_gather(self.routing_g, self.routing)
+        timer.mark("all_gather")
+        counts = self.routing_g[:, 0]                                                # [R]
+        ids_g = self.routing_g[:, META:META + C * K].reshape(R * C, K)                       # [R*C, K]
+        w_g = self.routing_g[:, META + C * K:].contiguous().view(torch.float32).view(R * C, K)  # [R*C, K]
+
+        # 2. schedule tables, identical on every rank.
+        tables = build_tables(ids_g, counts, cfg.E, C, cfg.S)
+        timer.mark("tables")
+
+        # 3. tokens: all-gather, then scatter rows into the gathered layout.
+        self._all_gather(self.x_g, self.x)
+        timer.mark("all_gather")
+        torch.index_select(self.x_g, 0, tables.row_token.clamp(min=0), out=self.A)  # [S, H]
+        timer.mark("scatter")
+
+        # 4. grouped GEMM1 + SwiGLU, grouped GEMM2.
+        h = grouped_mm(self.A, self.w13, tables.expert_offsets)   # [S, 2*Ir]
+        timer.mark("gemm1")
+        act = F.silu(h[:, :cfg.Ir]) * h[:, cfg.Ir:]               # [S, Ir]
+        timer.mark("swiglu")
+        d = grouped_mm(act, self.w2, tables.expert_offsets)      # [S, H]
+        timer.mark("gemm2")
+
+        # 5. top-k combine in fp32. Rows of padding tokens are forced to 0 (their slot is -1,
+        # read as row 0 with weight 0; where() also drops any non-finite value of that row).
+        slots = tables.slots.long().clamp(min=0)                  # [R*C, K]
+        partial = torch.zeros(R * C, cfg.H, dtype=torch.float32, device=self.device)  # [R*C, H]
+        for k in range(K):
+            partial.addcmul_(d.index_select(0, slots[:, k]).float(), w_g[:, k:k + 1])
+        real = (self.positions.repeat(R) < counts.repeat_interleave(C))[:, None]  # [R*C, 1]
+        partial = torch.where(real, partial, 0.0)
+        timer.mark("combine")
+
+        # 6. reduce-scatter: this rank's rows of the sum over the R intermediate slices.
+        out = self._reduce_scatter(partial)[:n]                   # [n, H]
+        timer.mark("reduce_scatter")
+        return out
+
+    def check_seq(self, seq: int) -> None:
+        """After a step: every rank must have run the same batch (read once the step is done,
+        so on a GPU it costs no extra sync)."""
+        g = self.routing_g[:, 1:3].cpu().long()                # [R, 2]
+        seqs = (g[:, 0] | (g[:, 1] << 31)).tolist()
+        if any(s != seq for s in seqs):
+            raise SequenceMismatch(f"rank {self.rank} ran seq {seq}, the group ran {seqs}")

@@ -1,0 +1,42 @@
+"""Per-stage timing of one layer step, on the CPU (host clock) or on a CUDA stream (events)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class StageTimer:
+    """Marks stage boundaries in order; `seconds()` returns {stage: seconds} after the step.
+
+    On CUDA the marks are events on the current stream, so the figures are device time and
+    reading them synchronizes once per step (after the step's work, not between stages).
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, object]] = []
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self.marks = [("", self._now())]
+
+    def mark(self, stage: str) -> None:
+        """Close the stage that ran since the previous mark."""
+        self.marks.append((stage, self._now()))
+
+    def seconds(self) -> dict[str, float]:
+        if self.cuda:
+            self.marks[-1][1].synchronize()
+        out: dict[str, float] = {}
+        for (_, t0), (stage, t1) in zip(self.marks, self.marks[1:]):
+            dt = t0.elapsed_time(t1) / 1e3 if self.cuda else t1 - t0
+            out[stage] = out.get(stage, 0.0) + dt
+        return out

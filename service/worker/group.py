@@ -1,0 +1,263 @@
+"""The rank group: R rank processes started, fed, watched and stopped by one parent.
+
+    parent                                   rank r (service.worker.rank)
+      TCPStore on a free port  ------------>   process group (gloo / NCCL), weights slice
+      slots in /dev/shm        <----------->   reads rows [start_r, start_r + n_r), writes out
+      ("step", seq, slot, T)   ------------>   layer step
+                               <------------   ("done", rank, seq, stats) | ("error", rank, tb)
+
+Every wait on the ranks is bounded and also watches the processes' sentinels, so a rank that
+dies, raises or stalls turns into a `WorkerError` carrying its traceback, never a hang. After
+an error the group is dead: `close()` it and start a new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import queue
+import threading
+import time
+from multiprocessing.connection import wait
+
+import torch
+
+from service.config import LayerConfig
+from service.errors import GroupUnavailable, InvalidInput, WorkerError
+from service.worker.rank import RankOptions, rank_main
+from service.worker.shm import Slot, create_slots, remove_slots
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 10.0  # how long close() waits for ranks to exit before killing them
+
+
+@dataclasses.dataclass
+class StepStats:
+    """What one step cost, as measured on rank 0."""
+
+    seq: int
+    tokens: int
+    backend: str
+    layer_s: float                 # sum of the stages: the layer on the device
+    stages: dict[str, float]       # stage -> seconds
+    exposed_comm_s: float          # communication not hidden by compute (see the backend)
+    wall_s: float = 0.0            # parent's view: send to last answer
+
+
+class WorkerGroup:
+    """R rank processes serving one MoE layer; see docs/CONTRACTS.md for the API."""
+
+    def __init__(self, cfg: LayerConfig, *, device: str = "cpu", weights: str | None = None,
+                 weights_prefix: str = "", seed: int = 0, backend: str = "serial", slots: int = 2,
+                 step_timeout_s: float = 60.0, start_timeout_s: float = 300.0,
+                 log_level: str | None = None):
+        if backend not in ("serial", "auto"):
+            raise InvalidInput(f"backend {backend!r} is not available in this build; use 'serial'")
+        self.cfg, self.device = cfg, device
+        self.weights, self.weights_prefix, self.seed = weights, weights_prefix, seed
+        self.backend = "serial"
+        self.step_timeout_s, self.start_timeout_s = step_timeout_s, start_timeout_s
+        self.log_level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        self.num_slots = slots
+        self.seq = 0
+        self.alive = False
+        self.pids: list[int] = []
+        self._procs: list = []
+        self._conns: list = []
+        self._slots: list[Slot] = []
+        self._free: queue.Queue[Slot] = queue.Queue()
+        self._step_lock = threading.Lock()
+        self._store = None
+        self._failure: WorkerError | None = None
+
+    # -- life cycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        """Spawn the ranks and wait until each has joined the group and loaded its weights."""
+        import torch.distributed as dist
+
+        cfg = self.cfg
+        if self.device == "cuda" and torch.cuda.device_count() < cfg.R:
+            log.warning("%d ranks share %d GPU(s)", cfg.R, torch.cuda.device_count())
+        # The parent hosts the rendezvous store: binding port 0 picks a free port without a race.
+        self._store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True,
+                                    timeout=datetime.timedelta(seconds=self.start_timeout_s),
+                                    wait_for_workers=False)
+        self._slots = create_slots(cfg, self.num_slots)
+        for slot in self._slots:
+            self._free.put(slot)
+        threads = max(1, (os.cpu_count() or 1) // cfg.R) if self.device == "cpu" else 4
+        opts = RankOptions(cfg=cfg, device=self.device, store_host="127.0.0.1",
+                           store_port=self._store.port, slot_paths=tuple(s.path for s in self._slots),
+                           weights=self.weights, weights_prefix=self.weights_prefix, seed=self.seed,
+                           backend=self.backend, timeout_s=self.start_timeout_s, threads=threads,
+                           log_level=self.log_level)
+        ctx = mp.get_context("spawn")
+        for rank in range(cfg.R):
+            parent_end, child_end = ctx.Pipe()
+            proc = ctx.Process(target=rank_main, args=(rank, opts, child_end), daemon=True,
+                               name=f"moe-rank{rank}")
+            proc.start()
+            child_end.close()
+            self._procs.append(proc)
+            self._conns.append(parent_end)
+        log.info("started %d ranks on %s (%s), waiting for them to load", cfg.R, self.device, cfg.describe())
+        t0 = time.monotonic()
+        try:
+            infos = self._collect("ready", self.start_timeout_s, "start")
+        except WorkerError:
+            self._kill()
+            raise
+        self.pids = [info["pid"] for info in infos]
+        self.alive = True
+        log.info("rank group ready in %.1f s: %s", time.monotonic() - t0,
+                 ", ".join(f"rank{r} pid {i['pid']} {i['device']}" for r, i in enumerate(infos)))
+
+    def close(self) -> None:
+        """Stop the ranks (politely, then by force) and remove the slots. Idempotent."""
+        was_alive, self.alive = self.alive, False
+        if was_alive:
+            for conn in self._conns:
+                try:
+                    conn.send(("stop",))
+                except OSError:
+                    pass
+        deadline = time.monotonic() + (STOP_GRACE_S if was_alive else 0.0)
+        for proc in self._procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._kill()
+        remove_slots(self._slots)
+        self._slots = []
+        self._free = queue.Queue()
+        self._store = None
+
+    def _kill(self) -> None:
+        self.alive = False
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self._procs:
+            proc.join(timeout=5.0)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+
+    def __enter__(self) -> "WorkerGroup":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- steps -------------------------------------------------------------------------------
+    def acquire_slot(self, timeout: float | None = None) -> Slot:
+        if not self.alive:
+            raise GroupUnavailable("the rank group is not running")
+        try:
+            return self._free.get(timeout=timeout)
+        except queue.Empty:
+            raise GroupUnavailable(f"no free slot within {timeout} s") from None
+
+    def release(self, slot: Slot) -> None:
+        self._free.put(slot)
+
+    def run(self, slot: Slot, T: int) -> StepStats:
+        """Run one step on rows [0, T) of the slot; the answer is in slot.out[:T] on return."""
+        if not 1 <= T <= self.cfg.tokens_per_step:
+            raise InvalidInput(f"a step takes 1..{self.cfg.tokens_per_step} tokens, got {T}")
+        with self._step_lock:
+            if not self.alive:
+                raise self._failure or GroupUnavailable("the rank group is not running")
+            self.seq += 1
+            seq = self.seq
+            t0 = time.perf_counter()
+            for conn in self._conns:
+                try:
+                    conn.send(("step", seq, slot.index, T))
+                except OSError:
+                    pass  # a dead rank; _collect reports it with its exit code
+            try:
+                answers = self._collect("done", self.step_timeout_s, f"step {seq}")
+            except WorkerError as err:
+                self._failure = err
+                self._kill()
+                raise
+            wall = time.perf_counter() - t0
+        seqs = {a[0] for a in answers}
+        if seqs != {seq}:  # the ranks' own check makes this unreachable unless the protocol breaks
+            raise WorkerError(f"ranks answered seqs {sorted(seqs)} for step {seq}")
+        stats = answers[0][1]
+        comm = sum(stats["stages"].get(s, 0.0) for s in ("all_gather", "reduce_scatter"))
+        return StepStats(seq=seq, tokens=T, backend=self.backend, layer_s=stats["layer_s"],
+                         stages=stats["stages"], exposed_comm_s=comm, wall_s=wall)
+
+    def _collect(self, kind: str, timeout: float, what: str) -> list:
+        """One `kind` answer from every rank, in rank order; WorkerError on anything else."""
+        pending = dict(enumerate(self._conns))
+        answers: dict[int, object] = {}
+        deadline = time.monotonic() + timeout
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerError(f"{what}: ranks {sorted(pending)} did not answer within {timeout:.0f} s")
+            sentinels = {self._procs[r].sentinel: r for r in pending}
+            ready = wait(list(pending.values()) + list(sentinels), timeout=left)
+            for obj in ready:
+                if obj in sentinels:
+                    continue  # read the pipe first: a dying rank sends its traceback before exiting
+                rank = next(r for r, c in pending.items() if c is obj)
+                try:
+                    msg = obj.recv()
+                except (EOFError, OSError):
+                    code = self._procs[rank].exitcode
+                    raise WorkerError(f"{what}: rank {rank} died (exit code {code})", rank=rank) from None
+                if msg[0] == "error":
+                    raise WorkerError(f"{what}: rank {msg[1]} raised", rank=msg[1], traceback=msg[2])
+                if msg[0] != kind:
+                    raise WorkerError(f"{what}: rank {rank} answered {msg[0]!r}, expected {kind!r}", rank=rank)
+                answers[rank] = msg[2] if kind == "ready" else (msg[2], msg[3])
+                del pending[rank]
+            for sentinel, rank in sentinels.items():
+                if sentinel in ready and rank in pending and not self._conns[rank].poll():
+                    code = self._procs[rank].exitcode
+                    raise WorkerError(f"{what}: rank {rank} died (exit code {code})", rank=rank)
+        return [answers[r] for r in range(len(self._conns))]
+
+    # -- convenience ---------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                progress=None) -> torch.Tensor:
+        """The layer on a batch of any size: x [T, H], ids [T, K], w [T, K] -> [T, H] in x.dtype.
+
+        Batches larger than R*C run as several steps; `progress(done_tokens, T)` is called
+        after each.
+        """
+        cfg = self.cfg
+        T = x.shape[0]
+        if x.dim() != 2 or x.shape[1] != cfg.H:
+            raise InvalidInput(f"hidden_states must be [T, {cfg.H}], got {list(x.shape)}")
+        if ids.shape != (T, cfg.K) or w.shape != (T, cfg.K):
+            raise InvalidInput(f"topk_ids and topk_weights must be [{T}, {cfg.K}], got "
+                               f"{list(ids.shape)} and {list(w.shape)}")
+        if T == 0:
+            raise InvalidInput("the batch is empty (T = 0)")
+        if int(ids.min()) < 0 or int(ids.max()) >= cfg.E:
+            raise InvalidInput(f"topk_ids must lie in [0, {cfg.E})")
+        out = torch.empty(T, cfg.H, dtype=x.dtype)
+        step = cfg.tokens_per_step
+        slot = self.acquire_slot(timeout=self.step_timeout_s)
+        try:
+            for lo in range(0, T, step):
+                hi = min(T, lo + step)
+                slot.x[:hi - lo].copy_(x[lo:hi])
+                slot.ids[:hi - lo].copy_(ids[lo:hi])
+                slot.w[:hi - lo].copy_(w[lo:hi])
+                self.run(slot, hi - lo)
+                out[lo:hi].copy_(slot.out[:hi - lo])
+                if progress:
+                    progress(hi, T)
+        finally:
+            self.release(slot)
+        return out

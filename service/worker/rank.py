@@ -1,0 +1,118 @@
+"""The rank process: joins the process group, loads its weight slice, runs steps on request.
+
+Control messages on the rank's pipe (parent -> rank): ("step", seq, slot_index, T) and
+("stop",). Answers (rank -> parent): ("ready", rank, info), ("done", rank, seq, stats) and
+("error", rank, traceback_text). Tensors never cross the pipe: they live in the slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import time
+import traceback
+
+import torch
+
+from service.config import LayerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class RankOptions:
+    cfg: LayerConfig
+    device: str                 # "cpu" or "cuda"
+    store_host: str
+    store_port: int
+    slot_paths: tuple[str, ...]
+    weights: str | None = None
+    weights_prefix: str = ""
+    seed: int = 0
+    backend: str = "serial"
+    timeout_s: float = 300.0    # process-group timeout (collectives, rendezvous)
+    threads: int = 1            # CPU threads per rank
+    log_level: str = "INFO"
+
+
+def rank_range(T: int, R: int, rank: int) -> tuple[int, int]:
+    """Rows [start, start + n) of a T-token step that belong to `rank`: spread evenly."""
+    base, extra = divmod(T, R)
+    start = rank * base + min(rank, extra)
+    return start, base + (rank < extra)
+
+
+def rank_main(rank: int, opts: RankOptions, conn) -> None:
+    """Entry point of a rank process (spawned by service.worker.group)."""
+    logging.basicConfig(level=opts.log_level,
+                        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("service.worker.rank")
+    try:
+        _serve(rank, opts, conn, log)
+    except BaseException:  # noqa: BLE001 - everything, KeyboardInterrupt too, goes to the parent
+        text = traceback.format_exc()
+        log.error("rank %d failed:\n%s", rank, text)
+        try:
+            conn.send(("error", rank, text))
+        except OSError:
+            pass
+        os._exit(1)  # skip process-group teardown, which can block on dead peers
+    os._exit(0)
+
+
+def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
+    import torch.distributed as dist
+
+    from service.moe.serial import SerialLayer
+    from service.moe.timing import StageTimer
+    from service.moe.weights import load_rank_weights, synthetic_rank_weights
+    from service.worker.shm import Slot
+
+    cfg = opts.cfg
+    torch.set_num_threads(opts.threads)
+    if opts.device == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    timeout = datetime.timedelta(seconds=opts.timeout_s)
+    store = dist.TCPStore(opts.store_host, opts.store_port, world_size=None, is_master=False,
+                          timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=cfg.R, timeout=timeout,
+                            **({"device_id": device} if backend == "nccl" else {}))
+    t0 = time.perf_counter()
+    if opts.weights:
+        weights = load_rank_weights(opts.weights, cfg, rank, prefix=opts.weights_prefix, device=device)
+    else:
+        weights = synthetic_rank_weights(cfg, rank, opts.seed, device=device)
+    log.info("weights ready in %.1f s (%s)", time.perf_counter() - t0, opts.weights or f"synthetic seed {opts.seed}")
+    layer = SerialLayer(cfg, weights, rank=rank, device=device)
+    del weights
+    slots = [Slot.open(cfg, i, p) for i, p in enumerate(opts.slot_paths)]
+    timer = StageTimer(device)
+    conn.send(("ready", rank, {"pid": os.getpid(), "device": str(device), "backend": layer.name}))
+
+    last_seq = 0
+    while True:
+        msg = conn.recv()
+        if msg[0] == "stop":
+            log.info("stopping after seq %d", last_seq)
+            return
+        _, seq, slot_index, T = msg
+        if seq != last_seq + 1:
+            raise RuntimeError(f"rank {rank} expected seq {last_seq + 1}, got {seq}")
+        last_seq = seq
+        slot = slots[slot_index]
+        start, n = rank_range(T, cfg.R, rank)
+        rows = slice(start, start + n)
+        wall0 = time.perf_counter()
+        out = layer.forward(slot.x[rows].to(device), slot.ids[rows].to(device),
+                            slot.w[rows].to(device), seq, timer)
+        slot.out[rows].copy_(out)  # syncs the device; the stage times are final after this
+        layer.check_seq(seq)
+        stages = timer.seconds()
+        stats = {"stages": stages, "layer_s": sum(stages.values()),
+                 "wall_s": time.perf_counter() - wall0, "tokens": n}
+        conn.send(("done", rank, seq, stats))
