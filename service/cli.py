@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _forward(args: argparse.Namespace) -> None:
     import torch
-    from safetensors import SafetensorsError
+    from safetensors import SafetensorError
     from safetensors.torch import load_file, save_file
 
     from service.errors import InvalidInput
@@ -59,7 +59,7 @@ def _forward(args: argparse.Namespace) -> None:
     device, why = settings.resolve_device()
     try:
         tensors = load_file(args.input)
-    except (OSError, SafetensorsError) as err:
+    except (OSError, SafetensorError) as err:
         raise InvalidInput(f"cannot read --input {args.input}: {err}") from None
     missing = [k for k in ("hidden_states", "topk_ids", "topk_weights") if k not in tensors]
     if missing:

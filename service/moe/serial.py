@@ -70,10 +70,11 @@ class SerialLayer:
         elif self.nccl:
             dist.all_gather_into_tensor(out, inp, group=self.group)
         else:
-            # gloo: no bf16 kernels; a 2-byte view moves the same bits.
-            view = (lambda t: t.view(torch.int16)) if inp.element_size() == 2 else (lambda t: t)
-            chunks = [c.view(inp.shape) for c in view(out).chunk(self.cfg.R)]
-            dist.all_gather(chunks, view(inp), group=self.group)
+            # gloo has no bf16 kernels; a byte view moves the same bits.
+            view = (lambda t: t.view(torch.uint8)) if inp.dtype == torch.bfloat16 else (lambda t: t)
+            src = view(inp)
+            chunks = [c.view(src.shape) for c in view(out).chunk(self.cfg.R)]
+            dist.all_gather(chunks, src, group=self.group)
 
     def _reduce_scatter(self, partial: torch.Tensor) -> torch.Tensor:
         C = self.cfg.C

@@ -109,7 +109,7 @@ class WorkerGroup:
         try:
             infos = self._collect("ready", self.start_timeout_s, "start")
         except WorkerError:
-            self._kill()
+            self.close()
             raise
         self.pids = [info["pid"] for info in infos]
         self.alive = True

@@ -1,0 +1,143 @@
+"""The rank group on gloo (4 CPU ranks) against the fp32 reference, and its failure modes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from service.config import LayerConfig
+from service.errors import GroupUnavailable, InvalidInput, WorkerError
+from service.moe.reference import full_weights, moe_reference
+from service.worker.group import WorkerGroup
+from service.worker.rank import rank_range
+from tests.helpers import TOL, rel_err, routing
+
+SEED = 3
+
+# (E, K, H, I, C, dtype): several shapes; C small enough that a few hundred tokens need several steps.
+SHAPES = {
+    "e8k2-fp32": LayerConfig(E=8, H=64, I=128, K=2, R=4, C=16, dtype=torch.float32),
+    "e16k4-bf16": LayerConfig(E=16, H=96, I=64, K=4, R=4, C=32, dtype=torch.bfloat16),
+    "e5k1-fp32": LayerConfig(E=5, H=32, I=48, K=1, R=4, C=8, dtype=torch.float32),
+}
+
+
+def check_batch(group: WorkerGroup, ref_weights, T: int, kind: str, gen: torch.Generator,
+                x_dtype: torch.dtype = torch.float32) -> None:
+    cfg = group.cfg
+    x = torch.randn(T, cfg.H, generator=gen).to(x_dtype)
+    ids, w = routing(T, cfg.E, cfg.K, kind, gen)
+    out = group.forward(x, ids.to(torch.int32), w)
+    assert out.shape == (T, cfg.H) and out.dtype == x_dtype
+    ref = moe_reference(x.float(), ids, w, *ref_weights)
+    err = rel_err(out, ref)
+    assert err <= TOL[cfg.dtype] + (TOL[x_dtype] if x_dtype != torch.float32 else 0), (T, kind, err)
+    # Every rank's shard, not just the whole: each rank's rows must match on their own.
+    for r in range(cfg.R):
+        for lo in range(0, T, cfg.tokens_per_step):
+            Tstep = min(cfg.tokens_per_step, T - lo)
+            start, n = rank_range(Tstep, cfg.R, r)
+            rows = slice(lo + start, lo + start + n)
+            if n:
+                assert rel_err(out[rows], ref[rows]) <= 2 * TOL[cfg.dtype] + TOL.get(x_dtype, 0), (r, rows)
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def group(request):
+    cfg = SHAPES[request.param]
+    with WorkerGroup(cfg, seed=SEED, slots=2) as g:
+        yield g, full_weights(cfg, SEED)
+
+
+@pytest.mark.parametrize("kind", ["balanced", "skewed", "empty_expert"])
+def test_layer_matches_reference(group, kind):
+    g, ref_weights = group
+    gen = torch.Generator().manual_seed(hash(kind) % 1000)
+    R, C = g.cfg.R, g.cfg.C
+    for T in (1, 3, R * C - 1, R * C, 2 * R * C + 5):  # T=1, T % R != 0, exactly full, several steps
+        check_batch(g, ref_weights, T, kind, gen)
+
+
+def test_sequence_numbers_advance_and_buffers_are_reused(group):
+    g, ref_weights = group
+    gen = torch.Generator().manual_seed(11)
+    seq0 = g.seq
+    slots_before = {s.path for s in g._slots}
+    for i in range(6):
+        check_batch(g, ref_weights, 1 + i * 5, "balanced", gen, x_dtype=torch.bfloat16 if i % 2 else torch.float32)
+    assert g.seq == seq0 + 6
+    assert {s.path for s in g._slots} == slots_before
+
+
+def test_bad_batches_are_rejected_before_reaching_a_rank(group):
+    g, _ = group
+    cfg = g.cfg
+    x = torch.randn(4, cfg.H)
+    ids = torch.zeros(4, cfg.K, dtype=torch.int32)
+    w = torch.ones(4, cfg.K)
+    with pytest.raises(InvalidInput, match=r"topk_ids must lie in \[0, "):
+        g.forward(x, ids + cfg.E, w)
+    with pytest.raises(InvalidInput, match="hidden_states must be"):
+        g.forward(torch.randn(4, cfg.H + 1), ids, w)
+    with pytest.raises(InvalidInput, match="must be"):
+        g.forward(x, ids[:3], w)
+    with pytest.raises(InvalidInput, match="empty"):
+        g.forward(x[:0], ids[:0], w[:0])
+    assert g.alive  # the group is untouched
+    check_batch(g, full_weights(cfg, SEED), 5, "balanced", torch.Generator().manual_seed(1))
+
+
+def test_uneven_split_helper():
+    for T in range(0, 40):
+        for R in (1, 3, 4):
+            parts = [rank_range(T, R, r) for r in range(R)]
+            assert sum(n for _, n in parts) == T
+            assert max(n for _, n in parts) - min(n for _, n in parts) <= 1
+            assert all(parts[r][0] + parts[r][1] == parts[r + 1][0] for r in range(R - 1))
+
+
+SMALL = LayerConfig(E=4, H=16, I=32, K=2, R=4, C=4, dtype=torch.float32)
+
+
+def test_rank_exception_reaches_parent_with_traceback():
+    with WorkerGroup(SMALL) as g:
+        slot = g.acquire_slot()
+        slot.x[:4].normal_()
+        slot.ids[:4] = 1_000_000  # bypasses forward()'s validation: the rank itself must fail
+        slot.w[:4] = 0.5
+        with pytest.raises(WorkerError) as info:
+            g.run(slot, 4)
+        assert info.value.traceback and "Traceback" in info.value.traceback
+        assert not g.alive
+        with pytest.raises((WorkerError, GroupUnavailable)):
+            g.run(slot, 4)
+
+
+def test_killed_rank_fails_the_step_without_hanging():
+    with WorkerGroup(SMALL, step_timeout_s=30) as g:
+        os.kill(g.pids[2], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match="rank 2 died"):
+            g.forward(torch.randn(3, SMALL.H), torch.zeros(3, 2, dtype=torch.int32), torch.ones(3, 2))
+        assert time.monotonic() - t0 < 10
+
+
+def test_stalled_rank_times_out():
+    with WorkerGroup(SMALL, step_timeout_s=3) as g:
+        os.kill(g.pids[1], signal.SIGSTOP)  # alive but silent: only the step timeout can tell
+        with pytest.raises(WorkerError, match="did not answer within"):
+            g.forward(torch.randn(3, SMALL.H), torch.zeros(3, 2, dtype=torch.int32), torch.ones(3, 2))
+    for pid in g.pids:  # close() reaped every rank
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_start_failure_is_reported(tmp_path):
+    bad = tmp_path / "missing.safetensors"
+    with pytest.raises(WorkerError, match="raised") as info:
+        WorkerGroup(SMALL, weights=str(bad), start_timeout_s=60).start()
+    assert "missing.safetensors" in str(info.value)
