@@ -1,0 +1,87 @@
+"""Shared test helpers: tolerances (defined once), routing generators, error measure, layer shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from service.config import LayerConfig
+
+# Relative error ||out - ref|| / ||ref|| allowed end to end, by compute dtype.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+# The CPU dataflow simulation runs in fp32 and differs from the reference only in summation order.
+SIM_TOL = 1e-6
+
+ROUTING_KINDS = ("balanced", "skewed", "single", "empty_expert")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Run a module's tiny matmuls on one intra-op thread: on a shared 2-core box, thread hand-off
+    costs ~100x the [128, 16] GEMMs themselves. Import it into a test module to apply it there."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def rel_err(out: Tensor, ref: Tensor) -> float:
+    """||out - ref|| / ||ref|| in fp64 (0 when both are empty)."""
+    out, ref = out.double(), ref.double()
+    if ref.numel() == 0:
+        assert out.numel() == 0, "reference is empty but output is not"
+        return 0.0
+    return float((out - ref).norm() / ref.norm())
+
+
+def routing(T: int, E: int, K: int, kind: str, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Top-k routing for T tokens: ids [T, K] int64 (K distinct experts per token), w [T, K] fp32 rows summing to 1.
+
+    balanced      every expert equally likely
+    skewed        expert e drawn with probability ~ 1 / (e + 1)^2 (a few hot experts)
+    single        every token picks the same K experts (K = 1: all hits on one expert)
+    empty_expert  only max(K, E // 2) of the experts ever chosen; the rest get no tokens
+    """
+    if kind == "balanced":
+        probs = torch.ones(E)
+    elif kind == "skewed":
+        probs = 1.0 / (torch.arange(E, dtype=torch.float32) + 1) ** 2
+    elif kind == "single":
+        probs = None
+    elif kind == "empty_expert":
+        probs = torch.zeros(E)
+        probs[torch.randperm(E, generator=generator)[:max(K, E // 2)]] = 1.0
+    else:
+        raise ValueError(f"kind must be one of {ROUTING_KINDS}, got {kind!r}")
+    if probs is None:
+        chosen = torch.randperm(E, generator=generator)[:K]                       # [K]
+        ids = chosen.repeat(T, 1)                                                  # [T, K]
+    elif T == 0:
+        ids = torch.empty(0, K, dtype=torch.int64)
+    else:
+        ids = torch.multinomial(probs.expand(T, E), K, replacement=False, generator=generator)  # [T, K]
+    logits = torch.randn(T, K, generator=generator)                                # [T, K]
+    return ids.to(torch.int64), torch.softmax(logits, dim=1)
+
+
+def layer(E: int, K: int, R: int, C: int, H: int = 8, Ir: int = 4) -> LayerConfig:
+    """A fp32 LayerConfig; H and I matter only where activations are computed."""
+    return LayerConfig(E=E, H=H, I=Ir * R, K=K, R=R, C=C, dtype=torch.float32)
+
+
+def random_experts(E: int, H: int, I: int, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:  # noqa: E741
+    """Random fp32 HF-layout expert weights gate, up [E, I, H], down [E, H, I], scaled to keep activations O(1)."""
+    gate = torch.randn(E, I, H, generator=generator) / H ** 0.5
+    up = torch.randn(E, I, H, generator=generator) / H ** 0.5
+    down = torch.randn(E, H, I, generator=generator) / I ** 0.5
+    return gate, up, down
+
+
+def slice_rank(gate: Tensor, up: Tensor, down: Tensor, r: int, R: int) -> tuple[Tensor, Tensor]:
+    """Rank r's tensor-parallel slice as RankWeights describes it: w13 [E, H, 2*Ir] (gate columns, then up), w2 [E, Ir, H]."""
+    Ir = gate.shape[1] // R
+    rows = slice(r * Ir, (r + 1) * Ir)
+    w13 = torch.cat([gate[:, rows, :], up[:, rows, :]], dim=1).transpose(1, 2).contiguous()  # [E, H, 2*Ir]
+    w2 = down[:, :, rows].transpose(1, 2).contiguous()                                        # [E, Ir, H]
+    return w13, w2
