@@ -1,0 +1,110 @@
+"""Ahead-of-time build of csrc/ into build/moe_csrc/moe_csrc.so (no setup.py, no import-time build).
+
+    python csrc/build.py [--verbose] [--arch "9.0;12.0"]
+
+Needs a CUDA build of torch and nvcc (torch.utils.cpp_extension finds CUDA_HOME). The library
+registers the `moe::` ops of csrc/bindings.cpp; service/kernels/schedule.py loads it lazily on
+the first call and falls back to the torch builder (logged once) when it is absent.
+Target architectures: --arch, else TORCH_CUDA_ARCH_LIST, else the visible GPUs' own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SOURCES = [ROOT / "csrc" / "bindings.cpp", ROOT / "csrc" / "schedule" / "schedule_kernel.cu"]
+
+
+def build(verbose: bool = False, arch: str | None = None) -> Path:
+    import torch
+    from torch.utils import cpp_extension
+
+    from service.kernels.schedule import BUILD_DIR, LIBRARY_NAME, LIBRARY_PATH
+
+    if torch.version.cuda is None:
+        raise SystemExit(f"torch {torch.__version__} is a CPU build: nothing to build (the torch builder is used)")
+    if cpp_extension.CUDA_HOME is None:
+        raise SystemExit("nvcc / CUDA_HOME not found: install the CUDA toolkit to build csrc/")
+    if arch:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = arch  # read by cpp_extension for -gencode flags
+    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    if cpp_extension.is_ninja_available():
+        cpp_extension.load(
+            name=LIBRARY_NAME,
+            sources=[str(s) for s in SOURCES],
+            build_directory=str(BUILD_DIR),
+            extra_cflags=["-O3", "-std=c++17"],
+            extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo"],
+            extra_include_paths=[str(ROOT / "csrc")],
+            is_python_module=False,
+            verbose=verbose,
+        )
+    else:  # no ninja: the same two compiles and one link, by hand
+        _build_direct(cpp_extension, BUILD_DIR, LIBRARY_PATH, verbose)
+    assert LIBRARY_PATH.is_file(), f"build finished but {LIBRARY_PATH} is missing"
+    print(f"built {LIBRARY_PATH} in {time.perf_counter() - start:.1f} s")
+    return LIBRARY_PATH
+
+
+def _gencode_flags() -> list[str]:
+    import torch
+
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if archs:
+        versions = [a.replace("+PTX", "").strip() for a in archs.replace(",", ";").split(";") if a.strip()]
+    else:
+        versions = sorted({"%d.%d" % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+    if not versions:
+        raise SystemExit("no GPU visible and TORCH_CUDA_ARCH_LIST unset: pass --arch")
+    flags = []
+    for v in versions:
+        num = v.replace(".", "")
+        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+    return flags
+
+
+def _run(cmd: list[str], verbose: bool) -> None:
+    import subprocess
+
+    if verbose:
+        print(" ".join(cmd))
+    subprocess.run(cmd, check=True)
+
+
+def _build_direct(cpp_extension, build_dir: Path, library: Path, verbose: bool) -> None:
+    import sysconfig
+
+    import torch
+
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    includes = [f"-I{p}" for p in cpp_extension.include_paths(device_type="cuda")]
+    includes += [f"-I{sysconfig.get_paths()['include']}", f"-I{ROOT / 'csrc'}"]
+    nvcc = str(Path(cpp_extension.CUDA_HOME) / "bin" / "nvcc")
+    kernel_o, bindings_o = build_dir / "schedule_kernel.o", build_dir / "bindings.o"
+    _run([nvcc, "-c", str(SOURCES[1]), "-o", str(kernel_o), "-O3", "-std=c++17", "-lineinfo",
+          "-Xcompiler", "-fPIC", abi, *includes, *_gencode_flags()], verbose)
+    _run(["c++", "-c", str(SOURCES[0]), "-o", str(bindings_o), "-O3", "-std=c++17", "-fPIC", abi, *includes], verbose)
+    libs = [f"-L{p}" for p in cpp_extension.library_paths(device_type="cuda")]
+    _run(["c++", "-shared", str(bindings_o), str(kernel_o), "-o", str(library), *libs,
+          "-lc10", "-lc10_cuda", "-ltorch", "-ltorch_cpu", "-ltorch_cuda", "-lcudart"], verbose)
+    torch.ops.load_library(str(library))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--arch", help='e.g. "9.0" or "9.0;12.0" (default: TORCH_CUDA_ARCH_LIST or the local GPUs)')
+    args = parser.parse_args()
+    build(verbose=args.verbose, arch=args.arch)
+
+
+if __name__ == "__main__":
+    main()

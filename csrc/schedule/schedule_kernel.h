@@ -1,0 +1,27 @@
+// Host interface of the one-launch schedule builder (schedule_kernel.cu). Plain C++ types only,
+// so csrc/bindings.cpp can include it without the CUDA headers.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+namespace moe {
+
+constexpr int kBlockRows = 128;     // BM: rows per block of the gathered layout (service.config.BM)
+constexpr int kMaxExperts = 1023;   // E + 1 keys must fit the 1024 threads of the scans
+constexpr int kMaxHits = 65536;     // R*C*K: latency bound (one CTA); larger inputs use the torch builder
+
+// Dynamic shared memory of one launch: 64 * (E + 1) bytes.
+size_t build_tables_smem_bytes(int E);
+
+// Enqueues the single launch on `stream` (a cudaStream_t). Inputs: ids [R*C*K] int32, counts [R]
+// int32. Outputs (int32): expert_offsets [E+1], block_expert [S/BM], slots [R*C*K],
+// row_token [S], pull_order [R*C], job_order [R*C], slack [S/BM]. Returns a cudaError_t value.
+int build_tables_launch(const int32_t* ids, const int32_t* counts, int R, int C, int K, int E, int S,
+                        int32_t* expert_offsets, int32_t* block_expert, int32_t* slots, int32_t* row_token,
+                        int32_t* pull_order, int32_t* job_order, int32_t* slack, void* stream);
+
+// The message of a value returned by build_tables_launch.
+const char* error_string(int error);
+
+}  // namespace moe

@@ -1,0 +1,413 @@
+"""Persistent grouped GEMM over the gathered layout, with a gate hook and an epilogue hook.
+
+Dimension letters: S rows of the gathered layout, H hidden, Ir intermediate slice of this rank,
+E experts, BM = 128 rows per block, N output columns, K reduction depth.
+
+The gathered layout (service/moe/tables.py) sorts every (token, k) hit by expert and pads each
+expert's run to a multiple of BM, so row block b belongs to exactly one expert,
+`block_expert[b]` (E for blocks past `expert_offsets[E]`, which hold no rows). One launch then
+computes, for every used row block b with expert e = block_expert[b]:
+
+    GEMM1 (+SwiGLU):  act[rows_b] = silu(A[rows_b] @ W13[e][:, :Ir]) * (A[rows_b] @ W13[e][:, Ir:])
+                      A [S, H], W13 [E, H, 2*Ir] -> act [S, Ir]
+    GEMM2:            D[rows_b]   = act[rows_b] @ W2[e]
+                      act [S, Ir], W2 [E, Ir, H] -> D [S, H]
+
+with fp32 accumulation and the output in the input dtype. SwiGLU is fused: a GEMM1 tile of BN
+output columns loads the BN gate columns and the BN matching up columns (they lie Ir apart in
+W13[e]), keeps two fp32 accumulators and writes silu(g) * u; the pre-activation never reaches
+memory.
+
+Work and traffic per launch, with M = used rows = expert_offsets[E] (FLOP and byte formulas in
+`flops()` / `bytes_moved()`):
+    GEMM1: 2 * M * H * 2*Ir FLOP; reads A once per output-column tile and W13 of each used expert
+           once per row block (L2 absorbs most of the re-reads), writes M * Ir.
+    GEMM2: 2 * M * Ir * H FLOP; same pattern with N = H.
+At the seed shape (16,384 hits, H=4096, Ir=768) GEMM1 is 206 GFLOP against 805 MB of W13 and
+GEMM2 103 GFLOP against 403 MB of W2: close to the H200 ridge point, so tiles must be large.
+
+Schedule: a persistent grid of min(#SMs, tiles at capacity) programs walks the tiles
+t = pid, pid + P, ...; tile t is (row block t // n_tiles, column tile t % n_tiles), so tiles are
+taken in row-block order, which is expert order. Tiles whose block carries expert E are skipped
+without loading anything: the grid is sized at capacity and needs no host sync.
+
+Hooks (compile-time, ThunderKittens style; the GEMM does not know where its data comes from):
+    GATE      before a tile's loads, wait until `counters[block] >= target[0]` (acquire, system
+              scope; bounded: after `max_spins` polls the program records `block + 1` in
+              `error[0]` and stops taking tiles instead of hanging).
+    EPILOGUE  after a tile is stored: CTA barrier, then one release atomic add of 1 on
+              `tile_counters[block]` (system scope), so a block is complete when its counter
+              has grown by n_tiles.
+    USE_PTX   picks the primitives: inline PTX (one `ld.global.acquire.sys` per thread per poll,
+              no barrier per poll; `red.release.sys` by thread 0) or `tl.atomic_*` with sem and
+              scope, which the interpreter runs (it has no inline asm).
+
+Limits: K tiles are masked (any H, Ir); N tiles are masked; the row count is a multiple of BM by
+construction of the layout. bf16 / fp16 / fp32 inputs (fp32 dots run in IEEE fp32); the
+interpreter (`TRITON_INTERPRET=1`) has no bf16: use fp16 / fp32 there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from service.config import BM
+
+# A poll is ~0.2 us on an H200 (system-scope acquire), so 2**24 polls bound a wait at a few
+# seconds: far beyond any honest arrival, short enough that a dead peer becomes an error.
+DEFAULT_MAX_SPINS = 1 << 24
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """One tile configuration. BM is fixed by the layout; BN counts output columns
+    (for GEMM1 a tile loads 2*BN weight columns: BN gate + BN up)."""
+
+    BN: int
+    BK: int
+    num_warps: int
+    num_stages: int
+    BM: int = BM
+
+    def __post_init__(self) -> None:
+        assert self.BM == BM, f"the gathered layout fixes BM = {BM}, got {self.BM}"
+        for name in ("BN", "BK"):
+            value = getattr(self, name)
+            assert value >= 16 and value & (value - 1) == 0, f"{name} must be a power of two >= 16, got {value}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Gate:
+    """Wait before a row block's loads until `counters[block] >= target[0]`."""
+
+    counters: torch.Tensor  # [S/BM] int32, monotonic (never reset; targets grow with the batch sequence number)
+    target: torch.Tensor    # [1] int32 on the device, so a captured graph sees each batch's value
+    max_spins: int = DEFAULT_MAX_SPINS
+
+
+@dataclasses.dataclass(frozen=True)
+class Epilogue:
+    """After a tile is stored, add 1 to `tile_counters[block]` with a release."""
+
+    tile_counters: torch.Tensor  # [S/BM] int32, monotonic
+
+
+# ---------------------------------------------------------------------------------------------
+# Synchronisation primitives (also meant for the fused kernels).
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _ld_acquire_sys_ptx(ptr):
+    # Every thread issues its own acquire load: no CTA barrier per poll (a scalar tl.atomic_*
+    # costs two bar.sync per poll). Not usable in the interpreter (no inline asm).
+    return tl.inline_asm_elementwise(
+        "ld.global.acquire.sys.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _wait_geq(ptr, target, max_spins, USE_PTX: tl.constexpr):
+    """Wait until *ptr >= target (bounded). Returns an int32 scalar, 1 when observed, 0 on timeout.
+
+    The result is uniform over the CTA: it comes from a scalar tl.atomic_add, which one thread
+    issues (acquire, system scope) and broadcasts through shared memory behind a CTA barrier, so
+    every thread's later loads are ordered after that acquire. The PTX path polls first without
+    barriers, then confirms once the same way: a per-thread verdict could differ between threads
+    at the timeout boundary and leave some threads in a barrier the others never reach.
+    """
+    if USE_PTX:
+        seen = _ld_acquire_sys_ptx(ptr)
+        spins = 0
+        while (seen < target) & (spins < max_spins):
+            seen = _ld_acquire_sys_ptx(ptr)
+            spins += 1
+        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+    else:
+        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+        spins = 0
+        while (seen < target) & (spins < max_spins):
+            seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+            spins += 1
+    return (seen >= target).to(tl.int32)
+
+
+@triton.jit
+def _signal_add(ptr, value, USE_PTX: tl.constexpr):
+    """Add `value` to *ptr with a release at system scope, after all threads' earlier stores."""
+    # Triton 3.6 puts no barrier before a release atomic: without this one, other threads'
+    # stores of the tile are not ordered before the signal.
+    tl.debug_barrier()
+    if USE_PTX:
+        # Thread 0 only (Triton launches blockDim = (32 * num_warps, 1, 1)); the barrier above
+        # makes the release cumulative over every thread's stores.
+        tl.inline_asm_elementwise(
+            """{
+            .reg .pred p;
+            .reg .b32 t;
+            mov.u32 t, %tid.x;
+            setp.eq.u32 p, t, 0;
+            @p red.release.sys.global.add.s32 [$1], $2;
+            mov.u32 $0, 0;
+            }""",
+            "=r,l,r", [ptr, value], dtype=tl.int32, is_pure=False, pack=1,
+        )
+    else:
+        # A scalar atomic is issued by one thread.
+        tl.atomic_add(ptr, value, sem="release", scope="sys")
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel.
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr, w_ptr, out_ptr,            # A [S, K], W [E, K, n_w], out [S, N]
+    block_expert_ptr,                 # [S/BM] int32, E = unused block
+    counters_ptr, target_ptr,         # GATE: [S/BM] int32, [1] int32
+    tile_counters_ptr,                # EPILOGUE: [S/BM] int32
+    error_ptr,                        # [1] int32: block + 1 of a timed-out wait, else untouched
+    num_blocks, N, K, num_experts,
+    up_col,                           # SWIGLU: column of W where the up half starts (Ir)
+    max_spins,
+    stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on,
+    SWIGLU: tl.constexpr, GATE: tl.constexpr, EPILOGUE: tl.constexpr, USE_PTX: tl.constexpr,
+    IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BN)
+    num_tiles = num_blocks * n_tiles
+    k_steps = tl.cdiv(K, BK)
+    alive = pid * 0 + 1  # int32 scalar; 0 once a gate timed out: take no more tiles
+    if GATE:
+        target = tl.load(target_ptr)
+
+    # Plain range (no flatten): each tile's wait stays ahead of that tile's loads and is never
+    # software-pipelined into the previous tile (see notes/triton-and-symmetric-memory.md).
+    for tile in range(pid, num_tiles, NUM_PROGRAMS):
+        block = tile // n_tiles  # row blocks in order = experts in order
+        pn = tile % n_tiles
+        expert = tl.load(block_expert_ptr + block)
+        if (expert < num_experts) & (alive != 0):  # expert == E: block past the last expert, no rows
+            ready = alive
+            if GATE:
+                ready = _wait_geq(counters_ptr + block, target, max_spins, USE_PTX)
+                if ready == 0:
+                    tl.atomic_max(error_ptr, block + 1)  # the host reports it; the group restarts
+                    alive = ready
+            if ready != 0:
+                # (ready - 1) == 0: a data dependency of the row offsets on the gate's result,
+                # insurance against a compiler hoisting A loads above the wait.
+                rows = block.to(tl.int64) * BM + tl.arange(0, BM) + (ready - 1)  # [BM]
+                cols = pn * BN + tl.arange(0, BN)  # [BN] output columns
+                cols = tl.max_contiguous(tl.multiple_of(cols, BN), BN)
+                ks = tl.arange(0, BK)  # [BK]
+                a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak  # [BM, BK]
+                w_base = w_ptr + expert.to(tl.int64) * stride_we
+                g_ptrs = w_base + ks[:, None] * stride_wk + cols[None, :] * stride_wn  # [BK, BN]
+                acc = tl.zeros((BM, BN), dtype=tl.float32)  # gate (GEMM1) or output (GEMM2)
+                acc_up = tl.zeros((BM, BN), dtype=tl.float32)  # up half, GEMM1 only
+                col_ok = cols[None, :] < N  # [1, BN] masks the last column tile when N % BN != 0
+                for kk in range(0, k_steps):
+                    k_left = K - kk * BK  # masks the last K step when K % BK != 0
+                    if EVEN_K:
+                        a = tl.load(a_ptrs)
+                    else:
+                        a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
+                    if EVEN_K and EVEN_N:
+                        g = tl.load(g_ptrs)
+                    else:
+                        g = tl.load(g_ptrs, mask=(ks[:, None] < k_left) & col_ok, other=0.0)
+                    if IEEE:
+                        acc = tl.dot(a, g, acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(a, g, acc)
+                    if SWIGLU:
+                        u_ptrs = g_ptrs + up_col * stride_wn  # the matching up columns, Ir to the right
+                        if EVEN_K and EVEN_N:
+                            u = tl.load(u_ptrs)
+                        else:
+                            u = tl.load(u_ptrs, mask=(ks[:, None] < k_left) & col_ok, other=0.0)
+                        if IEEE:
+                            acc_up = tl.dot(a, u, acc_up, input_precision="ieee")
+                        else:
+                            acc_up = tl.dot(a, u, acc_up)
+                    a_ptrs += BK * stride_ak
+                    g_ptrs += BK * stride_wk
+                if SWIGLU:
+                    acc = acc * tl.sigmoid(acc) * acc_up  # silu(g) * u in fp32
+                o_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on  # [BM, BN]
+                if EVEN_N:
+                    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty))
+                else:
+                    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+                if EPILOGUE:
+                    _signal_add(tile_counters_ptr + block, 1, USE_PTX)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers.
+# ---------------------------------------------------------------------------------------------
+
+_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _interpreting() -> bool:
+    return triton.knobs.runtime.interpret
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter runs programs one after another; a few show the persistent walk
+
+
+def grid_size(num_blocks: int, n: int, config: GemmConfig, device: torch.device, num_programs: int | None = None) -> int:
+    """min(#SMs, tiles at capacity): every program resident, no idle programs."""
+    tiles = num_blocks * triton.cdiv(n, config.BN)
+    return max(1, min(num_programs or _num_sms(device), tiles))
+
+
+def _launch(a, w, out, block_expert, *, n, up_col, swiglu, config, gate, epilogue, error, num_programs, use_ptx):
+    S, K = a.shape
+    E = w.shape[0]
+    if a.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"input dtype must be one of {_SUPPORTED_DTYPES}, got {a.dtype}")
+    if w.dtype != a.dtype or out.dtype != a.dtype:
+        raise TypeError(f"a, w and out must share one dtype, got {a.dtype}, {w.dtype}, {out.dtype}")
+    if S % BM:
+        raise ValueError(f"rows of the gathered layout must be a multiple of BM={BM}, got S={S}")
+    if w.shape[1] != K:
+        raise ValueError(f"w has K={w.shape[1]} rows per expert, a has K={K} columns")
+    if out.shape != (S, n):
+        raise ValueError(f"out must be [{S}, {n}], got {list(out.shape)}")
+    if block_expert.shape != (S // BM,) or block_expert.dtype != torch.int32:
+        raise ValueError(f"block_expert must be int32 [{S // BM}], got {block_expert.dtype} {list(block_expert.shape)}")
+    tensors = [a, w, out, block_expert]
+    if gate is not None:
+        if gate.counters.shape != (S // BM,) or gate.counters.dtype != torch.int32:
+            raise ValueError("gate.counters must be int32 [S/BM]")
+        if gate.target.numel() != 1 or gate.target.dtype != torch.int32:
+            raise ValueError("gate.target must be an int32 tensor with one element")
+        tensors += [gate.counters, gate.target]
+    if epilogue is not None:
+        if epilogue.tile_counters.shape != (S // BM,) or epilogue.tile_counters.dtype != torch.int32:
+            raise ValueError("epilogue.tile_counters must be int32 [S/BM]")
+        tensors.append(epilogue.tile_counters)
+    if error is not None:
+        if error.numel() != 1 or error.dtype != torch.int32:
+            raise ValueError("error must be an int32 tensor with one element")
+        tensors.append(error)
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted({str(t.device) for t in tensors})}")
+    if (gate is not None) and error is None:
+        raise ValueError("a gated launch needs an error flag tensor: a timed-out wait must be reported")
+    if a.device.type != "cuda" and not _interpreting():
+        raise RuntimeError("the Triton grouped GEMM needs a CUDA device or TRITON_INTERPRET=1")
+    if use_ptx is None:
+        use_ptx = not _interpreting()
+    if use_ptx and _interpreting():
+        raise ValueError("use_ptx needs the compiler: the interpreter has no inline asm")
+
+    dummy = block_expert  # pointer for the hooks that are compiled out
+    P = grid_size(S // BM, n, config, a.device, num_programs)
+    _grouped_gemm_kernel[(P,)](
+        a, w, out, block_expert,
+        gate.counters if gate else dummy, gate.target if gate else dummy,
+        epilogue.tile_counters if epilogue else dummy,
+        error if error is not None else dummy,
+        S // BM, n, K, E, up_col, gate.max_spins if gate else 0,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+        SWIGLU=swiglu, GATE=gate is not None, EPILOGUE=epilogue is not None, USE_PTX=use_ptx,
+        IEEE=a.dtype == torch.float32, EVEN_K=K % config.BK == 0, EVEN_N=n % config.BN == 0,
+        BM=BM, BN=config.BN, BK=config.BK, NUM_PROGRAMS=P,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def gemm1_swiglu(a, w13, block_expert, *, config: GemmConfig, out=None, gate: Gate | None = None,
+                 epilogue: Epilogue | None = None, error=None, num_programs=None, use_ptx=None):
+    """act [S, Ir] = silu(A @ W13[e][:, :Ir]) * (A @ W13[e][:, Ir:]) per row block (e = block_expert[b]).
+
+    a [S, H], w13 [E, H, 2*Ir], block_expert [S/BM] int32. Rows of unused blocks are not written.
+    """
+    if w13.dim() != 3 or w13.shape[2] % 2:
+        raise ValueError(f"w13 must be [E, H, 2*Ir], got {list(w13.shape)}")
+    Ir = w13.shape[2] // 2
+    if out is None:
+        out = torch.empty((a.shape[0], Ir), dtype=a.dtype, device=a.device)
+    return _launch(a, w13, out, block_expert, n=Ir, up_col=Ir, swiglu=True, config=config, gate=gate,
+                   epilogue=epilogue, error=error, num_programs=num_programs, use_ptx=use_ptx)
+
+
+def gemm2(act, w2, block_expert, *, config: GemmConfig, out=None, gate: Gate | None = None,
+          epilogue: Epilogue | None = None, error=None, num_programs=None, use_ptx=None):
+    """D [S, H] = act @ W2[e] per row block (e = block_expert[b]).
+
+    act [S, Ir], w2 [E, Ir, H], block_expert [S/BM] int32. Rows of unused blocks are not written.
+    """
+    if w2.dim() != 3:
+        raise ValueError(f"w2 must be [E, Ir, H], got {list(w2.shape)}")
+    H = w2.shape[2]
+    if out is None:
+        out = torch.empty((act.shape[0], H), dtype=act.dtype, device=act.device)
+    return _launch(act, w2, out, block_expert, n=H, up_col=0, swiglu=False, config=config, gate=gate,
+                   epilogue=epilogue, error=error, num_programs=num_programs, use_ptx=use_ptx)
+
+
+# ---------------------------------------------------------------------------------------------
+# References (fp32, plain) and cost formulas.
+# ---------------------------------------------------------------------------------------------
+
+
+def _row_experts(block_expert: torch.Tensor) -> torch.Tensor:
+    return block_expert.long().repeat_interleave(BM)  # [S]
+
+
+def gemm1_swiglu_ref(a, w13, block_expert) -> torch.Tensor:
+    """fp32 reference of gemm1_swiglu; rows of unused blocks are 0."""
+    E, _, two_ir = w13.shape
+    Ir = two_ir // 2
+    experts = _row_experts(block_expert)
+    a32, w32 = a.float(), w13.float()
+    out = torch.zeros(a.shape[0], Ir, dtype=torch.float32, device=a.device)
+    for e in experts.unique().tolist():
+        if e >= E:
+            continue
+        rows = experts == e
+        h = a32[rows] @ w32[e]  # [rows, 2*Ir]
+        out[rows] = torch.nn.functional.silu(h[:, :Ir]) * h[:, Ir:]
+    return out
+
+
+def gemm2_ref(act, w2, block_expert) -> torch.Tensor:
+    """fp32 reference of gemm2; rows of unused blocks are 0."""
+    E, _, H = w2.shape
+    experts = _row_experts(block_expert)
+    a32, w32 = act.float(), w2.float()
+    out = torch.zeros(act.shape[0], H, dtype=torch.float32, device=act.device)
+    for e in experts.unique().tolist():
+        if e >= E:
+            continue
+        rows = experts == e
+        out[rows] = a32[rows] @ w32[e]
+    return out
+
+
+def flops(rows: int, k: int, n: int, swiglu: bool) -> int:
+    """Useful FLOP of one launch over `rows` used rows (padding rows included if counted)."""
+    return 2 * rows * k * n * (2 if swiglu else 1)
+
+
+def bytes_moved(rows: int, k: int, n: int, experts_used: int, swiglu: bool, itemsize: int = 2) -> int:
+    """Compulsory traffic: A and out once, the weights of the used experts once."""
+    w_cols = 2 * n if swiglu else n
+    return itemsize * (rows * k + rows * n + experts_used * k * w_cols)

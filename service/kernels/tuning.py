@@ -1,0 +1,109 @@
+"""Tile configurations as data: one JSON file per device name, GEMM mode and layer shape.
+
+    service/kernels/configs/<device>__<mode>__E<E>_H<H>_N<Ir>.json
+
+`device` is `torch.cuda.get_device_name()` with spaces as underscores (vLLM's convention),
+`mode` is `gemm1` (A [S,H] x W13 [E,H,2*Ir] + SwiGLU) or `gemm2` (act [S,Ir] x W2 [E,Ir,H]);
+both modes of one layer share the key (E, H, Ir). A file holds configs keyed by M, the hit
+count (rows before padding) the entry was tuned for; lookup takes the nearest key, as vLLM does.
+
+    {"device": "NVIDIA_H200", "mode": "gemm1", "E": 64, "H": 4096, "N": 768,
+     "triton_version": "3.6.0", "tuned": false, "source": "...",
+     "configs": {"16384": {"BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4}}}
+
+`bench/tune_gemm.py` writes these files on a GPU. The request path only reads them (cached);
+when no file matches, a default chosen by the device's shared memory is used and logged once.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from pathlib import Path
+
+from service.kernels.grouped_gemm import GemmConfig
+
+log = logging.getLogger(__name__)
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+MODES = ("gemm1", "gemm2")
+
+# Shared memory per block: sm_90 (H100/H200) allows 232448 B, sm_120 (consumer Blackwell)
+# 101376 B. Defaults are the tiles that fit; sizes measured by tests/kernels/test_compile.py.
+SMEM_LARGE = 232448
+SMEM_SMALL = 101376
+_DEFAULTS = {
+    # 128 x (2 x 128) x 64, 4 stages: 196608 B on sm_90.
+    ("large", "gemm1"): GemmConfig(BN=128, BK=64, num_warps=8, num_stages=4),
+    # 128 x 256 x 64, 4 stages: 196608 B on sm_90 (the vLLM H100/H200 M>=1024 tile).
+    ("large", "gemm2"): GemmConfig(BN=256, BK=64, num_warps=8, num_stages=4),
+    # 128 x (2 x 64) x 64, 4 stages and 128 x 128 x 64, 4 stages: 87 KB, below 101376 B.
+    ("small", "gemm1"): GemmConfig(BN=64, BK=64, num_warps=8, num_stages=4),
+    ("small", "gemm2"): GemmConfig(BN=128, BK=64, num_warps=8, num_stages=4),
+}
+
+
+def device_key(name: str) -> str:
+    return name.replace(" ", "_")
+
+
+def config_path(device: str, mode: str, E: int, H: int, N: int, directory: Path = CONFIG_DIR) -> Path:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return directory / f"{device_key(device)}__{mode}__E{E}_H{H}_N{N}.json"
+
+
+def config_from_dict(entry: dict) -> GemmConfig:
+    return GemmConfig(BN=int(entry["BN"]), BK=int(entry["BK"]),
+                      num_warps=int(entry["num_warps"]), num_stages=int(entry["num_stages"]))
+
+
+def config_to_dict(config: GemmConfig) -> dict:
+    return {"BN": config.BN, "BK": config.BK, "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
+@functools.lru_cache(maxsize=None)
+def _read(path: Path) -> dict[int, GemmConfig] | None:
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    configs = {int(m): config_from_dict(entry) for m, entry in data["configs"].items()}
+    if not data.get("tuned", False):
+        log.info("tile config %s is marked untuned (starting point, not measured on this device)", path.name)
+    return configs
+
+
+def default_config(mode: str, smem_per_block: int) -> GemmConfig:
+    """The heuristic used when no file matches: the largest tile the shared memory allows."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return _DEFAULTS[("large" if smem_per_block >= SMEM_LARGE else "small", mode)]
+
+
+@functools.lru_cache(maxsize=None)
+def _log_default(device: str, mode: str, E: int, H: int, N: int, config: GemmConfig) -> None:
+    log.warning("no tile config for %s %s E=%d H=%d N=%d (looked for %s); using the default %s",
+                device, mode, E, H, N, config_path(device, mode, E, H, N).name, config)
+
+
+def lookup(device: str, mode: str, E: int, H: int, N: int, *, M: int | None = None,
+           smem_per_block: int = SMEM_SMALL, directory: Path = CONFIG_DIR) -> GemmConfig:
+    """The config for this device and shape: the file entry nearest to M (the largest key when M
+    is None), else the default for the device's shared memory (logged once per key)."""
+    configs = _read(config_path(device, mode, E, H, N, directory))
+    if configs:
+        key = max(configs) if M is None else min(configs, key=lambda m: (abs(m - M), m))
+        return configs[key]
+    config = default_config(mode, smem_per_block)
+    _log_default(device_key(device), mode, E, H, N, config)
+    return config
+
+
+def lookup_for_device(device, mode: str, E: int, H: int, N: int, *, M: int | None = None) -> GemmConfig:
+    """lookup() with the name and shared memory of a torch CUDA device."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    smem = getattr(props, "shared_memory_per_block_optin", SMEM_SMALL)
+    return lookup(props.name, mode, E, H, N, M=M, smem_per_block=smem)
