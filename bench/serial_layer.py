@@ -6,6 +6,8 @@ GPU part (one device, R=1, in process): the layer for T = 2048 tokens (the seed 
 R*C) x top-8 over 64 experts, H=4096, twice:
   - `tp4-share`: I = 768, one rank's tensor-parallel share of the seed layer's work;
   - `full`:      I = 3072, the whole layer on one GPU.
+each with both GEMM implementations of the serial backend (`torch`: torch._grouped_mm + a
+separate SwiGLU; `triton`: service.kernels.grouped_gemm with SwiGLU fused).
 Each prints the median time of every stage (tables, all_gather, scatter, gemm1, swiglu, gemm2,
 combine, reduce_scatter; with R=1 the collectives are local copies), the layer total, the
 floor (GEMM FLOPs over the dense bf16 matmul rate measured in the same run) and the ratio.
@@ -44,11 +46,10 @@ def dense_rate(device: torch.device, n: int = 8192, iters: int = 10) -> float:
     return 2 * n ** 3 / statistics.median(times)
 
 
-def gpu_layer(cfg: LayerConfig, iters: int, rate: float) -> dict:
+def gpu_layer(cfg: LayerConfig, iters: int, rate: float, gemms: tuple[str, ...]) -> dict:
     import torch.distributed as dist
 
     from service.moe.serial import SerialLayer
-    from service.moe.timing import StageTimer
     from service.moe.weights import synthetic_rank_weights
 
     device = torch.device("cuda", 0)
@@ -59,8 +60,15 @@ def gpu_layer(cfg: LayerConfig, iters: int, rate: float) -> dict:
     t0 = time.perf_counter()
     weights = synthetic_rank_weights(cfg, 0, seed=0, device=device)
     print(f"  synthetic weights {cfg.describe()}: {time.perf_counter() - t0:.1f} s", flush=True)
-    layer = SerialLayer(cfg, weights, rank=0, device=device)
+    layers = {g: SerialLayer(cfg, weights, rank=0, device=device, gemm=g) for g in gemms}
     del weights
+    return {g: time_layer(layer, cfg, iters, rate) for g, layer in layers.items()}
+
+
+def time_layer(layer, cfg: LayerConfig, iters: int, rate: float) -> dict:
+    from service.moe.timing import StageTimer
+
+    device = layer.device
     T = cfg.C
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(T, cfg.H, device=device, generator=gen).to(cfg.dtype)
@@ -121,11 +129,11 @@ def main() -> None:
         seed = preset("seed")
         for name, I in (("tp4-share", seed.I // seed.R), ("full", seed.I)):
             cfg = LayerConfig(E=seed.E, H=seed.H, I=I, K=seed.K, R=1, C=seed.tokens_per_step, dtype=seed.dtype)
-            r = gpu_layer(cfg, args.iters, rate)
-            stages = "  ".join(f"{k} {v * 1e6:.0f}" for k, v in r["stages"].items())
-            print(f"{name}: T={cfg.C} I={I}: stages (us): {stages}")
-            rows.append((name, r["total"] * 1e6, r["floor"] * 1e6, r["total"] / r["floor"],
-                         r["flops"] / r["total"] / 1e12))
+            for gemm, r in gpu_layer(cfg, args.iters, rate, ("torch", "triton")).items():
+                stages = "  ".join(f"{k} {v * 1e6:.0f}" for k, v in r["stages"].items())
+                print(f"{name} gemm={gemm}: T={cfg.C} I={I}: stages (us): {stages}")
+                rows.append((f"{name} gemm={gemm}", r["total"] * 1e6, r["floor"] * 1e6, r["total"] / r["floor"],
+                             r["flops"] / r["total"] / 1e12))
         torch.cuda.empty_cache()
     c = cpu_preset(args.iters)
     print(f"cpu preset {c['cfg'].describe()}, T={c['T']}: group step {c['wall'] * 1e3:.1f} ms, "

@@ -19,9 +19,18 @@ collectives (stages `all_gather` and `reduce_scatter`): nothing overlaps them.
 
 Gloo has no reduce-scatter; there the step all-reduces the partials and keeps its own rows
 (R times the traffic of a reduce-scatter, on the CPU path only).
+
+Kernels, chosen once per rank and logged (`GEMMS`, `build_tables` below):
+- GEMMs: on CUDA with bf16/fp16 the Triton grouped GEMM of service.kernels.grouped_gemm
+  (SwiGLU fused into GEMM1; measured 1.18-1.23x `torch._grouped_mm` for GEMM1+SwiGLU and
+  1.05-1.11x for GEMM2 at the seed shape on an H200, bench/RESULTS.md); elsewhere
+  service.moe.grouped (`torch._grouped_mm` where it runs, a per-expert loop otherwise).
+- Tables: the one-launch CUDA op of csrc/ where it is built, the torch builder otherwise.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.distributed as dist
@@ -29,9 +38,11 @@ import torch.nn.functional as F
 
 from service.config import LayerConfig
 from service.moe.grouped import grouped_mm, prepare_weight
-from service.moe.tables import build_tables
+from service.moe import tables as torch_tables
 from service.moe.timing import StageTimer
 from service.moe.weights import RankWeights
+
+log = logging.getLogger(__name__)
 
 COLLECTIVE_STAGES = ("all_gather", "reduce_scatter")
 META = 4  # int32 words in front of each rank's routing block: n_r, seq low, seq high, unused
@@ -41,16 +52,80 @@ class SequenceMismatch(RuntimeError):
     """Ranks disagree about the batch sequence number: the group is out of step."""
 
 
+def triton_gemms_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when the Triton grouped GEMM serves this device and dtype, else why not."""
+    if device.type != "cuda":
+        return f"device {device.type} is not CUDA"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {dtype} is not bf16/fp16"
+    try:
+        import triton  # noqa: F401
+    except ImportError as err:
+        return f"triton is not importable ({err})"
+    return None
+
+
+class GroupedGemms:
+    """GEMM1 + SwiGLU and GEMM2 over the gathered layout, one implementation per rank."""
+
+    def __init__(self, cfg: LayerConfig, weights: RankWeights, device: torch.device, impl: str = "auto"):
+        reason = triton_gemms_reason(device, cfg.dtype)
+        if impl == "triton" and reason:
+            raise RuntimeError(f"gemm=triton is not possible: {reason}")
+        self.impl = "triton" if impl in ("auto", "triton") and reason is None else "torch"
+        log.info("grouped GEMMs: %s (%s)", self.impl, "Triton kernel available" if self.impl == "triton"
+                 else reason or "asked for")
+        if self.impl == "triton":
+            from service.kernels.tuning import lookup_for_device
+
+            self.w13 = weights.w13.to(device).contiguous()  # [E, H, 2*Ir]
+            self.w2 = weights.w2.to(device).contiguous()    # [E, Ir, H]
+            self.configs = [lookup_for_device(device, mode, cfg.E, cfg.H, cfg.Ir) for mode in ("gemm1", "gemm2")]
+            self.act = torch.empty(cfg.S, cfg.Ir, dtype=cfg.dtype, device=device)  # [S, Ir]
+            self.d = torch.empty(cfg.S, cfg.H, dtype=cfg.dtype, device=device)    # [S, H]
+        else:
+            self.w13 = prepare_weight(weights.w13.to(device))  # [E, H, 2*Ir]
+            self.w2 = prepare_weight(weights.w2.to(device))    # [E, Ir, H]
+
+    def __call__(self, A: torch.Tensor, tables, timer: StageTimer) -> torch.Tensor:
+        """A [S, H] -> D [S, H]; marks the stages gemm1, swiglu (torch only) and gemm2."""
+        Ir = self.w2.shape[1]
+        if self.impl == "triton":
+            from service.kernels.grouped_gemm import gemm1_swiglu, gemm2
+
+            gemm1_swiglu(A, self.w13, tables.block_expert, config=self.configs[0], out=self.act)
+            timer.mark("gemm1")
+            gemm2(self.act, self.w2, tables.block_expert, config=self.configs[1], out=self.d)
+            timer.mark("gemm2")
+            return self.d
+        h = grouped_mm(A, self.w13, tables.expert_offsets)   # [S, 2*Ir]
+        timer.mark("gemm1")
+        act = F.silu(h[:, :Ir]) * h[:, Ir:]                  # [S, Ir]
+        timer.mark("swiglu")
+        d = grouped_mm(act, self.w2, tables.expert_offsets)  # [S, H]
+        timer.mark("gemm2")
+        return d
+
+
+def build_tables(ids: torch.Tensor, counts: torch.Tensor, E: int, C: int, S: int):
+    """The schedule tables: the csrc CUDA op where it runs, else the vectorized torch builder."""
+    if ids.is_cuda:
+        from service.kernels import schedule
+
+        if schedule.use_cuda_op(ids, E):
+            return schedule.build_tables_cuda(ids, counts, E, C, S)
+    return torch_tables.build_tables(ids, counts, E, C, S)
+
+
 class SerialLayer:
     """One rank's share of the layer; buffers are allocated once at capacity and reused."""
 
     name = "serial"
 
     def __init__(self, cfg: LayerConfig, weights: RankWeights, *, rank: int, device: torch.device,
-                 group: dist.ProcessGroup | None = None):
+                 group: dist.ProcessGroup | None = None, gemm: str = "auto"):
         self.cfg, self.rank, self.device, self.group = cfg, rank, device, group
-        self.w13 = prepare_weight(weights.w13.to(device))  # [E, H, 2*Ir]
-        self.w2 = prepare_weight(weights.w2.to(device))    # [E, Ir, H]
+        self.gemms = GroupedGemms(cfg, weights, device, gemm)
         R, C, K, H = cfg.R, cfg.C, cfg.K, cfg.H
         self.nccl = dist.is_initialized() and dist.get_backend(group) == "nccl"
         kw = dict(device=device)
@@ -124,12 +199,7 @@ class SerialLayer:
         timer.mark("scatter")
 
         # 4. grouped GEMM1 + SwiGLU, grouped GEMM2.
-        h = grouped_mm(self.A, self.w13, tables.expert_offsets)   # [S, 2*Ir]
-        timer.mark("gemm1")
-        act = F.silu(h[:, :cfg.Ir]) * h[:, cfg.Ir:]               # [S, Ir]
-        timer.mark("swiglu")
-        d = grouped_mm(act, self.w2, tables.expert_offsets)      # [S, H]
-        timer.mark("gemm2")
+        d = self.gemms(self.A, tables, timer)                     # [S, H]
 
         # 5. top-k combine in fp32. Rows of padding tokens are forced to 0 (their slot is -1,
         # read as row 0 with weight 0; where() also drops any non-finite value of that row).

@@ -32,3 +32,30 @@ def test_seed_shape_r1_nccl():
                 assert err <= TOL[torch.bfloat16], (T, kind, err)
                 assert torch.isfinite(out).all()
         assert group.seq == steps
+
+
+@pytest.mark.parametrize("gemm", ["torch", "triton"])
+def test_serial_layer_gemm_impls_in_process(gemm):
+    """Both GEMM paths of the serial backend, in process (R=1), odd shape, poisoned buffers."""
+    from service.config import LayerConfig
+    from service.moe.serial import SerialLayer
+    from service.moe.weights import synthetic_rank_weights
+
+    cfg = LayerConfig(E=12, H=384, I=320, K=3, R=1, C=300, dtype=torch.bfloat16)
+    dev = torch.device("cuda")
+    layer = SerialLayer(cfg, synthetic_rank_weights(cfg, 0, seed=1, device=dev), rank=0, device=dev, gemm=gemm)
+    assert layer.gemms.impl == gemm
+    weights = [t.to(dev) for t in full_weights(cfg, 1)]
+    gen = torch.Generator().manual_seed(3)
+    for seq, (T, kind) in enumerate([(1, "balanced"), (299, "skewed"), (300, "empty_expert")], start=1):
+        layer.A.fill_(float("nan"))
+        if gemm == "triton":
+            layer.gemms.act.fill_(float("nan"))
+            layer.gemms.d.fill_(float("nan"))
+        x = torch.randn(T, cfg.H, generator=gen).to(torch.bfloat16).to(dev)
+        ids, w = routing(T, cfg.E, cfg.K, kind, gen)
+        out = layer.forward(x, ids.int().to(dev), w.to(dev), seq=seq)
+        layer.check_seq(seq)
+        ref = moe_reference(x.float(), ids.to(dev), w.to(dev), *weights)
+        assert torch.isfinite(out).all()
+        assert rel_err(out, ref) <= TOL[torch.bfloat16], (T, kind, rel_err(out, ref))
