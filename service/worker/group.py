@@ -27,6 +27,7 @@ import torch
 
 from service.config import LayerConfig
 from service.errors import GroupUnavailable, InvalidInput, WorkerError
+from service.moe.serial import COLLECTIVE_STAGES
 from service.worker.rank import RankOptions, rank_main
 from service.worker.shm import Slot, create_slots, remove_slots
 
@@ -55,11 +56,12 @@ class WorkerGroup:
                  weights_prefix: str = "", seed: int = 0, backend: str = "serial", slots: int = 2,
                  step_timeout_s: float = 60.0, start_timeout_s: float = 300.0,
                  log_level: str | None = None):
-        if backend not in ("serial", "auto"):
-            raise InvalidInput(f"backend {backend!r} is not available in this build; use 'serial'")
+        if backend not in ("auto", "serial", "fused"):
+            raise InvalidInput(f"backend must be auto, serial or fused, got {backend!r}")
+        self.requested_backend = backend  # the ranks decide (and log why); see service.worker.rank
         self.cfg, self.device = cfg, device
         self.weights, self.weights_prefix, self.seed = weights, weights_prefix, seed
-        self.backend = "serial"
+        self.backend = "serial"  # what the ranks run, known once they are up
         self.step_timeout_s, self.start_timeout_s = step_timeout_s, start_timeout_s
         self.log_level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
         self.num_slots = slots
@@ -93,7 +95,7 @@ class WorkerGroup:
         opts = RankOptions(cfg=cfg, device=self.device, store_host="127.0.0.1",
                            store_port=self._store.port, slot_paths=tuple(s.path for s in self._slots),
                            weights=self.weights, weights_prefix=self.weights_prefix, seed=self.seed,
-                           backend=self.backend, timeout_s=self.start_timeout_s, threads=threads,
+                           backend=self.requested_backend, timeout_s=self.start_timeout_s, threads=threads,
                            log_level=self.log_level)
         ctx = mp.get_context("spawn")
         for rank in range(cfg.R):
@@ -112,6 +114,7 @@ class WorkerGroup:
             self.close()
             raise
         self.pids = [info["pid"] for info in infos]
+        self.backend = infos[0]["backend"]
         self.alive = True
         log.info("rank group ready in %.1f s: %s", time.monotonic() - t0,
                  ", ".join(f"rank{r} pid {i['pid']} {i['device']}" for r, i in enumerate(infos)))
@@ -190,7 +193,11 @@ class WorkerGroup:
         if seqs != {seq}:  # the ranks' own check makes this unreachable unless the protocol breaks
             raise WorkerError(f"ranks answered seqs {sorted(seqs)} for step {seq}")
         stats = answers[0][1]
-        comm = sum(stats["stages"].get(s, 0.0) for s in ("all_gather", "reduce_scatter"))
+        # A backend that measures its own exposed communication reports it; for the serial
+        # backend it is the time in collectives (service.moe.serial).
+        comm = stats.get("exposed_comm_s")
+        if comm is None:
+            comm = sum(stats["stages"].get(s, 0.0) for s in COLLECTIVE_STAGES)
         return StepStats(seq=seq, tokens=T, backend=self.backend, layer_s=stats["layer_s"],
                          stages=stats["stages"], exposed_comm_s=comm, wall_s=wall)
 
