@@ -137,6 +137,10 @@ class WorkerGroup:
         self._free = queue.Queue()
         self._store = None
 
+    def poll(self) -> bool:
+        """True while the group runs and every rank process is alive (cheap; no message sent)."""
+        return self.alive and all(proc.is_alive() for proc in self._procs)
+
     def _kill(self) -> None:
         self.alive = False
         for proc in self._procs:

@@ -1,0 +1,290 @@
+"""The token-budget batcher: requests in, steps of at most R*C tokens out.
+
+T tokens of a request, H hidden, K top-k; `budget` = R*C tokens per step.
+
+Requests queue in arrival order. A step takes rows from the head of the queue until the
+budget is full; a request larger than what is left is split, its remaining rows lead the
+next step, and its answer is reassembled row by row into its own output tensor (rows of
+different requests never share an output). The batcher waits up to `delay_s` after the
+oldest queued request arrived for more rows (Triton's max_queue_delay: a full budget
+dispatches at once). At most `slots` steps are in flight: while one runs, the next is filled.
+
+A step runs in a worker thread: it copies the rows into the group's shared-memory slot views
+(slot.x[:T] ...), calls the blocking `group.run`, copies slot.out back and releases the slot,
+so the event loop stays free.
+
+Admission is bounded in tokens: a request that would push the queued tokens past
+`queue_tokens` fails at once with Overloaded. A request past its deadline fails with
+DeadlineExceeded; its rows that were not yet sent to a slot are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from service.errors import DeadlineExceeded, GroupUnavailable, Overloaded, WorkerError
+from service.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class _Job:
+    """One request: its tensors, its answer and how far its rows have got."""
+
+    x: torch.Tensor    # [T, H] the group's dtype
+    ids: torch.Tensor  # [T, K] int32
+    w: torch.Tensor    # [T, K] float32
+    out: torch.Tensor  # [T, H] the answer, filled piece by piece
+    future: asyncio.Future
+    arrival: float
+    deadline: float
+    sent: int = 0      # rows handed to a step so far
+    done: int = 0      # rows answered so far
+    dropped: bool = False
+
+    @property
+    def T(self) -> int:
+        return self.x.shape[0]
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
+
+
+@dataclasses.dataclass
+class _Piece:
+    job: _Job
+    start: int  # first row of the job
+    rows: int
+    at: int     # first row in the slot
+
+
+class Batcher:
+    """Queue, step builder and dispatcher in front of one rank group at a time."""
+
+    def __init__(self, *, budget: int, delay_s: float, queue_tokens: int, slots: int,
+                 metrics: Metrics, on_failure: Callable[[object, BaseException], None] | None = None,
+                 slot_timeout_s: float = 60.0):
+        self.budget = budget
+        self.delay_s = delay_s
+        self.queue_tokens = queue_tokens
+        self.metrics = metrics
+        self.on_failure = on_failure
+        self.slot_timeout_s = slot_timeout_s
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._queued = 0  # tokens not yet sent to a step
+        self._jobs: set[_Job] = set()  # accepted and not answered
+        self._group = None
+        self._refusal: BaseException = GroupUnavailable("the rank group is starting")
+        self._slots = asyncio.Semaphore(slots)
+        self._pool = concurrent.futures.ThreadPoolExecutor(slots, thread_name_prefix="moe-step")
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task: asyncio.Task | None = None
+        self._steps: set[asyncio.Task] = set()
+
+    # ---- life cycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._dispatch(), name="moe-batcher")
+
+    async def close(self) -> None:
+        self.detach(GroupUnavailable("the server is shutting down"))
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def attach(self, group) -> None:
+        """Serve requests with `group` (started and warmed up)."""
+        self._group = group
+        self._refusal = None
+
+    def detach(self, reason: BaseException) -> None:
+        """Stop using the group: refuse new requests with `reason`, fail every accepted one."""
+        self._group = None
+        self._refusal = reason
+        for job in list(self._jobs):
+            self._drop(job)
+            job.fail(reason)
+
+    def refuse(self, reason: BaseException) -> None:
+        """Refuse new requests with `reason`; accepted ones still run (draining)."""
+        self._refusal = reason
+
+    @property
+    def group(self):
+        return self._group
+
+    @property
+    def pending(self) -> int:
+        """Requests accepted and not yet answered."""
+        return len(self._jobs)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is pending; False if `timeout` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    # ---- requests --------------------------------------------------------------------------
+
+    async def submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, timeout_s: float
+                     ) -> torch.Tensor:
+        """Answer one validated request: out [T, H] in the group's dtype."""
+        if self._refusal is not None:
+            raise self._refusal
+        T = x.shape[0]
+        if self._queued + T > self.queue_tokens:
+            raise Overloaded(f"the queue is full ({self._queued} of {self.queue_tokens} tokens queued, "
+                             f"this request has {T}); retry later")
+        now = time.monotonic()
+        job = _Job(x, ids, w, torch.empty_like(x), asyncio.get_running_loop().create_future(),
+                   arrival=now, deadline=now + timeout_s)
+        self._queue.append(job)
+        self._jobs.add(job)
+        self._idle.clear()
+        self._queued += T
+        self._gauges()
+        self._wakeup.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(job.future), timeout_s)
+            return job.out
+        except TimeoutError:
+            raise DeadlineExceeded(f"no answer within the request's deadline of {timeout_s:g} s") from None
+        finally:
+            self._forget(job)
+
+    def _drop(self, job: _Job) -> None:
+        """Never send the job's remaining rows to a slot."""
+        if not job.dropped:
+            job.dropped = True
+            self._queued -= job.T - job.sent
+            job.sent = job.T
+
+    def _forget(self, job: _Job) -> None:
+        self._drop(job)
+        if not job.future.done():
+            job.future.cancel()  # nobody waits for it any more
+        self._jobs.discard(job)
+        if not self._jobs:
+            self._idle.set()
+        self._gauges()
+
+    def _gauges(self) -> None:
+        self.metrics.queued_tokens.set(self._queued)
+        self.metrics.inflight.set(len(self._jobs))
+
+    # ---- steps -----------------------------------------------------------------------------
+
+    async def _dispatch(self) -> None:
+        while True:
+            head = self._head()
+            if head is None:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            await self._slots.acquire()
+            await self._fill(head)
+            pieces, T = self._take()
+            group = self._group
+            if not pieces:
+                self._slots.release()
+                continue
+            if group is None:
+                self._slots.release()
+                for p in pieces:
+                    p.job.fail(self._refusal or GroupUnavailable("the rank group is not running"))
+                continue
+            task = asyncio.create_task(self._step(group, pieces, T))
+            self._steps.add(task)
+            task.add_done_callback(self._steps.discard)
+
+    def _head(self) -> _Job | None:
+        while self._queue and self._queue[0].sent == self._queue[0].T:
+            self._queue.popleft()
+        return self._queue[0] if self._queue else None
+
+    async def _fill(self, head: _Job) -> None:
+        """Wait for a full budget, or until the oldest request has waited delay_s."""
+        while self._queued < self.budget:
+            left = head.arrival + self.delay_s - time.monotonic()
+            if left <= 0:
+                return
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), left)
+            except TimeoutError:
+                return
+
+    def _take(self) -> tuple[list[_Piece], int]:
+        """Rows for one step from the head of the queue: [(job, first row, rows, slot row)]."""
+        pieces: list[_Piece] = []
+        T = 0
+        now = time.monotonic()
+        while T < self.budget and self._head() is not None:
+            job = self._queue[0]
+            if job.sent == 0 and now > job.deadline:
+                self._drop(job)
+                job.fail(DeadlineExceeded("the request's deadline passed while it was queued"))
+                continue
+            if job.sent == 0:
+                self.metrics.queue_time.observe(now - job.arrival)
+            rows = min(job.T - job.sent, self.budget - T)
+            pieces.append(_Piece(job, job.sent, rows, T))
+            job.sent += rows
+            self._queued -= rows
+            T += rows
+        self._gauges()
+        return pieces, T
+
+    async def _step(self, group, pieces: list[_Piece], T: int) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            stats = await loop.run_in_executor(self._pool, self._execute, group, pieces, T)
+        except BaseException as e:  # noqa: BLE001  any failure of a step fails the group
+            for p in pieces:
+                p.job.fail(e if isinstance(e, (WorkerError, GroupUnavailable))
+                           else GroupUnavailable(f"the step failed: {type(e).__name__}: {e}"))
+            if self.on_failure and not isinstance(e, asyncio.CancelledError):
+                self.on_failure(group, e)
+            return
+        finally:
+            self._slots.release()
+        self.metrics.observe_step(stats)
+        for p in pieces:
+            p.job.done += p.rows
+            if p.job.done == p.job.T and not p.job.future.done():
+                p.job.future.set_result(None)
+
+    def _execute(self, group, pieces: list[_Piece], T: int):
+        """Worker thread: rows into the slot, one step, answers out of the slot."""
+        slot = group.acquire_slot(timeout=self.slot_timeout_s)
+        try:
+            for p in pieces:
+                rows = slice(p.start, p.start + p.rows)
+                at = slice(p.at, p.at + p.rows)
+                slot.x[at].copy_(p.job.x[rows])
+                slot.ids[at].copy_(p.job.ids[rows])
+                slot.w[at].copy_(p.job.w[rows])
+            stats = group.run(slot, T)
+            for p in pieces:
+                p.job.out[p.start:p.start + p.rows].copy_(slot.out[p.at:p.at + p.rows])
+            return stats
+        finally:
+            try:
+                group.release(slot)
+            except Exception:  # a failed group may refuse; the step's own error matters more
+                log.debug("releasing a slot of a failed group", exc_info=True)

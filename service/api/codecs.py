@@ -1,0 +1,423 @@
+"""Request decoding, validation and response encoding for every wire format.
+
+T tokens, H hidden, K top-k, E experts (see service.config).
+
+Formats: `/moe/forward` JSON and safetensors, Open Inference Protocol v2 over HTTP (JSON
+tensors and the binary tensor data extension) and over gRPC (raw contents or typed
+contents). Every decoder ends in `validate`, so nothing reaches a shared-memory slot that
+could make a rank fail: shapes, T agreement, dtypes, expert ids in [0, E), finite values and
+the token limit are all checked here, each with a message that names the problem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import warnings
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from service.api.proto import grpc_predict_v2_pb2 as pb
+from service.api.status import ModelNotFound, PayloadTooLarge
+from service.config import DTYPE_NAMES, LayerConfig
+from service.errors import InvalidInput
+
+INPUT_NAMES = ("hidden_states", "topk_ids", "topk_weights")
+OUTPUT_NAME = "output"
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INT_DTYPES = (torch.int32, torch.int64)
+
+# Open Inference Protocol datatype names <-> torch dtypes (only the ones this model speaks).
+V2_DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16,
+             "INT32": torch.int32, "INT64": torch.int64}
+V2_NAMES = {v: k for k, v in V2_DTYPES.items()}
+V2_ACCEPTED = {"hidden_states": ("FP32", "FP16", "BF16"), "topk_ids": ("INT32", "INT64"),
+               "topk_weights": ("FP32", "FP16", "BF16")}
+
+US_PER_S = 1e6  # the v2 `timeout` parameter is in microseconds (Triton's convention)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """What a request must look like: the layer's shape plus the per-request token limit."""
+
+    E: int
+    H: int
+    K: int
+    dtype: torch.dtype  # the dtype the ranks compute in; inputs are cast to it
+    max_tokens: int     # the most tokens one request may carry (the queue limit)
+
+    @classmethod
+    def of(cls, cfg: LayerConfig, max_tokens: int) -> "ModelSpec":
+        return cls(E=cfg.E, H=cfg.H, K=cfg.K, dtype=cfg.dtype, max_tokens=max_tokens)
+
+
+@dataclasses.dataclass
+class Decoded:
+    """A validated request, ready for the batcher."""
+
+    x: torch.Tensor     # [T, H] spec.dtype, contiguous
+    ids: torch.Tensor   # [T, K] int32
+    w: torch.Tensor     # [T, K] float32
+    out_dtype: torch.dtype  # the answer's dtype: that of hidden_states as sent
+    request_id: str | None = None
+    timeout_s: float | None = None  # per-request deadline override
+    binary_output: bool = False     # v2 HTTP: answer with the binary tensor extension
+
+    @property
+    def T(self) -> int:
+        return self.x.shape[0]
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+
+
+def validate(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, spec: ModelSpec
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Check one request's tensors against the model and normalise their dtypes."""
+    if x.dtype not in FLOAT_DTYPES:
+        raise InvalidInput(f"hidden_states must be float32, float16 or bfloat16, got {_name(x.dtype)}")
+    if ids.dtype not in INT_DTYPES:
+        raise InvalidInput(f"topk_ids must be int32 or int64, got {_name(ids.dtype)}")
+    if w.dtype not in FLOAT_DTYPES:
+        raise InvalidInput(f"topk_weights must be float32, float16 or bfloat16, got {_name(w.dtype)}")
+    if x.dim() in (1, 2) and x.shape[0] == 0:
+        raise InvalidInput("hidden_states has no rows (T = 0)")
+    if x.dim() != 2 or x.shape[1] != spec.H:
+        raise InvalidInput(f"hidden_states must have shape [T, {spec.H}], got {list(x.shape)}")
+    T = x.shape[0]
+    if T > spec.max_tokens:
+        raise PayloadTooLarge(f"the request has T = {T} tokens, more than the limit of "
+                              f"{spec.max_tokens} tokens per request (queue_tokens)")
+    for name, t in (("topk_ids", ids), ("topk_weights", w)):
+        if t.dim() != 2 or t.shape[1] != spec.K:
+            raise InvalidInput(f"{name} must have shape [T, {spec.K}] (K = {spec.K}), got {list(t.shape)}")
+        if t.shape[0] != T:
+            raise InvalidInput(f"{name} has {t.shape[0]} rows but hidden_states has T = {T}")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= spec.E:
+        bad = lo if lo < 0 else hi
+        t, k = (ids == bad).nonzero()[0].tolist()
+        raise InvalidInput(f"topk_ids[{t}, {k}] = {bad} is not an expert id in [0, {spec.E})")
+    if not bool(torch.isfinite(w).all()):
+        raise InvalidInput("topk_weights contains NaN or infinity")
+    xc = x.to(spec.dtype)
+    if not bool(torch.isfinite(xc).all()):
+        if not bool(torch.isfinite(x).all()):
+            raise InvalidInput("hidden_states contains NaN or infinity")
+        raise InvalidInput(f"hidden_states has values outside the range of {_name(spec.dtype)}")
+    return xc.contiguous(), ids.to(torch.int32).contiguous(), w.to(torch.float32).contiguous()
+
+
+def parse_timeout_s(value: str | float | int | None, what: str) -> float | None:
+    """A per-request deadline in seconds; None when absent."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise InvalidInput(f"{what} must be a number of seconds, got {value!r}") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise InvalidInput(f"{what} must be a positive, finite number of seconds, got {value!r}")
+    return seconds
+
+
+# --------------------------------------------------------------------------------------------
+# POST /moe/forward
+
+
+def decode_forward_json(body: bytes, spec: ModelSpec) -> Decoded:
+    doc = _json_object(body)
+    _require_keys(doc, INPUT_NAMES, "the JSON body")
+    x = _json_array(doc["hidden_states"], "hidden_states", np.float32)
+    ids = _json_array(doc["topk_ids"], "topk_ids", None)
+    w = _json_array(doc["topk_weights"], "topk_weights", np.float32)
+    x, ids, w = validate(x, ids, w, spec)
+    return Decoded(x, ids, w, out_dtype=torch.float32)
+
+
+def encode_forward_json(out: torch.Tensor) -> bytes:
+    return json.dumps({OUTPUT_NAME: out.float().tolist()}).encode()
+
+
+def decode_safetensors(body: bytes, spec: ModelSpec) -> Decoded:
+    try:
+        tensors = safetensors.torch.load(bytes(body))
+    except Exception as e:  # the Rust parser raises its own SafetensorError and others
+        raise InvalidInput(f"malformed safetensors body: {e}") from None
+    _require_keys(tensors, INPUT_NAMES, "the safetensors body")
+    x, ids, w = (tensors[n] for n in INPUT_NAMES)
+    out_dtype = x.dtype
+    x, ids, w = validate(x, ids, w, spec)
+    return Decoded(x, ids, w, out_dtype=out_dtype)
+
+
+def encode_safetensors(out: torch.Tensor) -> bytes:
+    return safetensors.torch.save({OUTPUT_NAME: out.contiguous()})
+
+
+# --------------------------------------------------------------------------------------------
+# Open Inference Protocol v2 over HTTP
+
+
+def decode_v2_http(body: bytes, header_length: str | None, spec: ModelSpec) -> Decoded:
+    """A v2 infer body: JSON, or a JSON header of `header_length` bytes followed by blobs."""
+    view = memoryview(body)
+    if header_length is None:
+        header, blobs = view, view[len(view):]
+    else:
+        try:
+            n = int(header_length)
+        except ValueError:
+            raise InvalidInput(f"Inference-Header-Content-Length must be an integer, got {header_length!r}") from None
+        if not 0 < n <= len(view):
+            raise InvalidInput(f"Inference-Header-Content-Length = {n} does not fit a body of {len(view)} bytes")
+        header, blobs = view[:n], view[n:]
+    doc = _json_object(header)
+    inputs = doc.get("inputs")
+    if not isinstance(inputs, list):
+        raise InvalidInput("the request must have an 'inputs' list")
+    tensors: dict[str, torch.Tensor] = {}
+    offset = 0
+    for item in inputs:
+        if not isinstance(item, dict):
+            raise InvalidInput("each entry of 'inputs' must be an object")
+        name, dtype, shape = _v2_tensor_header(item.get("name"), item.get("datatype"), item.get("shape"), tensors)
+        params = item.get("parameters") or {}
+        if not isinstance(params, dict):
+            raise InvalidInput(f"input '{name}': 'parameters' must be an object")
+        size = params.get("binary_data_size")
+        if size is not None:
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise InvalidInput(f"input '{name}': binary_data_size must be a non-negative integer")
+            if offset + size > len(blobs):
+                raise InvalidInput(f"input '{name}': binary_data_size = {size} runs past the end of the body")
+            tensors[name] = _from_bytes(blobs[offset:offset + size], dtype, shape, name)
+            offset += size
+        elif "data" in item:
+            tensors[name] = _v2_json_data(item["data"], dtype, shape, name)
+        else:
+            raise InvalidInput(f"input '{name}' has neither 'data' nor a binary_data_size parameter")
+    if offset != len(blobs):
+        raise InvalidInput(f"the body has {len(blobs) - offset} bytes of binary data that no input claims")
+    _require_keys(tensors, INPUT_NAMES, "the request's inputs")
+
+    params = doc.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise InvalidInput("'parameters' must be an object")
+    binary = _requested_binary(doc.get("outputs"), params.get("binary_data_output", False))
+    request_id = doc.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise InvalidInput("'id' must be a string")
+    decoded = _decoded_v2(tensors, spec, request_id, _v2_timeout(params.get("timeout")))
+    decoded.binary_output = binary
+    return decoded
+
+
+def encode_v2_http(out: torch.Tensor, req: Decoded, model_name: str) -> tuple[bytes, int | None]:
+    """The response body and, with binary output, the JSON header's length."""
+    tensor = {"name": OUTPUT_NAME, "datatype": V2_NAMES[out.dtype], "shape": list(out.shape)}
+    doc: dict = {"model_name": model_name, "outputs": [tensor]}
+    if req.request_id is not None:
+        doc["id"] = req.request_id
+    if not req.binary_output:
+        tensor["data"] = out.float().reshape(-1).tolist()
+        return json.dumps(doc).encode(), None
+    raw = to_bytes(out)
+    tensor["parameters"] = {"binary_data_size": len(raw)}
+    header = json.dumps(doc).encode()
+    return header + raw, len(header)
+
+
+# --------------------------------------------------------------------------------------------
+# Open Inference Protocol v2 over gRPC
+
+
+def decode_grpc(request: pb.ModelInferRequest, spec: ModelSpec) -> Decoded:
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidInput(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs")
+    tensors: dict[str, torch.Tensor] = {}
+    for i, item in enumerate(request.inputs):
+        name, dtype, shape = _v2_tensor_header(item.name, item.datatype, list(item.shape), tensors)
+        if raw:
+            if item.HasField("contents"):
+                raise InvalidInput(f"input '{name}' has contents although raw_input_contents is used")
+            tensors[name] = _from_bytes(memoryview(raw[i]), dtype, shape, name)
+        else:
+            tensors[name] = _grpc_contents(item.contents, dtype, shape, name)
+    _require_keys(tensors, INPUT_NAMES, "the request's inputs")
+    for out in request.outputs:
+        if out.name != OUTPUT_NAME:
+            raise InvalidInput(f"unknown output '{out.name}'; the model has one output, '{OUTPUT_NAME}'")
+    timeout = None
+    if "timeout" in request.parameters:
+        param = request.parameters["timeout"]
+        timeout = _v2_timeout(getattr(param, param.WhichOneof("parameter_choice") or "int64_param"))
+    return _decoded_v2(tensors, spec, request.id or None, timeout)
+
+
+def encode_grpc(out: torch.Tensor, req: Decoded, model_name: str) -> pb.ModelInferResponse:
+    response = pb.ModelInferResponse(model_name=model_name, id=req.request_id or "")
+    response.outputs.add(name=OUTPUT_NAME, datatype=V2_NAMES[out.dtype], shape=list(out.shape))
+    response.raw_output_contents.append(to_bytes(out))
+    return response
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def to_bytes(t: torch.Tensor) -> bytes:
+    """Row-major little-endian bytes of a CPU tensor (bf16 through its 16-bit pattern)."""
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.numpy().tobytes()
+
+
+def _name(dtype: torch.dtype) -> str:
+    return DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
+
+
+def _json_object(body: bytes | memoryview) -> dict:
+    try:
+        doc = json.loads(bytes(body))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise InvalidInput(f"malformed JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise InvalidInput("the JSON body must be an object")
+    return doc
+
+
+def _require_keys(found, names: tuple[str, ...], where: str) -> None:
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise InvalidInput(f"{where} lacks {', '.join(repr(n) for n in missing)}; "
+                           f"expected {', '.join(names)}")
+    extra = [n for n in found if n not in names]
+    if extra:
+        raise InvalidInput(f"{where} has unexpected {', '.join(repr(str(n)) for n in extra)}; "
+                           f"expected {', '.join(names)}")
+
+
+def _json_array(data, name: str, np_dtype) -> torch.Tensor:
+    """Nested JSON lists -> a tensor; np_dtype None means integers are required."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # fp32 overflow: caught as inf later
+            arr = np.asarray(data, dtype=np_dtype)
+    except (ValueError, TypeError, OverflowError):
+        raise InvalidInput(f"{name} must be a rectangular array of numbers") from None
+    if np_dtype is None:
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
+        if arr.dtype.kind not in "iu":
+            raise InvalidInput(f"{name} must hold integers")
+        if arr.dtype != np.int64:
+            try:
+                arr = arr.astype(np.int64, casting="safe")
+            except TypeError:
+                raise InvalidInput(f"{name} has values outside the int64 range") from None
+    if arr.dtype == object:
+        raise InvalidInput(f"{name} must be a rectangular array of numbers")
+    return torch.from_numpy(np.ascontiguousarray(arr))
+
+
+def _v2_tensor_header(name, datatype, shape, seen) -> tuple[str, torch.dtype, list[int]]:
+    if name not in INPUT_NAMES:
+        raise InvalidInput(f"unknown input {name!r}; the model takes {', '.join(INPUT_NAMES)}")
+    if name in seen:
+        raise InvalidInput(f"input '{name}' appears twice")
+    if datatype not in V2_ACCEPTED[name]:
+        raise InvalidInput(f"input '{name}' has datatype {datatype!r}; accepted: {', '.join(V2_ACCEPTED[name])}")
+    if (not isinstance(shape, list) or len(shape) != 2
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        raise InvalidInput(f"input '{name}' must have a 2-D shape of non-negative integers, got {shape!r}")
+    return name, V2_DTYPES[datatype], shape
+
+
+def _from_bytes(buf: memoryview, dtype: torch.dtype, shape: list[int], name: str) -> torch.Tensor:
+    count = shape[0] * shape[1]
+    need = count * dtype.itemsize
+    if len(buf) != need:
+        raise InvalidInput(f"input '{name}' has {len(buf)} bytes of data; shape {shape} of "
+                           f"{V2_NAMES[dtype]} needs {need}")
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we never write into it
+        return torch.frombuffer(buf, dtype=dtype, count=count).reshape(shape)
+
+
+def _v2_json_data(data, dtype: torch.dtype, shape: list[int], name: str) -> torch.Tensor:
+    if dtype in INT_DTYPES:
+        t = _json_array(data, name, None)
+    else:
+        t = _json_array(data, name, np.float32)
+    if t.numel() != shape[0] * shape[1]:
+        raise InvalidInput(f"input '{name}' has {t.numel()} values; shape {shape} needs {shape[0] * shape[1]}")
+    return t.reshape(shape).to(dtype)
+
+
+def _grpc_contents(contents: pb.InferTensorContents, dtype: torch.dtype, shape: list[int], name: str
+                   ) -> torch.Tensor:
+    if dtype == torch.float32:
+        values = np.asarray(contents.fp32_contents, dtype=np.float32)
+    elif dtype == torch.int32:
+        values = np.asarray(contents.int_contents, dtype=np.int32)
+    elif dtype == torch.int64:
+        values = np.asarray(contents.int64_contents, dtype=np.int64)
+    else:
+        raise InvalidInput(f"input '{name}' is {V2_NAMES[dtype]}: it must travel in raw_input_contents")
+    if values.size != shape[0] * shape[1]:
+        raise InvalidInput(f"input '{name}' has {values.size} values; shape {shape} needs {shape[0] * shape[1]}")
+    return torch.from_numpy(values).reshape(shape)
+
+
+def _v2_timeout(value) -> float | None:
+    """The v2 `timeout` parameter (microseconds; 0 means the server default) in seconds."""
+    if value is None or value == 0:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidInput(f"parameter 'timeout' must be a number of microseconds, got {value!r}")
+    return parse_timeout_s(value / US_PER_S, "parameter 'timeout'")
+
+
+def _requested_binary(outputs, default) -> bool:
+    if not isinstance(default, bool):
+        raise InvalidInput("parameter 'binary_data_output' must be a boolean")
+    if outputs is None:
+        return default
+    if not isinstance(outputs, list):
+        raise InvalidInput("'outputs' must be a list")
+    binary = default
+    for out in outputs:
+        if not isinstance(out, dict) or out.get("name") != OUTPUT_NAME:
+            name = out.get("name") if isinstance(out, dict) else out
+            raise InvalidInput(f"unknown output {name!r}; the model has one output, '{OUTPUT_NAME}'")
+        flag = (out.get("parameters") or {}).get("binary_data", default)
+        if not isinstance(flag, bool):
+            raise InvalidInput("output parameter 'binary_data' must be a boolean")
+        binary = flag
+    return binary
+
+
+def _decoded_v2(tensors: dict[str, torch.Tensor], spec: ModelSpec, request_id, timeout) -> Decoded:
+    x, ids, w = (tensors[n] for n in INPUT_NAMES)
+    out_dtype = x.dtype
+    x, ids, w = validate(x, ids, w, spec)
+    return Decoded(x, ids, w, out_dtype=out_dtype, request_id=request_id, timeout_s=timeout)
+
+
+def check_model(name: str, version: str | None, model_name: str) -> None:
+    """Unknown model names and any explicit version are a 404 (no versioning)."""
+    if name != model_name:
+        raise ModelNotFound(f"unknown model {name!r}; this server serves {model_name!r}")
+    if version:
+        raise ModelNotFound(f"model {name!r} has no version {version!r}: versions are not used")

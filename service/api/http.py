@@ -1,0 +1,167 @@
+"""The HTTP front end (FastAPI): /moe/forward, the Open Inference Protocol v2 routes, /metrics.
+
+Bodies are read raw and decoded by `service.api.codecs` (no pydantic models: a [T, H] tensor
+as a pydantic list of lists would cost far more than the layer). Every error leaves through
+`error_response`, which asks `service.api.status` for the code.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.api import codecs
+from service.api.frontend import Frontend
+from service.api.status import RETRY_AFTER_S, PayloadTooLarge, UnsupportedMediaType, classify, message
+
+log = logging.getLogger(__name__)
+
+JSON = "application/json"
+SAFETENSORS = "application/x-safetensors"
+OCTET_STREAM = "application/octet-stream"
+HEADER_LENGTH = "inference-header-content-length"
+TIMEOUT_HEADER = "x-request-timeout"
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    status, _ = classify(exc)
+    if status == 500:  # a bug of ours; 503/504 are expected states, logged where they arise
+        log.error("request failed: %s", exc, exc_info=True)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return JSONResponse({"error": message(exc)}, status_code=status, headers=headers)
+
+
+def _media_type(request: Request) -> str | None:
+    value = request.headers.get("content-type")
+    return value.split(";", 1)[0].strip().lower() if value else None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing (413) anything over `limit` bytes before reading it all."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":
+        raise UnsupportedMediaType(f"Content-Encoding {encoding!r} is not supported; send the body uncompressed")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"the body has {declared} bytes, over the limit of {limit} (max_request_bytes)")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes (max_request_bytes)")
+    return bytes(body)
+
+
+def create_app(fe: Frontend) -> FastAPI:
+    app = FastAPI(title="moe-serve", description="A Mixture-of-Experts layer as a service",
+                  docs_url=None, redoc_url=None)
+    limit = fe.settings.max_request_bytes
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _any_error(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(exc)
+
+    async def answer(protocol: str, handle) -> Response:
+        """Run one inference handler; every outcome is counted under its status code."""
+        started = time.perf_counter()
+        try:
+            response = await handle()
+        except Exception as exc:  # noqa: BLE001  mapped to a status in one place
+            response = error_response(exc)
+        fe.observe(protocol, response.status_code, started)
+        return response
+
+    # ---- /moe/forward ----------------------------------------------------------------------
+
+    @app.post("/moe/forward")
+    async def forward(request: Request) -> Response:
+        media = _media_type(request)
+        protocol = "http_safetensors" if media == SAFETENSORS else "http_json"
+
+        async def handle() -> Response:
+            if media not in (JSON, SAFETENSORS):
+                raise UnsupportedMediaType(f"Content-Type must be {JSON} or {SAFETENSORS}, got {media!r}")
+            timeout = codecs.parse_timeout_s(request.headers.get(TIMEOUT_HEADER), "X-Request-Timeout")
+            body = await read_body(request, limit)
+            decode = codecs.decode_safetensors if media == SAFETENSORS else codecs.decode_forward_json
+            req = await fe.offload(len(body) // 4, decode, body, fe.spec)
+            req.timeout_s = timeout
+            out = await fe.infer(req)
+            if media == SAFETENSORS:
+                return Response(await fe.offload(out.numel(), codecs.encode_safetensors, out),
+                                media_type=SAFETENSORS)
+            return Response(await fe.offload(out.numel(), codecs.encode_forward_json, out), media_type=JSON)
+
+        return await answer(protocol, handle)
+
+    # ---- Open Inference Protocol v2 --------------------------------------------------------
+
+    @app.get("/v2")
+    async def server_metadata() -> dict:
+        return fe.server_metadata()
+
+    @app.get("/v2/health/live")
+    async def live() -> dict:
+        return {"live": True}
+
+    @app.get("/v2/health/ready")
+    async def ready() -> JSONResponse:
+        return JSONResponse({"ready": fe.ready}, status_code=200 if fe.ready else 503)
+
+    @app.get("/v2/models/{model}")
+    @app.get("/v2/models/{model}/versions/{version}")
+    async def model_metadata(model: str, version: str | None = None) -> Response:
+        codecs.check_model(model, version, fe.model_name)
+        return JSONResponse(fe.model_metadata())
+
+    @app.get("/v2/models/{model}/ready")
+    @app.get("/v2/models/{model}/versions/{version}/ready")
+    async def model_ready(model: str, version: str | None = None) -> Response:
+        codecs.check_model(model, version, fe.model_name)
+        return JSONResponse({"name": model, "ready": fe.ready}, status_code=200 if fe.ready else 503)
+
+    @app.post("/v2/models/{model}/infer")
+    @app.post("/v2/models/{model}/versions/{version}/infer")
+    async def infer(model: str, request: Request, version: str | None = None) -> Response:
+        header_length = request.headers.get(HEADER_LENGTH)
+        protocol = "v2_json" if header_length is None else "v2_binary"
+
+        async def handle() -> Response:
+            codecs.check_model(model, version, fe.model_name)
+            media = _media_type(request)
+            if media not in (None, JSON, OCTET_STREAM):
+                raise UnsupportedMediaType(f"Content-Type must be {JSON} or {OCTET_STREAM}, got {media!r}")
+            timeout = codecs.parse_timeout_s(request.headers.get(TIMEOUT_HEADER), "X-Request-Timeout")
+            body = await read_body(request, limit)
+            req = await fe.offload(len(body) // 4, codecs.decode_v2_http, body, header_length, fe.spec)
+            req.timeout_s = timeout or req.timeout_s
+            out = await fe.infer(req)
+            content, json_length = await fe.offload(out.numel(), codecs.encode_v2_http, out, req, fe.model_name)
+            if json_length is None:
+                return Response(content, media_type=JSON)
+            return Response(content, media_type=OCTET_STREAM,
+                            headers={"Inference-Header-Content-Length": str(json_length)})
+
+        return await answer(protocol, handle)
+
+    # ---- metrics ---------------------------------------------------------------------------
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(fe.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

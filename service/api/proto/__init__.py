@@ -1,0 +1,1 @@
+"""Generated Open Inference Protocol messages and stubs (see generate.sh)."""

@@ -1,0 +1,59 @@
+"""Exceptions -> HTTP status and gRPC code, in one place.
+
+Every handler of `service.api` lets exceptions propagate to one of two funnels
+(`http.error_response`, `grpc._abort`) which ask this module for the code. Bad input is
+always a 4xx / INVALID_ARGUMENT (or NOT_FOUND for an unknown model); overload, a missing or
+failed rank group and draining are 503 / UNAVAILABLE (clients retry these); a deadline is
+504 / DEADLINE_EXCEEDED; anything else is a bug of ours and the only path to 500 / INTERNAL.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from service.errors import (DeadlineExceeded, GroupUnavailable, InvalidInput, MoEError, Overloaded,
+                            WorkerError)
+
+
+class UnsupportedMediaType(InvalidInput):
+    """A Content-Type (or Content-Encoding) the route does not speak."""
+
+
+class PayloadTooLarge(InvalidInput):
+    """A body over max_request_bytes, or more tokens than the queue can ever hold."""
+
+
+class ModelNotFound(InvalidInput):
+    """A model name (or version) this server does not serve."""
+
+
+RETRY_AFTER_S = 1  # Retry-After on 503s: about one restart back-off
+
+# Most specific class first: the first isinstance match wins.
+_TABLE: tuple[tuple[type[BaseException], int, grpc.StatusCode], ...] = (
+    (UnsupportedMediaType, 415, grpc.StatusCode.INVALID_ARGUMENT),
+    (PayloadTooLarge, 413, grpc.StatusCode.INVALID_ARGUMENT),
+    (ModelNotFound, 404, grpc.StatusCode.NOT_FOUND),
+    (InvalidInput, 400, grpc.StatusCode.INVALID_ARGUMENT),
+    (Overloaded, 503, grpc.StatusCode.UNAVAILABLE),
+    (GroupUnavailable, 503, grpc.StatusCode.UNAVAILABLE),
+    (WorkerError, 503, grpc.StatusCode.UNAVAILABLE),
+    (DeadlineExceeded, 504, grpc.StatusCode.DEADLINE_EXCEEDED),
+)
+
+
+def classify(exc: BaseException) -> tuple[int, grpc.StatusCode]:
+    """The HTTP status and gRPC code for an exception raised while answering a request."""
+    for cls, status, code in _TABLE:
+        if isinstance(exc, cls):
+            return status, code
+    return 500, grpc.StatusCode.INTERNAL
+
+
+def message(exc: BaseException) -> str:
+    """The text the client sees. Rank tracebacks stay in the server log."""
+    if isinstance(exc, WorkerError):
+        return f"the rank group failed ({exc.args[0] if exc.args else 'no detail'}); retry shortly"
+    if isinstance(exc, MoEError):
+        return str(exc)
+    return f"internal error: {type(exc).__name__}"

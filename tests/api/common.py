@@ -1,0 +1,41 @@
+"""Inputs and the fp32 reference for the API tests (the CPU preset, synthetic weights, seed 0)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from service.config import preset
+from service.moe.reference import full_weights, moe_reference
+from tests.helpers import TOL, rel_err, routing
+
+CFG = preset("cpu")  # what the test servers serve (E=16 H=256 I=512 K=4 R=4 C=128 fp32)
+SEED = 0
+# Answers in a 16-bit dtype are the fp32 layer rounded once more; half a ulp relative.
+OUT_TOL = {torch.float32: TOL[torch.float32], torch.bfloat16: 8e-3, torch.float16: 1e-3}
+
+
+@functools.cache
+def weights():
+    return full_weights(CFG, SEED)
+
+
+def inputs(T: int, seed: int, dtype=torch.float32, kind: str = "balanced"):
+    """x [T, H] in dtype, ids [T, K] int64, w [T, K] fp32; fresh random values per seed."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, CFG.H, generator=gen).to(dtype)
+    ids, w = routing(T, CFG.E, CFG.K, kind, gen)
+    return x, ids, w
+
+
+def reference(x, ids, w) -> torch.Tensor:
+    """The layer in fp32 on the inputs as the server sees them (x cast to the serving dtype)."""
+    return moe_reference(x.to(CFG.dtype), ids, w, *weights())
+
+
+def check(out, x, ids, w) -> None:
+    out = torch.as_tensor(out)
+    assert tuple(out.shape) == (x.shape[0], CFG.H), out.shape
+    err = rel_err(out.float(), reference(x, ids, w))
+    assert err < OUT_TOL[out.dtype], f"relative error {err:.2e} over {OUT_TOL[out.dtype]:.0e} ({out.dtype})"

@@ -1,0 +1,189 @@
+"""The batcher against a fake rank group (same API: acquire_slot / run / release on slot views)."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+import types
+
+import pytest
+import torch
+
+from service.api.batcher import Batcher
+from service.config import LayerConfig
+from service.errors import DeadlineExceeded, GroupUnavailable, Overloaded, WorkerError
+from service.metrics import Metrics
+from service.moe.reference import moe_reference
+from tests.helpers import TOL, rel_err, routing
+
+CFG = LayerConfig(E=5, H=8, I=12, K=2, R=2, C=4, dtype=torch.float32)  # budget R*C = 8 tokens
+BUDGET = CFG.tokens_per_step
+
+
+class FakeGroup:
+    """Slots of plain tensors; run() computes the fp32 reference on rows [0, T) of the slot."""
+
+    def __init__(self, cfg: LayerConfig, slots: int = 2, fail_at_step: int | None = None, step_s: float = 0.0):
+        gen = torch.Generator().manual_seed(0)
+        self.cfg = cfg
+        self.gate = torch.randn(cfg.E, cfg.I, cfg.H, generator=gen) / cfg.H ** 0.5  # [E, I, H]
+        self.up = torch.randn(cfg.E, cfg.I, cfg.H, generator=gen) / cfg.H ** 0.5    # [E, I, H]
+        self.down = torch.randn(cfg.E, cfg.H, cfg.I, generator=gen) / cfg.I ** 0.5  # [E, H, I]
+        N = cfg.tokens_per_step
+        self.free: queue.Queue = queue.Queue()
+        for i in range(slots):
+            self.free.put(types.SimpleNamespace(
+                index=i, x=torch.zeros(N, cfg.H), ids=torch.zeros(N, cfg.K, dtype=torch.int32),
+                w=torch.zeros(N, cfg.K), out=torch.zeros(N, cfg.H)))
+        self.steps: list[int] = []
+        self.fail_at_step, self.step_s = fail_at_step, step_s
+        self.lock = threading.Lock()
+        self.alive = True
+        self.pids: list[int] = []
+
+    def ref(self, x, ids, w):
+        return moe_reference(x, ids, w, self.gate, self.up, self.down)
+
+    def acquire_slot(self, timeout=None):
+        return self.free.get(timeout=timeout)
+
+    def release(self, slot):
+        self.free.put(slot)
+
+    def run(self, slot, T):
+        assert 1 <= T <= self.cfg.tokens_per_step
+        with self.lock:
+            self.steps.append(T)
+            if self.fail_at_step is not None and len(self.steps) > self.fail_at_step:
+                self.alive = False
+                raise WorkerError("rank 1 died (exit code -9)", rank=1)
+            time.sleep(self.step_s)
+            slot.out[:T] = self.ref(slot.x[:T], slot.ids[:T], slot.w[:T])
+            slot.out[T:] = float("nan")  # rows past T must never be read
+        return types.SimpleNamespace(seq=len(self.steps), tokens=T, backend="serial", layer_s=1e-3,
+                                     stages={"gemm1": 5e-4, "gemm2": 5e-4}, exposed_comm_s=0.0)
+
+
+def batch(T: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, CFG.H, generator=gen)
+    ids, w = routing(T, CFG.E, CFG.K, "balanced", gen)
+    return x, ids.to(torch.int32), w
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def started(group, **kw) -> Batcher:
+    kw = {"budget": BUDGET, "delay_s": 0.002, "queue_tokens": 1000, "slots": 2, "metrics": Metrics(), **kw}
+    b = Batcher(**kw)
+    b.start()
+    b.attach(group)
+    return b
+
+
+def test_split_reassemble_and_no_mixing():
+    group = FakeGroup(CFG)
+    sizes = [1, 3, 8, 13, 20, 2, 7, 17]
+
+    async def main():
+        b = await started(group)
+        reqs = [batch(T, seed) for seed, T in enumerate(sizes)]
+        outs = await asyncio.gather(*(b.submit(*r, timeout_s=10) for r in reqs))
+        await b.close()
+        return reqs, outs
+
+    reqs, outs = run(main())
+    for (x, ids, w), out in zip(reqs, outs):
+        assert out.shape == x.shape
+        assert rel_err(out, group.ref(x, ids, w)) < TOL[torch.float32]
+    assert sum(group.steps) == sum(sizes)
+    assert max(group.steps) <= BUDGET
+    assert len(group.steps) == -(-sum(sizes) // BUDGET), "steps should be full while requests wait"
+
+
+def test_queue_delay_and_full_budget():
+    group = FakeGroup(CFG)
+
+    async def main():
+        b = await started(group, delay_s=0.2)
+        t0 = time.monotonic()
+        await b.submit(*batch(BUDGET, 1), timeout_s=10)  # a full budget does not wait
+        full = time.monotonic() - t0
+        t0 = time.monotonic()
+        await b.submit(*batch(2, 2), timeout_s=10)  # a partial one waits for company
+        partial = time.monotonic() - t0
+        await b.close()
+        return full, partial
+
+    full, partial = run(main())
+    assert full < 0.15 and partial >= 0.19
+
+
+def test_overload_is_immediate_and_accepted_requests_finish():
+    group = FakeGroup(CFG)
+
+    async def main():
+        b = await started(group, delay_s=0.3, queue_tokens=10)
+        first = asyncio.create_task(b.submit(*batch(6, 1), timeout_s=10))
+        await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        with pytest.raises(Overloaded, match="queue is full"):
+            await b.submit(*batch(6, 2), timeout_s=10)
+        assert time.monotonic() - t0 < 0.05
+        out = await first
+        await b.close()
+        return out
+
+    assert run(main()).shape == (6, CFG.H)
+
+
+def test_deadline_in_queue_drops_the_work():
+    group = FakeGroup(CFG)
+    metrics = Metrics()
+
+    async def main():
+        b = await started(group, delay_s=0.2, metrics=metrics)
+        with pytest.raises(DeadlineExceeded):
+            await b.submit(*batch(3, 1), timeout_s=0.05)
+        await asyncio.sleep(0.3)
+        await b.close()
+
+    run(main())
+    assert group.steps == []
+    assert metrics.queued_tokens._value.get() == 0 and metrics.inflight._value.get() == 0
+
+
+def test_failed_step_fails_its_requests_and_reports_once():
+    group = FakeGroup(CFG, fail_at_step=0)
+    failures = []
+
+    async def main():
+        b = await started(group, on_failure=lambda g, e: failures.append((g, e)))
+        with pytest.raises(WorkerError):
+            await b.submit(*batch(5, 1), timeout_s=10)
+        await b.close()
+
+    run(main())
+    assert len(failures) == 1 and failures[0][0] is group
+
+
+def test_detach_fails_pending_and_refuses_new():
+    group = FakeGroup(CFG, step_s=0.2)
+
+    async def main():
+        b = await started(group, delay_s=0.0)
+        pending = [asyncio.create_task(b.submit(*batch(8, i), timeout_s=10)) for i in range(4)]
+        await asyncio.sleep(0.05)
+        b.detach(GroupUnavailable("restarting"))
+        results = await asyncio.gather(*pending, return_exceptions=True)
+        assert all(isinstance(r, GroupUnavailable) for r in results), results
+        with pytest.raises(GroupUnavailable, match="restarting"):
+            await b.submit(*batch(1, 9), timeout_s=10)
+        assert b.pending == 0
+        await b.close()
+
+    run(main())

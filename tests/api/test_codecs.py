@@ -1,0 +1,174 @@
+"""Decoding, validation and encoding of every wire format, without a server."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+import safetensors.torch
+import torch
+
+from service.api import codecs
+from service.api.proto import grpc_predict_v2_pb2 as pb
+from service.api.status import ModelNotFound, PayloadTooLarge, UnsupportedMediaType, classify
+from service.errors import (DeadlineExceeded, GroupUnavailable, InvalidInput, Overloaded, WorkerError)
+
+SPEC = codecs.ModelSpec(E=6, H=5, K=2, dtype=torch.float32, max_tokens=100)
+
+
+def tensors(T=3, x_dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, SPEC.H, generator=gen).to(x_dtype)
+    ids = torch.randint(0, SPEC.E, (T, SPEC.K), generator=gen)
+    w = torch.rand(T, SPEC.K, generator=gen)
+    return x, ids, w
+
+
+def test_validate_normalises_dtypes():
+    x, ids, w = tensors(x_dtype=torch.bfloat16)
+    xc, idc, wc = codecs.validate(x, ids, w.half(), SPEC)
+    assert xc.dtype == torch.float32 and idc.dtype == torch.int32 and wc.dtype == torch.float32
+    assert torch.equal(xc, x.float()) and torch.equal(idc, ids.int())
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda x, i, w: (x[:, :4], i, w), "[T, 5]"),
+    (lambda x, i, w: (x[:0], i[:0], w[:0]), "T = 0"),
+    (lambda x, i, w: (x, i[:2], w), "2 rows but hidden_states has T = 3"),
+    (lambda x, i, w: (x, i, w[:, :1]), "K = 2"),
+    (lambda x, i, w: (x, i.float(), w), "topk_ids must be int32 or int64"),
+    (lambda x, i, w: (x.double(), i, w), "hidden_states must be float32"),
+    (lambda x, i, w: (x, i.clamp(max=0) - 1, w), "= -1 is not an expert id in [0, 6)"),
+    (lambda x, i, w: (x, i.clamp(min=6), w), "is not an expert id"),
+    (lambda x, i, w: (x.index_fill(0, torch.tensor([1]), float("nan")), i, w), "hidden_states contains NaN"),
+    (lambda x, i, w: (x, i, w.index_fill(0, torch.tensor([2]), float("-inf"))), "topk_weights contains NaN"),
+])
+def test_validate_names_the_problem(change, needle):
+    with pytest.raises(InvalidInput) as err:
+        codecs.validate(*change(*tensors()), SPEC)
+    assert needle in str(err.value)
+
+
+def test_validate_token_limit_and_dtype_range():
+    with pytest.raises(PayloadTooLarge, match="queue_tokens"):
+        codecs.validate(*tensors(T=101), SPEC)
+    half = codecs.ModelSpec(E=6, H=5, K=2, dtype=torch.float16, max_tokens=100)
+    x, ids, w = tensors()
+    x[0, 0] = 1e6  # finite in fp32, inf in fp16
+    with pytest.raises(InvalidInput, match="outside the range of float16"):
+        codecs.validate(x, ids, w, half)
+
+
+def test_forward_json_and_safetensors_round_trip():
+    x, ids, w = tensors()
+    body = json.dumps({"hidden_states": x.tolist(), "topk_ids": ids.tolist(), "topk_weights": w.tolist()}).encode()
+    req = codecs.decode_forward_json(body, SPEC)
+    assert torch.equal(req.x, x) and req.out_dtype == torch.float32
+    assert json.loads(codecs.encode_forward_json(req.x))["output"] == x.tolist()
+
+    blob = safetensors.torch.save({"hidden_states": x.bfloat16(), "topk_ids": ids.int(), "topk_weights": w})
+    req = codecs.decode_safetensors(blob, SPEC)
+    assert req.out_dtype == torch.bfloat16 and torch.equal(req.x, x.bfloat16().float())
+    out = safetensors.torch.load(codecs.encode_safetensors(req.x.bfloat16()))["output"]
+    assert out.dtype == torch.bfloat16
+
+
+def test_v2_binary_round_trip():
+    x, ids, w = tensors(T=4, x_dtype=torch.bfloat16)
+    blobs = [codecs.to_bytes(x), codecs.to_bytes(ids.int()), codecs.to_bytes(w)]
+    header = json.dumps({"id": "a", "parameters": {"timeout": 2_500_000, "binary_data_output": True}, "inputs": [
+        {"name": n, "datatype": d, "shape": list(t.shape), "parameters": {"binary_data_size": len(b)}}
+        for n, d, t, b in zip(codecs.INPUT_NAMES, ("BF16", "INT32", "FP32"), (x, ids, w), blobs)]}).encode()
+    req = codecs.decode_v2_http(header + b"".join(blobs), str(len(header)), SPEC)
+    assert torch.equal(req.x, x.float()) and torch.equal(req.ids, ids.int()) and torch.equal(req.w, w)
+    assert req.request_id == "a" and req.timeout_s == 2.5 and req.binary_output and req.out_dtype == torch.bfloat16
+
+    body, n = codecs.encode_v2_http(x, req, "moe")
+    doc = json.loads(body[:n])
+    assert doc["id"] == "a" and doc["outputs"][0]["datatype"] == "BF16"
+    assert doc["outputs"][0]["parameters"]["binary_data_size"] == len(body) - n
+    back = torch.frombuffer(bytearray(body[n:]), dtype=torch.bfloat16).reshape(4, SPEC.H)
+    assert torch.equal(back, x)
+
+
+def test_v2_json_output_choice():
+    x, ids, w = tensors(T=2)
+    doc = {"inputs": [{"name": "hidden_states", "datatype": "FP32", "shape": [2, 5], "data": x.flatten().tolist()},
+                      {"name": "topk_ids", "datatype": "INT64", "shape": [2, 2], "data": ids.tolist()},
+                      {"name": "topk_weights", "datatype": "FP32", "shape": [2, 2], "data": w.tolist()}],
+           "outputs": [{"name": "output", "parameters": {"binary_data": False}}],
+           "parameters": {"binary_data_output": True}}
+    req = codecs.decode_v2_http(json.dumps(doc).encode(), None, SPEC)
+    assert not req.binary_output  # the per-output flag wins
+    body, n = codecs.encode_v2_http(req.x, req, "moe")
+    assert n is None and json.loads(body)["outputs"][0]["data"] == pytest.approx(x.flatten().tolist())
+    doc["inputs"][1]["data"] = [0.5, 1, 2, 3]
+    with pytest.raises(InvalidInput, match="topk_ids must hold integers"):
+        codecs.decode_v2_http(json.dumps(doc).encode(), None, SPEC)
+
+
+def grpc_request(x, ids, w, raw=True):
+    r = pb.ModelInferRequest(model_name="moe", id="g")
+    for name, dt, t in zip(codecs.INPUT_NAMES, ("FP32", "INT64", "FP32"), (x, ids, w)):
+        item = r.inputs.add(name=name, datatype=dt, shape=list(t.shape))
+        if raw:
+            r.raw_input_contents.append(codecs.to_bytes(t))
+        elif dt == "FP32":
+            item.contents.fp32_contents.extend(t.flatten().tolist())
+        else:
+            item.contents.int64_contents.extend(t.flatten().tolist())
+    return r
+
+
+@pytest.mark.parametrize("raw", [True, False])
+def test_grpc_decode(raw):
+    x, ids, w = tensors()
+    r = grpc_request(x, ids, w, raw)
+    r.parameters["timeout"].int64_param = 1000
+    req = codecs.decode_grpc(r, SPEC)
+    assert torch.equal(req.x, x) and torch.equal(req.ids, ids.int()) and req.timeout_s == 1e-3
+    response = codecs.encode_grpc(req.x, req, "moe")
+    assert response.id == "g" and list(response.outputs[0].shape) == [3, 5]
+    assert response.raw_output_contents[0] == codecs.to_bytes(x)
+
+
+def test_grpc_decode_errors():
+    x, ids, w = tensors()
+    r = grpc_request(x, ids, w)
+    del r.raw_input_contents[2]
+    with pytest.raises(InvalidInput, match="2 entries for 3 inputs"):
+        codecs.decode_grpc(r, SPEC)
+    r = grpc_request(x, ids, w)
+    r.raw_input_contents[0] = r.raw_input_contents[0][:-4]
+    with pytest.raises(InvalidInput, match="needs 60"):
+        codecs.decode_grpc(r, SPEC)
+    r = grpc_request(x, ids, w, raw=False)
+    r.inputs[0].datatype = "FP16"
+    with pytest.raises(InvalidInput, match="raw_input_contents"):
+        codecs.decode_grpc(r, SPEC)
+    with pytest.raises(ModelNotFound):
+        codecs.check_model("other", "", "moe")
+    with pytest.raises(ModelNotFound, match="version"):
+        codecs.check_model("moe", "3", "moe")
+
+
+def test_timeouts():
+    assert codecs.parse_timeout_s(None, "t") is None and codecs.parse_timeout_s("0.5", "t") == 0.5
+    for bad in ("abc", "0", "-1", "inf", "nan"):
+        with pytest.raises(InvalidInput):
+            codecs.parse_timeout_s(bad, "t")
+
+
+def test_one_table_of_codes():
+    cases = {UnsupportedMediaType("x"): (415, grpc.StatusCode.INVALID_ARGUMENT),
+             PayloadTooLarge("x"): (413, grpc.StatusCode.INVALID_ARGUMENT),
+             ModelNotFound("x"): (404, grpc.StatusCode.NOT_FOUND),
+             InvalidInput("x"): (400, grpc.StatusCode.INVALID_ARGUMENT),
+             Overloaded("x"): (503, grpc.StatusCode.UNAVAILABLE),
+             GroupUnavailable("x"): (503, grpc.StatusCode.UNAVAILABLE),
+             WorkerError("x"): (503, grpc.StatusCode.UNAVAILABLE),
+             DeadlineExceeded("x"): (504, grpc.StatusCode.DEADLINE_EXCEEDED),
+             RuntimeError("x"): (500, grpc.StatusCode.INTERNAL)}
+    for exc, expected in cases.items():
+        assert classify(exc) == expected, exc
