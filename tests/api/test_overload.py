@@ -24,7 +24,6 @@ DELAY_MS = 600  # every request waits this long in the queue (the budget is neve
 METRICS_PORT = free_port()
 
 
-@pytest.fixture(scope="module")
 def process_running(pid: int) -> bool:
     """True while `pid` is a live process (not gone, not a zombie); the ranks are not our children."""
     try:
@@ -34,6 +33,7 @@ def process_running(pid: int) -> bool:
         return False
 
 
+@pytest.fixture(scope="module")
 def server(tmp_path_factory):
     proc = ServerProcess(str(tmp_path_factory.mktemp("overload") / "server.log"),
                          "--queue-tokens", str(QUEUE_TOKENS), "--batch-delay-ms", str(DELAY_MS),
