@@ -155,5 +155,15 @@ class Settings(BaseSettings):
     def layer_config(self, device: str) -> LayerConfig:
         """The layer shape: the preset (seed on GPU, cpu on CPU) with any overrides applied."""
         name = self.preset or ("seed" if device == "cuda" else "cpu")
-        overrides = dict(R=self.world_size, C=self.capacity, dtype=DTYPES[self.dtype] if self.dtype else None)
+        R = self.world_size
+        if device == "cuda":
+            gpus = torch.cuda.device_count()
+            if R is not None and R > gpus:
+                raise ConfigError(f"world_size={R} needs {R} GPUs, torch sees {gpus} (NCCL cannot share a GPU "
+                                  f"between ranks)")
+            if R is None and PRESETS[name].R > gpus:
+                R = max(r for r in range(1, gpus + 1) if PRESETS[name].I % r == 0)
+                log.warning("preset %s wants R=%d ranks, %d GPU(s) found: running R=%d", name,
+                            PRESETS[name].R, gpus, R)
+        overrides = dict(R=R, C=self.capacity, dtype=DTYPES[self.dtype] if self.dtype else None)
         return preset(name, **overrides)

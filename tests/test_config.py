@@ -1,0 +1,69 @@
+"""Layer configuration and settings: presets, impossible values named, environment overrides."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from service.config import PRESETS, LayerConfig, Settings, preset
+from service.errors import ConfigError
+
+
+def test_presets():
+    seed = PRESETS["seed"]
+    assert (seed.E, seed.H, seed.I, seed.K, seed.R, seed.C, seed.dtype) == (64, 4096, 3072, 8, 4, 512, torch.bfloat16)
+    assert seed.Ir == 768 and seed.tokens_per_step == 2048
+    assert seed.S % 128 == 0 and seed.S >= 2048 * 8 + 64 * 127
+    assert preset("cpu", C=7).C == 7
+
+
+@pytest.mark.parametrize("changes,field", [
+    (dict(I=3073), "I (3073) must be divisible by R"),
+    (dict(K=65), "K (top-k = 65) must not exceed E"),
+    (dict(C=0), "C must be a positive integer"),
+    (dict(H=-1), "H must be a positive integer"),
+    (dict(E=2.5), "E must be a positive integer"),
+    (dict(dtype=torch.int8), "dtype must be one of"),
+])
+def test_impossible_values_name_the_field(changes, field):
+    with pytest.raises(ConfigError, match=field.replace("(", r"\(").replace(")", r"\)")):
+        PRESETS["seed"].replace(**changes)
+
+
+def test_unknown_preset():
+    with pytest.raises(ConfigError, match="preset must be one of"):
+        preset("huge")
+
+
+def test_settings_from_environment(monkeypatch):
+    monkeypatch.setenv("MOE_HTTP_PORT", "9000")
+    monkeypatch.setenv("MOE_CAPACITY", "64")
+    monkeypatch.setenv("MOE_PRESET", "cpu")
+    s = Settings()
+    assert s.http_port == 9000
+    cfg = s.layer_config("cpu")
+    assert cfg.C == 64 and cfg.E == PRESETS["cpu"].E
+
+
+@pytest.mark.parametrize("env,word", [
+    ({"MOE_HTTP_PORT": "70000"}, "http_port"),
+    ({"MOE_PRESET": "nope"}, "preset"),
+    ({"MOE_GRPC_PORT": "8000"}, "must differ"),
+    ({"MOE_WORLD_SIZE": "0"}, "world_size"),
+])
+def test_settings_reject_impossible_values(monkeypatch, env, word):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValidationError, match=word):
+        Settings()
+
+
+def test_device_resolution_without_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert Settings().resolve_device()[0] == "cpu"
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        Settings(device="cuda").resolve_device()
+    assert Settings().layer_config("cpu") == PRESETS["cpu"]
+    assert isinstance(Settings(world_size=2).layer_config("cpu"), LayerConfig)
