@@ -36,7 +36,7 @@ class LayerConfig:
     K: int  # experts per token (top-k)
     R: int  # ranks
     C: int  # token capacity per rank and step
-    dtype: torch.dtype = torch.bfloat16
+    dtype: torch.dtype = Field(torch.bfloat16, description="compute dtype; default the preset's")
 
     def __post_init__(self) -> None:
         for name in ("E", "H", "I", "K", "R", "C"):
@@ -98,33 +98,33 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="MOE_", extra="ignore")
 
-    host: str = "0.0.0.0"
-    http_port: int = Field(8000, ge=0, le=65535)
-    grpc_port: int = Field(8001, ge=0, le=65535)
+    host: str = Field("0.0.0.0", description="address the HTTP and gRPC servers bind")
+    http_port: int = Field(8000, ge=0, le=65535, description="HTTP port: `/moe/forward`, the v2 routes, `/metrics`")
+    grpc_port: int = Field(8001, ge=0, le=65535, description="gRPC port: `inference.GRPCInferenceService` and `grpc.health.v1`")
     metrics_port: int = Field(0, ge=0, le=65535, description="separate /metrics port; 0 = only on the HTTP port")
-    model_name: str = "moe"
+    model_name: str = Field("moe", description="model name in the v2 routes and gRPC calls")
 
     preset: str | None = Field(None, description="layer preset; default seed on GPU, cpu otherwise")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="`auto`: cuda when torch sees a GPU, else cpu")
     world_size: int | None = Field(None, ge=1, description="ranks R; default the preset's (capped by GPUs)")
     capacity: int | None = Field(None, ge=1, description="tokens per rank and step C; default the preset's")
-    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="compute dtype; default the preset's")
     weights: str | None = Field(None, description="safetensors checkpoint; synthetic weights when unset")
-    weights_prefix: str = ""
-    seed: int = 0
-    backend: Literal["auto", "serial", "fused"] = "auto"
+    weights_prefix: str = Field("", description="key prefix in the checkpoint, e.g. `model.layers.0.mlp.`")
+    seed: int = Field(0, description="seed of the synthetic weights")
+    backend: Literal["auto", "serial", "fused"] = Field("auto", description="layer backend; `auto`: fused where it can run, else serial (the reason is logged at start)")
 
     batch_delay_ms: float = Field(2.0, ge=0, description="how long the batcher waits to fill a step")
     queue_tokens: int = Field(65536, ge=1, description="queued tokens beyond which requests get 503")
-    max_request_bytes: int = Field(256 << 20, ge=1024)
-    grpc_max_message_bytes: int = Field(256 << 20, ge=1024)
+    max_request_bytes: int = Field(256 << 20, ge=1024, description="largest HTTP request body; a larger one gets 413")
+    grpc_max_message_bytes: int = Field(256 << 20, ge=1024, description="largest gRPC message, received or sent")
     request_timeout_s: float = Field(30.0, gt=0, description="default per-request deadline")
     step_timeout_s: float = Field(60.0, gt=0, description="a step slower than this fails the group")
     start_timeout_s: float = Field(300.0, gt=0, description="rank group start-up limit")
     drain_timeout_s: float = Field(20.0, ge=0, description="SIGTERM grace period for in-flight requests")
-    restart_backoff_s: float = Field(1.0, ge=0)
+    restart_backoff_s: float = Field(1.0, ge=0, description="first delay before restarting a failed rank group; doubles on each failure, up to 30 s")
     slots: int = Field(2, ge=1, le=16, description="shared-memory batch slots")
-    log_level: str = "INFO"
+    log_level: str = Field("INFO", description="logging level: DEBUG, INFO, WARNING, ERROR")
 
     @field_validator("preset")
     @classmethod

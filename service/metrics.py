@@ -15,6 +15,7 @@ TIME_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2
 TOKEN_BUCKETS = tuple(float(2 ** i) for i in range(0, 17))  # 1 .. 65536 tokens
 
 PROTOCOLS = ("http_json", "http_safetensors", "v2_json", "v2_binary", "grpc")
+BACKENDS = ("serial", "fused")
 STAGES = ("tables", "all_gather", "scatter", "gemm1", "swiglu", "gemm2", "combine", "reduce_scatter")
 
 
@@ -54,6 +55,15 @@ class Metrics:
         self.worker_restarts = Counter(
             "moe_worker_restarts_total", "Restarts of the rank group after a failure.", registry=r)
         self.ready = Gauge("moe_ready", "1 when the service answers inference requests, else 0.", registry=r)
+        # Series for the known label values exist from the start, so dashboards and alerts see
+        # zeros rather than "no data" on a fresh replica.
+        for stage in STAGES:
+            self.stage_time.labels(stage)
+        for backend in BACKENDS:
+            self.layer_time.labels(backend)
+            self.exposed_comm.labels(backend)
+        for protocol in PROTOCOLS:
+            self.request_duration.labels(protocol, "200")
 
     def observe_step(self, stats) -> None:
         """Record one finished step (a `service.worker.group.StepStats`)."""
