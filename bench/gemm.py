@@ -13,6 +13,8 @@ for three implementations, balanced and skewed routing:
     loop      one cuBLAS matmul per expert on host-known offsets (what a naive layer does)
 Schedule build time (us) for the CUDA op moe::build_tables (graph replay), the vectorized torch
 builder (graph replay and eager) and an eager argsort chain (the baseline, ratio 1.0).
+Top-k combine (us and GB/s over service.kernels.combine.bytes_moved) for the Triton kernel
+against the serial backend's torch loop (K rounds of index_select + cast + addcmul; ratio 1.0).
 Timings: triton.testing.do_bench (median, L2 flushed between runs) or do_bench_cudagraph.
 """
 
@@ -34,6 +36,7 @@ from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 from service.config import BM  # noqa: E402
 from service.kernels import schedule  # noqa: E402
+from service.kernels.combine import bytes_moved, combine  # noqa: E402
 from service.kernels.grouped_gemm import flops, gemm1_swiglu, gemm2  # noqa: E402
 from service.kernels.tuning import lookup_for_device  # noqa: E402
 from service.moe import tables as torch_tables  # noqa: E402
@@ -176,6 +179,42 @@ def bench_schedule(args, dev: torch.device) -> dict:
     return result
 
 
+def torch_combine(d: torch.Tensor, slots: torch.Tensor, w: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """The serial backend's step 5 as it was (service/moe/serial.py): the baseline, ratio 1.0."""
+    N, K = slots.shape
+    slots_c = slots.long().clamp(min=0)  # [N, K]
+    partial = torch.zeros(N, d.shape[1], dtype=torch.float32, device=d.device)  # [N, H]
+    for k in range(K):
+        partial.addcmul_(d.index_select(0, slots_c[:, k]).float(), w[:, k:k + 1])
+    return torch.where(real[:, None], partial, 0.0)
+
+
+def bench_combine(args, dev: torch.device) -> dict:
+    T, K, E, H = args.tokens, args.K, args.E, args.H
+    R = 4
+    C = T // R
+    S = -(-(T * K + E * (BM - 1)) // BM) * BM
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator().manual_seed(3)
+    ids = routing(T, E, K, "balanced", gen).to(dev, torch.int32)
+    counts = torch.tensor([C, C, C, C - 37], dtype=torch.int32, device=dev)  # a few padding tokens
+    tables = torch_tables.build_tables(ids, counts, E, C, S)
+    g = torch.arange(T, device=dev)
+    real = (g % C) < counts.long()[g // C]  # [T]
+    d = torch.randn(S, H, device=dev, dtype=dtype)  # [S, H] the GEMM2 output
+    w = torch.rand(T, K, device=dev) * real[:, None]  # [T, K] padding tokens: weight 0, as serial.py sets
+    out = torch.empty(T, H, device=dev)
+    ref = torch_combine(d, tables.slots, w, real)
+    combine(d, tables.slots, w, out=out)
+    moved = bytes_moved(T, K, H, d.element_size(), real_tokens=int(real.sum()))
+    result = {"rel_err_vs_torch": rel_err(out, ref), "bytes": moved,
+              "triton_us": do_bench(lambda: combine(d, tables.slots, w, out=out), warmup=25, rep=200) * 1e3,
+              "torch_us": do_bench(lambda: torch_combine(d, tables.slots, w, real), warmup=25, rep=200) * 1e3}
+    for name in ("triton", "torch"):
+        result[f"{name}_gbps"] = moved / result[f"{name}_us"] / 1e3
+    return result
+
+
 def dense_reference(dev: torch.device) -> float:
     n = 8192
     a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
@@ -187,6 +226,15 @@ def print_report(report: dict) -> None:
     print(f"\ndevice {report['device']}  torch {report['torch']}  triton {report['triton']}  "
           f"T={report['shape']['tokens']} K={report['shape']['K']} E={report['shape']['E']} "
           f"H={report['shape']['H']} Ir={report['shape']['Ir']} {report['shape']['dtype']}")
+    if "gemm" in report:
+        print_gemms(report)
+    if "schedule" in report:
+        print_schedule(report["schedule"])
+    if "combine" in report:
+        print_combine(report["combine"])
+
+
+def print_gemms(report: dict) -> None:
     print(f"dense cuBLAS 8192^3: {report['dense_tflops']:.0f} TFLOP/s")
     print(f"{'routing':9s} {'impl':8s} {'GEMM1+SwiGLU':>14s} {'ratio':>6s} {'GEMM2':>10s} {'ratio':>6s}   (TFLOP/s, real hits)")
     for r in report["gemm"]:
@@ -197,7 +245,9 @@ def print_report(report: dict) -> None:
                   f"{v['gemm2_tflops']:10.0f} {v['gemm2_tflops'] / base['gemm2_tflops']:6.2f}")
         print(f"{'':9s} rows used {r['rows_used']} for {r['hits']} hits; max rows/expert {r['max_rows_per_expert']}; "
               f"triton vs grouped rel err {r['rel_err_vs_grouped'][0]:.1e} / {r['rel_err_vs_grouped'][1]:.1e}")
-    s = report["schedule"]
+
+
+def print_schedule(s: dict) -> None:
     base = s["argsort_eager_us"]
     print(f"schedule build (us; ratio = time / eager argsort chain, lower is better):")
     for key in ("argsort_eager_us", "torch_builder_eager_us", "torch_builder_graph_us", "cuda_op_eager_us",
@@ -210,6 +260,13 @@ def print_report(report: dict) -> None:
         print("  WARNING: the CUDA op's tables differ from the torch builder's")
 
 
+def print_combine(c: dict) -> None:
+    print(f"top-k combine (us, GB/s of {c['bytes'] / 1e6:.0f} MB; ratio = torch loop time / time, higher is better):")
+    for name in ("torch", "triton"):
+        print(f"  {name:24s} {c[name + '_us']:8.1f} {c['torch_us'] / c[name + '_us']:6.2f}x {c[name + '_gbps']:7.0f} GB/s")
+    print(f"  triton vs torch rel err {c['rel_err_vs_torch']:.1e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=2048)
@@ -218,16 +275,23 @@ def main() -> None:
     parser.add_argument("--H", type=int, default=4096)
     parser.add_argument("--Ir", type=int, default=768)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--parts", default="gemm,schedule,combine", help="comma-separated subset to measure")
     parser.add_argument("--json", type=Path, help="also write the report here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/gemm.py needs a CUDA GPU")
     dev = torch.device("cuda")
+    parts = set(args.parts.split(","))
     report = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "triton": triton.__version__,
               "shape": {"tokens": args.tokens, "K": args.K, "E": args.E, "H": args.H, "Ir": args.Ir, "dtype": args.dtype},
-              "dense_tflops": dense_reference(dev),
-              "gemm": [bench_gemms(args, kind, dev) for kind in ("balanced", "skewed")],
-              "schedule": bench_schedule(args, dev)}
+              "parts": sorted(parts)}
+    if "gemm" in parts:
+        report["dense_tflops"] = dense_reference(dev)
+        report["gemm"] = [bench_gemms(args, kind, dev) for kind in ("balanced", "skewed")]
+    if "schedule" in parts:
+        report["schedule"] = bench_schedule(args, dev)
+    if "combine" in parts:
+        report["combine"] = bench_combine(args, dev)
     print_report(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

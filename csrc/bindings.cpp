@@ -17,9 +17,42 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <climits>
+#include <cstdint>
+#include <string>
 #include <tuple>
+#include <type_traits>
 
 #include "schedule/schedule_kernel.h"
+
+// Error messages are built with std::string and std::to_string only, never with std::ostream
+// (which TORCH_CHECK's c10::str uses for anything but one string). Why: on the H200 image the
+// built library carried its own copy of libstdc++'s stream code, whose locale facets are never
+// initialised; the first `<< int64_t` in a failing check dereferenced a null facet and killed the
+// process (SIGSEGV in std::ostream::_M_insert<long>, bench/NOTES.md). Messages made here reach
+// TORCH_CHECK as one std::string, which c10 passes through untouched, and the c10::Error is built
+// inside libc10 with its own (initialised) library.
+namespace moe {
+namespace msg {
+inline void append(std::string& out, const char* s) { out += s; }
+inline void append(std::string& out, const std::string& s) { out += s; }
+template <class T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+inline void append(std::string& out, T value) {
+  out += std::to_string(value);
+}
+inline void append(std::string& out, const c10::Device& device) { out += device.str(); }  // formatted in libc10
+inline void append(std::string& out, c10::ScalarType type) { out += c10::toString(type); }
+}  // namespace msg
+
+template <class... Args>
+std::string message(const Args&... args) {
+  std::string out;
+  (msg::append(out, args), ...);
+  return out;
+}
+}  // namespace moe
+
+#define MOE_CHECK(cond, ...) TORCH_CHECK(cond, ::moe::message(__VA_ARGS__))
 
 namespace moe {
 namespace {
@@ -27,41 +60,46 @@ namespace {
 using at::Tensor;
 
 void check_int32_cuda(const Tensor& t, const char* name, int64_t numel, const Tensor& like) {
-  TORCH_CHECK(t.is_cuda(), "moe::build_tables: ", name, " must be a CUDA tensor, got ", t.device());
-  TORCH_CHECK(t.device() == like.device(), "moe::build_tables: ", name, " is on ", t.device(), ", ids on ",
+  MOE_CHECK(t.defined(), "moe::build_tables: ", name, " is an undefined tensor");
+  MOE_CHECK(t.is_cuda(), "moe::build_tables: ", name, " must be a CUDA tensor, got ", t.device());
+  MOE_CHECK(t.device() == like.device(), "moe::build_tables: ", name, " is on ", t.device(), ", ids on ",
               like.device());
-  TORCH_CHECK(t.scalar_type() == at::kInt, "moe::build_tables: ", name, " must be int32, got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), "moe::build_tables: ", name, " must be contiguous");
-  TORCH_CHECK(t.numel() == numel, "moe::build_tables: ", name, " must have ", numel, " elements, got ", t.numel());
+  MOE_CHECK(t.scalar_type() == at::kInt, "moe::build_tables: ", name, " must be int32, got ", t.scalar_type());
+  MOE_CHECK(t.is_contiguous(), "moe::build_tables: ", name, " must be contiguous");
+  MOE_CHECK(t.numel() == numel, "moe::build_tables: ", name, " must have ", numel, " elements, got ", t.numel());
 }
 
-void build_tables_out(const Tensor& ids, const Tensor& counts, int64_t E, int64_t C, Tensor& expert_offsets,
-                      Tensor& block_expert, Tensor& slots, Tensor& row_token, Tensor& pull_order, Tensor& job_order,
-                      Tensor& slack) {
-  TORCH_CHECK(ids.dim() == 2, "moe::build_tables: ids must be [R*C, K], got ", ids.dim(), " dims");
-  TORCH_CHECK(counts.dim() == 1, "moe::build_tables: counts must be [R]");
+// Every check on the inputs and the sizes, before anything is allocated, read or launched.
+// Returns K. Plain integer arithmetic on metadata only: no data_ptr, no device access.
+int64_t check_inputs(const Tensor& ids, const Tensor& counts, int64_t E, int64_t C, int64_t S) {
+  MOE_CHECK(ids.defined() && counts.defined(), "moe::build_tables: ids and counts must be defined tensors");
+  MOE_CHECK(ids.dim() == 2, "moe::build_tables: ids must be [R*C, K], got ", ids.dim(), " dims");
+  MOE_CHECK(counts.dim() == 1, "moe::build_tables: counts must be [R], got ", counts.dim(), " dims");
   const int64_t R = counts.size(0), K = ids.size(1);
-  TORCH_CHECK(R >= 1 && C >= 1 && K >= 1, "moe::build_tables: R, C and K must be positive (R=", R, ", C=", C,
+  MOE_CHECK(R >= 1 && C >= 1 && K >= 1, "moe::build_tables: R, C and K must be positive (R=", R, ", C=", C,
               ", K=", K, ")");
-  TORCH_CHECK(ids.size(0) == R * C, "moe::build_tables: ids has ", ids.size(0), " rows, expected R*C = ", R * C);
-  TORCH_CHECK(E >= 1 && E <= kMaxExperts, "moe::build_tables: E must be in [1, ", kMaxExperts, "], got ", E,
+  MOE_CHECK(E >= 1 && E <= kMaxExperts, "moe::build_tables: E must be in [1, ", kMaxExperts, "], got ", E,
               " (one thread per expert key in one 1024-thread CTA)");
-  TORCH_CHECK(R * C * K <= kMaxHits, "moe::build_tables: R*C*K = ", R * C * K, " hits exceeds ", kMaxHits,
-              " (one-CTA latency bound); use service.moe.tables.build_tables");
-  const int64_t S = row_token.numel();
+  // Bound R*C before multiplying by K so that nothing below can overflow.
+  MOE_CHECK(R <= kMaxHits && C <= kMaxHits && R * C * K <= kMaxHits, "moe::build_tables: R*C*K = ", R, "*", C,
+              "*", K, " hits exceeds ", kMaxHits, " (16-bit counters of the one-CTA kernel); use ",
+              "service.moe.tables.build_tables");
+  MOE_CHECK(ids.size(0) == R * C, "moe::build_tables: ids has ", ids.size(0), " rows, expected R*C = ", R * C);
   const int64_t need = (R * C * K + E * (kBlockRows - 1) + kBlockRows - 1) / kBlockRows * kBlockRows;
-  TORCH_CHECK(S % kBlockRows == 0, "moe::build_tables: S = ", S, " must be a multiple of BM = ", kBlockRows);
-  TORCH_CHECK(S >= need, "moe::build_tables: S = ", S, " rows cannot hold the worst case of ", need,
+  MOE_CHECK(S > 0 && S % kBlockRows == 0, "moe::build_tables: S = ", S, " must be a positive multiple of BM = ",
+              kBlockRows);
+  MOE_CHECK(S >= need, "moe::build_tables: S = ", S, " rows cannot hold the worst case of ", need,
               " (R*C*K + E*(BM-1), rounded up to BM)");
+  MOE_CHECK(S <= INT32_MAX, "moe::build_tables: S = ", S, " does not fit int32 row indices");
   check_int32_cuda(ids, "ids", R * C * K, ids);
   check_int32_cuda(counts, "counts", R, ids);
-  check_int32_cuda(expert_offsets, "expert_offsets", E + 1, ids);
-  check_int32_cuda(block_expert, "block_expert", S / kBlockRows, ids);
-  check_int32_cuda(slots, "slots", R * C * K, ids);
-  check_int32_cuda(row_token, "row_token", S, ids);
-  check_int32_cuda(pull_order, "pull_order", R * C, ids);
-  check_int32_cuda(job_order, "job_order", R * C, ids);
-  check_int32_cuda(slack, "slack", S / kBlockRows, ids);
+  return K;
+}
+
+void launch(const Tensor& ids, const Tensor& counts, int64_t E, int64_t C, int64_t S, Tensor& expert_offsets,
+            Tensor& block_expert, Tensor& slots, Tensor& row_token, Tensor& pull_order, Tensor& job_order,
+            Tensor& slack) {
+  const int64_t R = counts.size(0), K = ids.size(1);
 #ifndef MOE_SYNTAX_ONLY
   const c10::cuda::CUDAGuard guard(ids.device());
   void* stream = c10::cuda::getCurrentCUDAStream(ids.device().index()).stream();
@@ -74,21 +112,36 @@ void build_tables_out(const Tensor& ids, const Tensor& counts, int64_t E, int64_
                                       block_expert.data_ptr<int32_t>(), slots.data_ptr<int32_t>(),
                                       row_token.data_ptr<int32_t>(), pull_order.data_ptr<int32_t>(),
                                       job_order.data_ptr<int32_t>(), slack.data_ptr<int32_t>(), stream);
-  TORCH_CHECK(err == 0, "moe::build_tables: launch failed: ", error_string(err));
+  MOE_CHECK(err == 0, "moe::build_tables: launch failed: ", error_string(err));
+}
+
+void build_tables_out(const Tensor& ids, const Tensor& counts, int64_t E, int64_t C, Tensor& expert_offsets,
+                      Tensor& block_expert, Tensor& slots, Tensor& row_token, Tensor& pull_order, Tensor& job_order,
+                      Tensor& slack) {
+  MOE_CHECK(row_token.defined() && row_token.dim() == 1, "moe::build_tables: row_token must be a 1-d [S] tensor");
+  const int64_t S = row_token.numel();  // S comes from the caller's buffer
+  const int64_t K = check_inputs(ids, counts, E, C, S);
+  const int64_t T = counts.size(0) * C;
+  check_int32_cuda(expert_offsets, "expert_offsets", E + 1, ids);
+  check_int32_cuda(block_expert, "block_expert", S / kBlockRows, ids);
+  check_int32_cuda(slots, "slots", T * K, ids);
+  check_int32_cuda(row_token, "row_token", S, ids);
+  check_int32_cuda(pull_order, "pull_order", T, ids);
+  check_int32_cuda(job_order, "job_order", T, ids);
+  check_int32_cuda(slack, "slack", S / kBlockRows, ids);
+  launch(ids, counts, E, C, S, expert_offsets, block_expert, slots, row_token, pull_order, job_order, slack);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> build_tables(const Tensor& ids,
                                                                                 const Tensor& counts, int64_t E,
                                                                                 int64_t C, int64_t S) {
-  TORCH_CHECK(ids.dim() == 2 && counts.dim() == 1, "moe::build_tables: ids must be [R*C, K] and counts [R]");
-  TORCH_CHECK(S >= kBlockRows && S % kBlockRows == 0, "moe::build_tables: S = ", S, " must be a positive multiple of ",
-              kBlockRows);
+  const int64_t K = check_inputs(ids, counts, E, C, S);  // before allocating anything
   const auto opts = ids.options().dtype(at::kInt);
-  const int64_t T = ids.size(0), K = ids.size(1);
+  const int64_t T = ids.size(0);
   Tensor expert_offsets = at::empty({E + 1}, opts), block_expert = at::empty({S / kBlockRows}, opts),
          slots = at::empty({T, K}, opts), row_token = at::empty({S}, opts), pull_order = at::empty({T}, opts),
          job_order = at::empty({T}, opts), slack = at::empty({S / kBlockRows}, opts);
-  build_tables_out(ids, counts, E, C, expert_offsets, block_expert, slots, row_token, pull_order, job_order, slack);
+  launch(ids, counts, E, C, S, expert_offsets, block_expert, slots, row_token, pull_order, job_order, slack);
   return {expert_offsets, block_expert, slots, row_token, pull_order, job_order, slack};
 }
 

@@ -20,6 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SOURCES = [ROOT / "csrc" / "bindings.cpp", ROOT / "csrc" / "schedule" / "schedule_kernel.cu"]
+# The language standard torch itself is built with (torch.utils.cpp_extension passes -std=c++20 since
+# torch 2.10 and its headers use C++20 features): compiling the torch headers as C++17 builds, with
+# warnings, but risks inline code that differs from libtorch's.
+STD = "-std=c++20"
 
 
 def build(verbose: bool = False, arch: str | None = None) -> Path:
@@ -41,8 +45,8 @@ def build(verbose: bool = False, arch: str | None = None) -> Path:
             name=LIBRARY_NAME,
             sources=[str(s) for s in SOURCES],
             build_directory=str(BUILD_DIR),
-            extra_cflags=["-O3", "-std=c++17"],
-            extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo"],
+            extra_cflags=["-O3", STD],
+            extra_cuda_cflags=["-O3", STD, "-lineinfo"],
             extra_include_paths=[str(ROOT / "csrc")],
             is_python_module=False,
             verbose=verbose,
@@ -51,7 +55,26 @@ def build(verbose: bool = False, arch: str | None = None) -> Path:
         _build_direct(cpp_extension, BUILD_DIR, LIBRARY_PATH, verbose)
     assert LIBRARY_PATH.is_file(), f"build finished but {LIBRARY_PATH} is missing"
     print(f"built {LIBRARY_PATH} in {time.perf_counter() - start:.1f} s")
+    _warn_private_libstdcxx(LIBRARY_PATH)
     return LIBRARY_PATH
+
+
+def _warn_private_libstdcxx(library: Path) -> None:
+    """Say so when the library defines libstdc++'s stream code itself (a static libstdc++ got
+    linked in): that copy's locale is never initialised, so any std::ostream use inside the
+    library is broken. bindings.cpp formats its messages without streams for that reason (the
+    H200 image produced such a library); this line makes the condition visible."""
+    import shutil
+    import subprocess
+
+    nm = shutil.which("nm")
+    if nm is None:
+        return
+    out = subprocess.run([nm, "-D", "--defined-only", str(library)], capture_output=True, text=True).stdout
+    private = [line.split()[-1] for line in out.splitlines() if " _ZNSo9_M_insert" in line or " _ZNSt6locale" in line]
+    if private:
+        print(f"warning: {library.name} defines {len(private)} libstdc++ stream/locale symbols itself "
+              f"(e.g. {private[0]}): a private libstdc++ copy was linked in; keep std::ostream out of csrc/")
 
 
 def _gencode_flags() -> list[str]:
@@ -89,9 +112,9 @@ def _build_direct(cpp_extension, build_dir: Path, library: Path, verbose: bool) 
     includes += [f"-I{sysconfig.get_paths()['include']}", f"-I{ROOT / 'csrc'}"]
     nvcc = str(Path(cpp_extension.CUDA_HOME) / "bin" / "nvcc")
     kernel_o, bindings_o = build_dir / "schedule_kernel.o", build_dir / "bindings.o"
-    _run([nvcc, "-c", str(SOURCES[1]), "-o", str(kernel_o), "-O3", "-std=c++17", "-lineinfo",
+    _run([nvcc, "-c", str(SOURCES[1]), "-o", str(kernel_o), "-O3", STD, "-lineinfo",
           "-Xcompiler", "-fPIC", abi, *includes, *_gencode_flags()], verbose)
-    _run(["c++", "-c", str(SOURCES[0]), "-o", str(bindings_o), "-O3", "-std=c++17", "-fPIC", abi, *includes], verbose)
+    _run(["c++", "-c", str(SOURCES[0]), "-o", str(bindings_o), "-O3", STD, "-fPIC", abi, *includes], verbose)
     libs = [f"-L{p}" for p in cpp_extension.library_paths(device_type="cuda")]
     _run(["c++", "-shared", str(bindings_o), str(kernel_o), "-o", str(library), *libs,
           "-lc10", "-lc10_cuda", "-ltorch", "-ltorch_cpu", "-ltorch_cuda", "-lcudart"], verbose)

@@ -2,10 +2,13 @@
 vectorized torch builder (service.moe.tables.build_tables) otherwise.
 
 The op (csrc/schedule/schedule_kernel.cu) produces every table of docs/CONTRACTS.md in one
-launch of one 1024-thread CTA: stable counting sorts by expert in shared memory, so the result is
-deterministic and equal element by element to `build_tables_golden`; no host sync, no
-allocation in the out-variant, capturable in a CUDA graph. Limits (checked here and at the C++
-entry): E <= 1023, R*C*K <= 65536 hits, int32 ids/counts on one CUDA device (others are cast).
+launch of one 1024-thread CTA: three stable counting sorts (hits by expert, tokens by smallest and
+largest expert) with per-warp 16-bit counters and warp-match ranks in shared memory, a fixed
+number of barriers, no atomic deciding a position; so the result is deterministic and equal
+element by element to `build_tables_golden`; no host sync, no allocation in the out-variant,
+capturable in a CUDA graph. Limits (checked here and at the C++ entry, which raises a
+RuntimeError before touching any data): E <= 1023, R*C*K <= 65536 hits, int32 ids/counts on one
+CUDA device (others are cast).
 
 Nothing is built or loaded at import: `python csrc/build.py` builds the library ahead of time
 (CUDA torch and nvcc needed) into build/moe_csrc/, and the first call here loads it. Why the op
