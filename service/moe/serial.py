@@ -136,7 +136,7 @@ class SerialLayer:
         self.x_g = torch.zeros(R * C, H, dtype=cfg.dtype, **kw)  # [R*C, H]
         self.A = torch.zeros(cfg.S, H, dtype=cfg.dtype, **kw)    # [S, H]
         self.out = torch.zeros(C, H, dtype=torch.float32, **kw)  # [C, H] fp32 sum of the slices
-        self.positions = torch.arange(C, device=device)          # [C]
+        self.partial = torch.empty(R * C, H, dtype=torch.float32, **kw)  # [R*C, H] combine output
 
     # -- collectives: the same call on gloo and NCCL -------------------------------------------
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
@@ -201,20 +201,28 @@ class SerialLayer:
         # 4. grouped GEMM1 + SwiGLU, grouped GEMM2.
         d = self.gemms(self.A, tables, timer)                     # [S, H]
 
-        # 5. top-k combine in fp32. Rows of padding tokens are forced to 0 (their slot is -1,
-        # read as row 0 with weight 0; where() also drops any non-finite value of that row).
-        slots = tables.slots.long().clamp(min=0)                  # [R*C, K]
-        partial = torch.zeros(R * C, cfg.H, dtype=torch.float32, device=self.device)  # [R*C, H]
-        for k in range(K):
-            partial.addcmul_(d.index_select(0, slots[:, k]).float(), w_g[:, k:k + 1])
-        real = (self.positions.repeat(R) < counts.repeat_interleave(C))[:, None]  # [R*C, 1]
-        partial = torch.where(real, partial, 0.0)
+        # 5. top-k combine in fp32 -> partial [R*C, H]; padding tokens' rows are 0.
+        partial = self._combine(d, tables.slots, w_g)
         timer.mark("combine")
 
         # 6. reduce-scatter: this rank's rows of the sum over the R intermediate slices.
         out = self._reduce_scatter(partial)[:n]                   # [n, H]
         timer.mark("reduce_scatter")
         return out
+
+    def _combine(self, d: torch.Tensor, slots: torch.Tensor, w_g: torch.Tensor) -> torch.Tensor:
+        """partial[g] = sum_k w_g[g, k] * d[slots[g, k]] in fp32; rows of padding tokens are 0."""
+        if self.gemms.impl == "triton":  # CUDA with Triton: one streaming kernel
+            from service.kernels.combine import combine
+
+            return combine(d, slots, w_g, out=self.partial)
+        # Portable: K rounds of gather + fused multiply-add. A padding token's slots are -1, read
+        # as row 0 with weight 0; where() then zeroes the row (and any non-finite value of row 0).
+        partial = torch.zeros(slots.shape[0], d.shape[1], dtype=torch.float32, device=self.device)
+        idx = slots.long().clamp(min=0)                                   # [R*C, K]
+        for k in range(slots.shape[1]):
+            partial.addcmul_(d.index_select(0, idx[:, k]).float(), w_g[:, k:k + 1])
+        return torch.where((slots[:, :1] >= 0), partial, 0.0)
 
     def check_seq(self, seq: int) -> None:
         """After a step: every rank must have run the same batch (read once the step is done,
