@@ -18,7 +18,8 @@ def test_seed_shape_r1_nccl():
     cfg = seed.replace(R=1, C=seed.tokens_per_step)  # the whole seed batch (2048 tokens) on one GPU
     gen = torch.Generator().manual_seed(7)
     gate, up, down = (t.cuda() for t in full_weights(cfg, 0))
-    with WorkerGroup(cfg, device="cuda", seed=0, start_timeout_s=600) as group:
+    with WorkerGroup(cfg, device="cuda", seed=0, backend="serial", start_timeout_s=600) as group:
+        assert group.backend == "serial"
         steps = 0
         for kind in ("balanced", "skewed"):
             for T in (1, 333, cfg.tokens_per_step, cfg.tokens_per_step + 100):
