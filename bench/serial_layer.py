@@ -22,11 +22,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import torch
+# Run as a script, bench/ would come first on sys.path and bench/service.py shadow the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.config import LayerConfig, preset
+import torch  # noqa: E402
+
+from service.config import LayerConfig, preset  # noqa: E402
 
 
 def dense_rate(device: torch.device, n: int = 8192, iters: int = 10) -> float:
