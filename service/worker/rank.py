@@ -60,10 +60,25 @@ def rank_main(rank: int, opts: RankOptions, conn) -> None:
     os._exit(0)
 
 
+def _make_layer(cfg: LayerConfig, weights, rank: int, device: torch.device, backend: str, log: logging.Logger):
+    """The fused layer when asked for (auto/fused) and possible, else the serial one, reason logged.
+    The probe is collective and gives every rank the same verdict. A fused step whose bounded wait
+    expired raises FusedTimeout from check_seq: the error path below reports it to the parent."""
+    from service.moe.serial import SerialLayer
+
+    if backend != "serial":
+        from service.moe.fused import FusedLayer, fused_unavailable_reason
+
+        reason = fused_unavailable_reason(cfg, device)
+        if reason is None:
+            return FusedLayer(cfg, weights, rank=rank, device=device)
+        log.warning("backend %s: fused unavailable (%s); running serial", backend, reason)
+    return SerialLayer(cfg, weights, rank=rank, device=device)
+
+
 def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
     import torch.distributed as dist
 
-    from service.moe.serial import SerialLayer
     from service.moe.timing import StageTimer
     from service.moe.weights import load_rank_weights, synthetic_rank_weights
     from service.worker.shm import Slot
@@ -88,7 +103,7 @@ def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
     else:
         weights = synthetic_rank_weights(cfg, rank, opts.seed, device=device)
     log.info("weights ready in %.1f s (%s)", time.perf_counter() - t0, opts.weights or f"synthetic seed {opts.seed}")
-    layer = SerialLayer(cfg, weights, rank=rank, device=device)
+    layer = _make_layer(cfg, weights, rank, device, opts.backend, log)
     del weights
     slots = [Slot.open(cfg, i, p) for i, p in enumerate(opts.slot_paths)]
     timer = StageTimer(device)
@@ -115,4 +130,6 @@ def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
         stages = timer.seconds()
         stats = {"stages": stages, "layer_s": sum(stages.values()),
                  "wall_s": time.perf_counter() - wall0, "tokens": n}
+        if hasattr(layer, "exposed_comm_s"):  # fused: measured in the kernels (service.moe.fused)
+            stats["exposed_comm_s"] = layer.exposed_comm_s()
         conn.send(("done", rank, seq, stats))

@@ -1,0 +1,471 @@
+"""The fused layer's kernels: exchange, AllGather (+) GEMM1 (+) SwiGLU, GEMM2 (+) top-k reduce (+) push,
+final reduce. The algorithm, buffers and sequence numbers are described in service/moe/fused.py;
+service/moe/simulate.py is its CPU dataflow model.
+
+Dimension letters: R ranks, C capacity per rank, N = R*C global tokens, K top-k, H hidden,
+Ir intermediate slice, E experts, S gathered rows, NB = S / BM row blocks, L = META + 2*C*K
+int32 words of one routing block.
+
+Peer memory: every rank owns one symmetric region; `region_ptrs [R] int64` holds the base of
+each rank's region as mapped in this process. Offsets into a region are passed in elements of the
+type read there (tokens: the layer dtype, routing / flags: int32, staging: fp32):
+
+    tokens   [2, C, H]      dtype  parity seq & 1 (double buffered, see fused.py)
+    routing  [2, L]         int32  META words (n, seq lo, seq hi, 0), ids [C, K], weights [C, K] (fp32 bits)
+    staging  [R, C, H]      fp32   plane s = partial sums pushed by source rank s
+    wm       [R]            int32  wm[s] = last batch whose pushes from source s are complete
+    bar      [R]            int32  bar[s] = last batch source s entered
+
+Roles by program id. Producers take the low ids: the interpreter runs programs in id order, so a
+consumer never waits on a program it has not run yet, and on the GPU the whole grid is
+co-resident anyway (grid <= #SMs, one CTA per SM at these tile sizes), so spinning consumers can
+never keep a producer off the machine.
+    kernel 1: pid < NUM_COMM pull tokens (producers), the rest run GEMM1 behind the gate;
+    kernel 2: pid < NUM_COMPUTE run GEMM2 and mark tiles (producers), the rest take jobs; with
+              JOIN the GEMM programs take jobs too once their tiles are done (all-hands tail).
+
+Bounded waits record the first failure in error[0] (atomic CAS from 0, so the first one stays):
+    ERR_BARRIER + peer, ERR_GATE + block, ERR_JOB + token, ERR_WATERMARK (see the constants).
+Every kernel does nothing when error[0] is set at its start: after a failure the step is void,
+the host raises and the group restarts.
+
+SYNC=False (benchmarks only: `bench/fused_layer.py`'s compute-only run) removes every wait: the
+same programs move the same bytes, unsynchronised, and the output is garbage.
+
+stats [4] int64 nanoseconds (GPU %globaltimer, 0 in the interpreter), rewritten every step:
+    0 barrier wait (exchange), 1 sum over kernel-1 compute programs of their gate waits,
+    2 sum over kernel-2 GEMM programs of their time in the dispenser, 3 final reduce's watermark wait.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from service.config import BM
+from service.kernels.sync import now_ns, signal_add, store_release, wait_all_geq, wait_geq
+
+META = tl.constexpr(4)  # int32 words in front of a routing block: n, seq low, seq high, unused (as serial.py)
+
+ERR_BARRIER = 1 << 24     # + peer rank whose barrier signal never came
+ERR_GATE = 2 << 24        # + row block whose counter never filled (kernel 1)
+ERR_JOB = 3 << 24         # + global token whose rows never completed (kernel 2)
+ERR_WATERMARK = 4 << 24   # final reduce: some source never published
+ERR_NAMES = {1: "barrier", 2: "kernel-1 gate", 3: "kernel-2 job", 4: "final-reduce watermark"}
+
+
+def describe_error(code: int) -> str:
+    kind, detail = code >> 24, code & 0xFFFFFF
+    return f"{ERR_NAMES.get(kind, 'unknown')} wait timed out (detail {detail})"
+
+
+# ---------------------------------------------------------------------------------------------
+# The GEMM tile (the algorithm of service/kernels/grouped_gemm.py, as a device function).
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gemm_tile(a_ptr, w_ptr, out_ptr, block, expert, pn, ready, N, K, up_col,
+               stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on,
+               SWIGLU: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """out[block rows, tile pn] = A[rows] @ W[expert] (SWIGLU: silu(gate) * up, two accumulators)."""
+    k_steps = tl.cdiv(K, BK)
+    # (ready - 1) == 0: the row offsets depend on the gate's verdict, insurance against a
+    # compiler hoisting the A loads above the wait.
+    rows = block.to(tl.int64) * BM + tl.arange(0, BM) + (ready - 1)  # [BM]
+    cols = pn * BN + tl.arange(0, BN)  # [BN] output columns
+    cols = tl.max_contiguous(tl.multiple_of(cols, BN), BN)
+    ks = tl.arange(0, BK)  # [BK]
+    a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak  # [BM, BK]
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    g_ptrs = w_base + ks[:, None] * stride_wk + cols[None, :] * stride_wn  # [BK, BN]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)  # gate (GEMM1) or output (GEMM2)
+    acc_up = tl.zeros((BM, BN), dtype=tl.float32)  # up half, GEMM1 only
+    col_ok = cols[None, :] < N  # [1, BN] masks the last column tile when N % BN != 0
+    for kk in range(0, k_steps):
+        k_left = K - kk * BK  # masks the last K step when K % BK != 0
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
+        if EVEN_K and EVEN_N:
+            g = tl.load(g_ptrs)
+        else:
+            g = tl.load(g_ptrs, mask=(ks[:, None] < k_left) & col_ok, other=0.0)
+        if IEEE:
+            acc = tl.dot(a, g, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, g, acc)
+        if SWIGLU:
+            u_ptrs = g_ptrs + up_col * stride_wn  # the matching up columns, Ir to the right
+            if EVEN_K and EVEN_N:
+                u = tl.load(u_ptrs)
+            else:
+                u = tl.load(u_ptrs, mask=(ks[:, None] < k_left) & col_ok, other=0.0)
+            if IEEE:
+                acc_up = tl.dot(a, u, acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(a, u, acc_up)
+        a_ptrs += BK * stride_ak
+        g_ptrs += BK * stride_wk
+    if SWIGLU:
+        acc = acc * tl.sigmoid(acc) * acc_up  # silu(g) * u in fp32
+    o_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on  # [BM, BN]
+    if EVEN_N:
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Exchange: barrier on the batch number, then every rank's routing block.
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _exchange_kernel(region_ptrs, routing_g_ptr, ctl_ptr, error_ptr, stats_ptr,
+                     rank, R, L, rt_off, bar_off, max_spins,
+                     RP: tl.constexpr, BL: tl.constexpr, USE_PTX: tl.constexpr, SYNC: tl.constexpr):
+    """One program. bar[rank] := seq on every peer (release), wait until bar[s] >= seq for all s,
+    then copy the R routing blocks of parity seq & 1 into routing_g [R, L] (local). First it
+    writes this rank's META words (ctl[1:4] = n, seq low, seq high) into its own routing block.
+
+    The barrier says "every rank has finished its previous step and has written this step's
+    tokens and routing": peers may read them now, and nobody is still reading the buffers of
+    parity seq & 1 from two steps ago (fused.py explains the double buffering).
+    """
+    seq = tl.load(ctl_ptr)
+    rr = tl.arange(0, RP)  # [RP]
+    rmask = rr < R
+    for i in tl.static_range(1, 4):
+        tl.store(stats_ptr + i, tl.zeros((), dtype=tl.int64))
+    if tl.load(error_ptr) == 0:
+        mine = tl.load(region_ptrs + rank)
+        parity = (seq & 1).to(tl.int64)
+        meta = mine.to(tl.pointer_type(tl.int32)) + rt_off + parity * L
+        for i in tl.static_range(1, 4):
+            tl.store(meta + i - 1, tl.load(ctl_ptr + i))
+        tl.store(meta + 3, 0)
+        bases = tl.load(region_ptrs + rr, mask=rmask, other=0)  # [RP]
+        bases = tl.where(rmask, bases, mine)  # lanes past R address our own slot: a duplicate store
+        peer_slots = bases.to(tl.pointer_type(tl.int32)) + bar_off + rank  # [RP]
+        store_release(peer_slots, tl.zeros((RP,), dtype=tl.int32) + seq, USE_PTX)
+        t0 = now_ns(USE_PTX)
+        my_slots = mine.to(tl.pointer_type(tl.int32)) + bar_off + tl.where(rmask, rr, 0)  # [RP]
+        ok = 1
+        if SYNC:
+            ok = wait_all_geq(my_slots, rmask, seq, max_spins, USE_PTX)
+        tl.store(stats_ptr, now_ns(USE_PTX) - t0)
+        if ok == 0:
+            # Name the first missing peer (a plain read: the verdict is already made).
+            seen = tl.load(my_slots, mask=rmask, other=0)
+            missing = tl.min(tl.where(rmask & ((seen - seq) < 0), rr, RP), axis=0)
+            tl.atomic_cas(error_ptr, 0, (1 << 24) + missing)
+        # Routing blocks (after the acquire above; stale but well-formed when it timed out).
+        offs = tl.arange(0, BL)
+        for r in range(0, R):
+            src = tl.load(region_ptrs + r).to(tl.pointer_type(tl.int32)) + rt_off + parity * L
+            for o in range(0, L, BL):
+                m = (o + offs) < L
+                tl.store(routing_g_ptr + r * L + o + offs, tl.load(src + o + offs, mask=m), mask=m)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel 1: AllGather (+) GEMM1 (+) SwiGLU.
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _ag_gemm1_kernel(
+    region_ptrs, a_ptr, w_ptr, act_ptr,   # [R] int64, A [S, H], W13 [E, H, 2*Ir], act [S, Ir]
+    slots_ptr, pull_ptr, slack_ptr, block_expert_ptr,  # [N, K], [N], [NB], [NB] int32
+    counters_ptr,                         # [NB] int32 row-block arrivals, monotonic
+    ctl_ptr, error_ptr, stats_ptr,        # [1] int32 seq, [1] int32, [4] int64
+    N, C, H, NB, Ir, E, tok_off, max_spins,
+    stride_am, stride_we, stride_wk, stride_om,
+    K: tl.constexpr, TB: tl.constexpr, BH: tl.constexpr,
+    NUM_COMM: tl.constexpr, NUM_PROGRAMS: tl.constexpr, USE_PTX: tl.constexpr, SYNC: tl.constexpr,
+    IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    seq = tl.load(ctl_ptr)
+    if tl.load(error_ptr) == 0:
+        if pid < NUM_COMM:
+            # -- comm: seed every block with its slack, then pull tokens in pull_order ---------
+            # Every block gains exactly BM per batch (slack + arrivals), so the counters ended the
+            # last batch at (seq-1)*BM and this one's target is seq*BM. Slack carries no data, but
+            # acq_rel keeps every contribution in one release chain.
+            for b in range(pid, NB, NUM_COMM):
+                tl.atomic_add(counters_ptr + b, tl.load(slack_ptr + b), sem="acq_rel", scope="sys")
+            parity = (seq & 1).to(tl.int64)
+            tt = tl.arange(0, TB)  # [TB] tokens per iteration: TB times fewer round trips per pull
+            hh = tl.arange(0, BH)  # [BH]
+            # Program p takes chunks p, p + NUM_COMM, ... of TB consecutive tokens of pull_order.
+            for i0 in range(pid * TB, N, NUM_COMM * TB):
+                idx = i0 + tt
+                g = tl.load(pull_ptr + idx, mask=idx < N, other=0)  # [TB]
+                # Padding tokens (last in pull_order) have slot -1 and move nothing.
+                real = (idx < N) & (tl.load(slots_ptr + g * K) >= 0)  # [TB]
+                owner = g // C
+                src_base = tl.load(region_ptrs + owner, mask=real, other=0)  # [TB] owners' regions
+                src = (src_base.to(tl.pointer_type(a_ptr.dtype.element_ty))
+                       + tok_off + (parity * C + (g - owner * C)) * H)  # [TB] the tokens in their owners' buffers
+                for h0 in range(0, H, BH):
+                    cols = h0 + hh
+                    m = real[:, None] & (cols < H)[None, :]  # [TB, BH]
+                    x = tl.load(src[:, None] + cols[None, :], mask=m)  # [TB, BH] one peer read per token
+                    for k in tl.static_range(K):  # its K copies
+                        row = tl.load(slots_ptr + g * K + k, mask=real, other=0).to(tl.int64)  # [TB]
+                        tl.store(a_ptr + row[:, None] * stride_am + cols[None, :], x, mask=m)
+                # All threads' stores, CTA barrier, then the releases (one per hit).
+                tl.debug_barrier()
+                for k in tl.static_range(K):
+                    row = tl.load(slots_ptr + g * K + k, mask=real, other=0)  # [TB]
+                    tl.atomic_add(counters_ptr + row // BM, 1, mask=real, sem="acq_rel", scope="sys")
+        else:
+            # -- compute: persistent grouped GEMM1 over (block, column tile), gated -------------
+            cp = pid - NUM_COMM
+            n_tiles = tl.cdiv(Ir, BN)
+            target = seq * BM
+            alive = pid * 0 + 1
+            waited = tl.zeros((), dtype=tl.int64)
+            # Plain range (no flatten): a tile's wait stays ahead of that tile's loads.
+            for tile in range(cp, NB * n_tiles, NUM_PROGRAMS - NUM_COMM):
+                block = tile // n_tiles  # row blocks in order = the order the comm programs fill them
+                pn = tile % n_tiles
+                expert = tl.load(block_expert_ptr + block)
+                if (expert < E) & (alive != 0):  # expert == E: a block past the last expert
+                    t0 = now_ns(USE_PTX)
+                    ready = alive
+                    if SYNC:
+                        ready = wait_geq(counters_ptr + block, target, max_spins, USE_PTX)
+                    waited += now_ns(USE_PTX) - t0
+                    if ready == 0:
+                        tl.atomic_cas(error_ptr, 0, (2 << 24) + block)
+                        alive = ready
+                    else:
+                        _gemm_tile(a_ptr, w_ptr, act_ptr, block, expert, pn, ready, Ir, H, Ir,
+                                   stride_am, 1, stride_we, stride_wk, 1, stride_om, 1,
+                                   True, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
+            tl.atomic_add(stats_ptr + 1, waited, sem="relaxed")
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel 2: GEMM2 (+) top-k reduce (+) push.
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gemm2_push_kernel(
+    region_ptrs, act_ptr, w_ptr, d_ptr,   # [R] int64, act [S, Ir], W2 [E, Ir, H], D [S, H]
+    block_expert_ptr, slots_ptr, job_ptr, routing_g_ptr,  # [NB], [N, K], [N], [R, L] int32
+    tiles_ptr,                            # [NB] int32 finished column tiles per block, monotonic
+    disp_ptr, pushed_ptr,                 # [1], [R] int32 local scratch, zeroed by the final reduce
+    ctl_ptr, error_ptr, stats_ptr,
+    rank, R, N, C, H, NB, Ir, E, L, stage_off, wm_off, max_spins,
+    stride_am, stride_we, stride_wk, stride_om,
+    K: tl.constexpr, KP: tl.constexpr, BH: tl.constexpr,
+    NUM_COMPUTE: tl.constexpr, NUM_PROGRAMS: tl.constexpr, JOIN: tl.constexpr, USE_PTX: tl.constexpr,
+    SYNC: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    seq = tl.load(ctl_ptr)
+    n_tiles = tl.cdiv(H, BN)
+    if tl.load(error_ptr) == 0:
+        if pid == 0:
+            # Owners with no tokens get no job, so no last writer: publish for them now.
+            for o in range(0, R):
+                if tl.load(routing_g_ptr + o * L) == 0:
+                    wm = tl.load(region_ptrs + o).to(tl.pointer_type(tl.int32)) + wm_off + rank
+                    store_release(wm, seq, USE_PTX)
+        t_join = now_ns(USE_PTX)
+        if pid < NUM_COMPUTE:
+            # -- compute: persistent grouped GEMM2; every tile of every block is marked, used or
+            # not, so a block gains exactly n_tiles per batch and its target is seq * n_tiles.
+            for tile in range(pid, NB * n_tiles, NUM_COMPUTE):
+                block = tile // n_tiles
+                pn = tile % n_tiles
+                expert = tl.load(block_expert_ptr + block)
+                if expert < E:
+                    _gemm_tile(act_ptr, w_ptr, d_ptr, block, expert, pn, 1, H, Ir, 0,
+                               stride_am, 1, stride_we, stride_wk, 1, stride_om, 1,
+                               False, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
+                signal_add(tiles_ptr + block, 1, USE_PTX)  # CTA barrier, release (local flag)
+            t_join = now_ns(USE_PTX)
+        if (pid >= NUM_COMPUTE) | JOIN:
+            # -- jobs: one per global token, taken in job_order from the dispenser -------------
+            kk = tl.arange(0, KP)  # [KP]
+            kmask = kk < K
+            hh = tl.arange(0, BH)  # [BH]
+            target = seq * n_tiles
+            j = tl.atomic_add(disp_ptr, 1, sem="relaxed", scope="gpu")
+            go = j < N
+            while go:
+                g = tl.load(job_ptr + j)
+                s0 = tl.load(slots_ptr + g * K)
+                if s0 >= 0:  # padding tokens come last in job_order: the first one ends the queue
+                    srow = tl.load(slots_ptr + g * K + kk, mask=kmask, other=s0)  # [KP], masked lanes repeat k=0
+                    ok = s0 * 0 + 1
+                    if SYNC:
+                        ok = wait_all_geq(tiles_ptr + srow // BM, kmask, target, max_spins, USE_PTX)
+                    if ok == 0:
+                        tl.atomic_cas(error_ptr, 0, (3 << 24) + g)
+                        go = ok != 0
+                    else:
+                        owner = g // C
+                        i = g - owner * C
+                        wbits = tl.load(routing_g_ptr + owner * L + META + C * K + i * K + kk, mask=kmask, other=0)
+                        wk = wbits.to(tl.float32, bitcast=True)  # [KP] routing weights
+                        dst = (tl.load(region_ptrs + owner).to(tl.pointer_type(tl.float32))
+                               + stage_off + (rank * C + i).to(tl.int64) * H)  # owner's plane for this source
+                        rows = d_ptr + srow.to(tl.int64)[:, None] * stride_om  # [KP, 1]
+                        for h0 in range(0, H, BH):
+                            cols = h0 + hh
+                            cm = cols < H
+                            dv = tl.load(rows + cols[None, :], mask=kmask[:, None] & cm[None, :], other=0.0)
+                            part = tl.sum(dv.to(tl.float32) * wk[:, None], axis=0)  # [BH] fp32 pre-reduce over k
+                            tl.store(dst + cols, part, mask=cm)  # peer store
+                        # Count locally and elect the last writer for this owner: all threads'
+                        # stores, barrier, acq_rel count (chains every job's pushes), then one
+                        # release store to the owner (no remote read-modify-write).
+                        tl.debug_barrier()
+                        old = tl.atomic_add(pushed_ptr + owner, 1, sem="acq_rel", scope="sys")
+                        if old + 1 == tl.load(routing_g_ptr + owner * L):
+                            wm = tl.load(region_ptrs + owner).to(tl.pointer_type(tl.int32)) + wm_off + rank
+                            store_release(wm, seq, USE_PTX)
+                        j = tl.atomic_add(disp_ptr, 1, sem="relaxed", scope="gpu")
+                        go = j < N
+                else:
+                    go = s0 >= 0
+            if pid < NUM_COMPUTE:
+                tl.atomic_add(stats_ptr + 2, now_ns(USE_PTX) - t_join, sem="relaxed")
+
+
+# ---------------------------------------------------------------------------------------------
+# Final reduce.
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _final_reduce_kernel(stage_ptr, wm_ptr, out_ptr, routing_g_ptr, disp_ptr, pushed_ptr,
+                         ctl_ptr, error_ptr, stats_ptr,
+                         rank, R, C, H, L, max_spins,
+                         RP: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, USE_PTX: tl.constexpr,
+                         SYNC: tl.constexpr):
+    """out[i] = sum_s staging[s, i] for this rank's rows i < n, once wm[s] >= seq for every s.
+    stage_ptr [R, C, H] fp32 and wm_ptr [R] int32 are this rank's own (peers pushed into them)."""
+    pid = tl.program_id(0)
+    seq = tl.load(ctl_ptr)
+    if pid == 0:
+        # Kernel 2 is over (stream order): reset its local scratch for the next step.
+        tl.store(disp_ptr, 0)
+        rr0 = tl.arange(0, RP)
+        tl.store(pushed_ptr + rr0, tl.zeros((RP,), dtype=tl.int32), mask=rr0 < R)
+    n = tl.load(routing_g_ptr + rank * L)
+    row0 = pid * BR
+    if (tl.load(error_ptr) == 0) & ((row0 < n) | (pid == 0)):  # program 0 always checks the peers
+        rr = tl.arange(0, RP)
+        rmask = rr < R
+        t0 = now_ns(USE_PTX)
+        ok = 1
+        if SYNC:
+            ok = wait_all_geq(wm_ptr + tl.where(rmask, rr, 0), rmask, seq, max_spins, USE_PTX)
+        if pid == 0:
+            tl.store(stats_ptr + 3, now_ns(USE_PTX) - t0)
+        if ok == 0:
+            tl.atomic_cas(error_ptr, 0, 4 << 24)
+        else:
+            rows = row0 + tl.arange(0, BR)  # [BR]
+            rm = rows < n
+            hh = tl.arange(0, BH)
+            for h0 in range(0, H, BH):
+                cols = h0 + hh
+                m = rm[:, None] & (cols < H)[None, :]  # [BR, BH]
+                acc = tl.zeros((BR, BH), dtype=tl.float32)
+                for s in range(0, R):
+                    acc += tl.load(stage_ptr + (s * C + rows.to(tl.int64))[:, None] * H + cols[None, :], mask=m, other=0.0)
+                tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], acc, mask=m)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers (keyword-only: many tensors).
+# ---------------------------------------------------------------------------------------------
+
+
+PULL_TOKENS = 4  # tokens per kernel-1 pull iteration ([4, 1024] elements: 16 per thread at 8 warps)
+
+
+def _p2(x: int) -> int:
+    return triton.next_power_of_2(max(1, x))
+
+
+def _interpreting() -> bool:
+    return triton.knobs.runtime.interpret
+
+
+def exchange(*, region_ptrs, routing_g, ctl, error, stats, rank, R, L, rt_off, bar_off, max_spins, use_ptx, sync=True):
+    """routing_g [R, L] int32 <- every rank's routing block of this step, after the barrier."""
+    assert routing_g.shape == (R, L) and routing_g.dtype == torch.int32
+    _exchange_kernel[(1,)](region_ptrs, routing_g, ctl, error, stats, rank, R, L, rt_off, bar_off, max_spins,
+                           RP=_p2(R), BL=1024, USE_PTX=use_ptx, SYNC=sync, num_warps=4)
+
+
+def ag_gemm1(*, region_ptrs, A, w13, act, tables, counters, ctl, error, stats, C, tok_off, config,
+             num_programs, num_comm, max_spins, use_ptx, sync=True):
+    """Kernel 1: A [S, H] filled from the peers' token buffers, act [S, Ir] = SwiGLU(A @ W13)."""
+    S, H = A.shape
+    E, _, two_ir = w13.shape
+    Ir = two_ir // 2
+    N, K = tables.slots.shape
+    NB = S // BM
+    assert act.shape == (S, Ir) and A.stride(1) == 1 and w13.stride(2) == 1 and act.stride(1) == 1
+    assert 0 < num_comm < num_programs, "kernel 1 needs comm and compute programs"
+    _ag_gemm1_kernel[(num_programs,)](
+        region_ptrs, A, w13, act, tables.slots, tables.pull_order, tables.slack, tables.block_expert,
+        counters, ctl, error, stats,
+        N, C, H, NB, Ir, E, tok_off, max_spins,
+        A.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        K=K, TB=PULL_TOKENS, BH=min(_p2(H), 1024), NUM_COMM=num_comm, NUM_PROGRAMS=num_programs, USE_PTX=use_ptx, SYNC=sync,
+        IEEE=A.dtype == torch.float32, EVEN_K=H % config.BK == 0, EVEN_N=Ir % config.BN == 0,
+        BM=BM, BN=config.BN, BK=config.BK, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def gemm2_push(*, region_ptrs, act, w2, D, tables, routing_g, tiles, disp, pushed, ctl, error, stats,
+               rank, R, C, L, stage_off, wm_off, config, num_programs, num_compute, join, max_spins, use_ptx, sync=True):
+    """Kernel 2: D [S, H] = act @ W2, then every global token's top-k sum pushed to its owner."""
+    S, Ir = act.shape
+    E, _, H = w2.shape
+    N, K = tables.slots.shape
+    NB = S // BM
+    assert D.shape == (S, H) and act.stride(1) == 1 and w2.stride(2) == 1 and D.stride(1) == 1
+    assert 0 < num_compute <= num_programs and (join or num_compute < num_programs), "nobody takes jobs"
+    _gemm2_push_kernel[(num_programs,)](
+        region_ptrs, act, w2, D, tables.block_expert, tables.slots, tables.job_order, routing_g,
+        tiles, disp, pushed, ctl, error, stats,
+        rank, R, N, C, H, NB, Ir, E, L, stage_off, wm_off, max_spins,
+        act.stride(0), w2.stride(0), w2.stride(1), D.stride(0),
+        K=K, KP=_p2(K), BH=min(_p2(H), 512), NUM_COMPUTE=num_compute, NUM_PROGRAMS=num_programs,
+        JOIN=join, USE_PTX=use_ptx, SYNC=sync,
+        IEEE=act.dtype == torch.float32, EVEN_K=Ir % config.BK == 0, EVEN_N=H % config.BN == 0,
+        BM=BM, BN=config.BN, BK=config.BK, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+REDUCE_ROWS = 4  # rows per final-reduce program
+
+
+def final_reduce(*, staging, wm, out, routing_g, disp, pushed, ctl, error, stats, rank, R, C, L, max_spins, use_ptx,
+                 sync=True):
+    """out [C, H] fp32 (rows < n) = sum of this rank's R staging planes, after the watermarks."""
+    H = out.shape[1]
+    assert staging.shape == (R, C, H) and staging.dtype == torch.float32 and staging.is_contiguous()
+    assert out.shape == (C, H) and out.is_contiguous()
+    _final_reduce_kernel[(triton.cdiv(C, REDUCE_ROWS),)](
+        staging, wm, out, routing_g, disp, pushed, ctl, error, stats, rank, R, C, H, L, max_spins,
+        RP=_p2(R), BR=REDUCE_ROWS, BH=min(_p2(H), 1024), USE_PTX=use_ptx, SYNC=sync, num_warps=4,
+    )

@@ -1,0 +1,129 @@
+"""Compile-only checks of the fused kernels without a GPU, for sm_90 and sm_120: shared memory per
+block under the device's limit, the ordering instructions present in the PTX (system-scope
+acquire polls, a CTA barrier before every release, release stores to peers, %globaltimer).
+
+Run as a script to print the table: `python tests/fused/test_compile.py`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+import triton
+
+ROOT = Path(__file__).resolve().parents[2]
+SMEM_LIMIT = {90: 232448, 120: 101376}
+DIVISIBLE = ("stride_am", "stride_we", "stride_wk", "stride_om", "H", "Ir", "C", "tok_off", "stage_off")
+
+interpreting = pytest.mark.skipif(triton.knobs.runtime.interpret, reason="compile-only needs the compiler")
+
+# Kernel -> pointer types (everything else ending in _ptr / _ptrs is int32).
+POINTERS = {
+    "region_ptrs": "*i64", "stats_ptr": "*i64",
+    "a_ptr": "*{dt}", "w_ptr": "*{dt}", "act_ptr": "*{dt}", "d_ptr": "*{dt}",
+    "stage_ptr": "*fp32", "out_ptr": "*fp32",
+}
+
+
+def compile_kernel(name: str, arch: int, *, config=None, dtype: str = "bf16", use_ptx: bool = True, K: int = 8):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from service.config import BM
+    from service.kernels import fused_kernels as fk
+
+    kernel = getattr(fk, name)
+    names = list(inspect.signature(kernel.fn).parameters)
+    constexprs = {"USE_PTX": use_ptx, "SYNC": True, "K": K, "KP": triton.next_power_of_2(K), "RP": 4, "TB": 4}
+    if config is not None:
+        constexprs.update(BM=BM, BN=config.BN, BK=config.BK, IEEE=False, EVEN_K=True, EVEN_N=True,
+                          NUM_PROGRAMS=132, NUM_COMM=8, NUM_COMPUTE=124, JOIN=True, BH=512)
+    constexprs.update({"BL": 1024, "BR": 4, "BH": constexprs.get("BH", 1024)})
+    sig, attrs, cx = {}, {}, {}
+    for i, n in enumerate(names):
+        if n in constexprs:
+            sig[n] = "constexpr"
+            cx[n] = constexprs[n]
+        elif n.endswith("_ptr") or n.endswith("_ptrs"):
+            sig[n] = POINTERS.get(n, "*i32").format(dt=dtype)
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[n] = "i32"
+            if n in DIVISIBLE:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages) if config else dict(num_warps=4)
+    return triton.compile(ASTSource(kernel, sig, cx, attrs), target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def _configs(arch: int):
+    from service.kernels import tuning
+
+    size = "large" if arch == 90 else "small"
+    return tuning._DEFAULTS[(size, "gemm1")], tuning._DEFAULTS[(size, "gemm2")]
+
+
+@interpreting
+@pytest.mark.parametrize("arch", [90, 120])
+def test_gemm_kernels_fit_and_order(arch):
+    c1, c2 = _configs(arch)
+    for name, config in (("_ag_gemm1_kernel", c1), ("_gemm2_push_kernel", c2)):
+        k = compile_kernel(name, arch, config=config)
+        shared = k.metadata.shared
+        assert shared <= SMEM_LIMIT[arch], f"{name} needs {shared} B of shared memory, sm_{arch} has {SMEM_LIMIT[arch]}"
+        assert shared >= config.BM * config.BK * 2, f"{name}: the K loop was not pipelined"
+        ptx = k.asm["ptx"]
+        if arch == 90:
+            assert "wgmma" in ptx, f"{name}: sm_90 build without wgmma"
+        assert "ld.global.acquire.sys.b32" in ptx, f"{name}: no per-thread acquire poll"
+        assert "%globaltimer" in ptx, f"{name}: no wait timer"
+        if name == "_ag_gemm1_kernel":
+            # The comm programs' arrivals (the last acq_rel add; the first ones seed the slack):
+            # acq_rel atomics at system scope, right after a CTA barrier.
+            at = ptx.rfind("atom.global.sys.acq_rel.add")
+            seed = ptx.find("atom.global.sys.acq_rel.add")
+            assert 0 <= seed < at, f"{name}: slack seeding and arrivals not both found"
+            assert "bar.sync" in ptx[seed:at], f"{name}: arrival without a preceding barrier"
+        else:
+            assert "red.release.sys.global.add.s32" in ptx, "GEMM2 epilogue: no release signal"
+            assert "st.release.sys.global.b32" in ptx, "watermark: no release store to the owner"
+            assert "atom.global.sys.acq_rel.add" in ptx, "elected last writer: no acq_rel local count"
+            # No remote read-modify-write: the only system-scope RMWs are the local counters.
+            assert "atom.global.sys.release" not in ptx and "atom.global.release.sys" not in ptx
+
+
+@interpreting
+@pytest.mark.parametrize("arch", [90, 120])
+def test_small_kernels_compile(arch):
+    for name in ("_exchange_kernel", "_final_reduce_kernel"):
+        k = compile_kernel(name, arch)
+        assert k.metadata.shared <= SMEM_LIMIT[arch]
+        ptx = k.asm["ptx"]
+        assert "ld.global.acquire.sys.b32" in ptx, f"{name}: no acquire poll"
+        if name == "_exchange_kernel":
+            at = ptx.find("st.release.sys.global.b32")
+            assert at > 0 and "bar.sync" in ptx[:at], "barrier signal without a preceding CTA barrier"
+            assert "fence.acq_rel.sys" in ptx
+
+
+@interpreting
+def test_interpreter_path_compiles_too():
+    """USE_PTX=False (what CI interprets) is also valid GPU code."""
+    c1, c2 = _configs(90)
+    for name, config in (("_ag_gemm1_kernel", c1), ("_gemm2_push_kernel", c2), ("_exchange_kernel", None),
+                         ("_final_reduce_kernel", None)):
+        ptx = compile_kernel(name, 90, config=config, use_ptx=False).asm["ptx"]
+        assert "acquire" in ptx, f"{name}: no acquire on the atomic path"
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    for arch in (90, 120):
+        c1, c2 = _configs(arch)
+        for name, config in (("_ag_gemm1_kernel", c1), ("_gemm2_push_kernel", c2), ("_exchange_kernel", None),
+                             ("_final_reduce_kernel", None)):
+            k = compile_kernel(name, arch, config=config)
+            print(f"sm_{arch} {name:22s} {config}: shared {k.metadata.shared} B (limit {SMEM_LIMIT[arch]}), "
+                  f"regs {getattr(k, 'n_regs', '?')}")

@@ -1,0 +1,219 @@
+"""The fused kernels under the Triton interpreter, R virtual ranks in one process (CPU CI).
+
+Every rank's symmetric region is a CPU tensor and the pointer table holds their addresses, so
+peer loads and stores, flags and watermarks go through the same code as on a GPU (USE_PTX=False:
+the tl.atomic_* path). The interpreter runs programs one after another, so each phase runs for
+every rank before the next (producers before consumers) and the barrier's peer signals are
+pre-satisfied. What it checks, against the fp32 reference and service/moe/simulate.py:
+the pull/scatter, gates, GEMMs, the job dispenser, reduce + push into the owners' planes, the
+last-writer watermarks (empty owners included), the final reduce, the flags' sequence targets
+over consecutive batches (including int32 wrap-around of seq * BM), and that timed-out waits end
+in the error flag.
+
+TRITON_INTERPRET is read when `@triton.jit` decorates, so the cases run in a subprocess (this
+file as a script), as tests/kernels/test_grouped_gemm.py does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+TOL = {"float32": 1e-5, "float16": 5e-3}
+
+# name: (dtype, E, H, Ir, K, C, counts per batch, routing, programs, comm1, compute2, join, seq0, fault)
+CASES = {
+    "r3_fp32": ("float32", 4, 32, 16, 2, 6, [[6, 0, 3], [1, 6, 6], [0, 0, 1]], "balanced", 4, 2, 2, False, 1, None),
+    "r2_fp16_skewed": ("float16", 5, 48, 24, 3, 5, [[5, 4], [2, 5]], "skewed", 4, 1, 2, False, 1, None),
+    "r1_join": ("float32", 3, 32, 16, 3, 7, [[7], [1]], "balanced", 2, 1, 1, True, 1, None),
+    "r2_wrap": ("float32", 4, 32, 16, 2, 4, [[4, 3], [2, 4], [3, 1]], "balanced", 3, 1, 2, False, (1 << 24) - 1, None),
+    "barrier_timeout": ("float32", 4, 32, 16, 2, 4, [[4, 3]], "balanced", 3, 1, 2, False, 1, "withhold"),
+    "gate_timeout": ("float32", 4, 32, 16, 2, 4, [[4, 3]], "balanced", 3, 1, 2, False, 1, "gate"),
+}
+
+
+def _wrap32(v: int) -> int:
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def _run_case(name: str) -> dict:
+    from service.config import BM, LayerConfig
+    from service.kernels import fused_kernels as fk
+    from service.kernels.grouped_gemm import GemmConfig
+    from service.moe import fused
+    from service.moe.reference import moe_reference
+    from service.moe.simulate import simulate_fused
+    from service.moe.tables import build_tables, check_invariants
+    from tests.helpers import random_experts, rel_err, routing, slice_rank
+
+    dtype_name, E, H, Ir, K, C, batches, kind, P, comm1, compute2, join, seq0, fault = CASES[name]
+    dtype = getattr(torch, dtype_name)
+    R = len(batches[0])
+    cfg = LayerConfig(E=E, H=H, I=Ir * R, K=K, R=R, C=C, dtype=dtype)
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    full = random_experts(E, H, cfg.I, gen)
+    full = tuple(t.to(dtype).float() for t in full)  # weights exactly representable in dtype
+    sl = [slice_rank(*full, r, R) for r in range(R)]
+    lay = fused.Layout(R, C, H, K, dtype.itemsize)
+    regions = [torch.zeros(lay.nbytes, dtype=torch.uint8) for _ in range(R)]
+    ptrs = torch.tensor([t.data_ptr() for t in regions], dtype=torch.int64)
+    bufs = [fused.RankBuffers(cfg, r, regions[r], ptrs) for r in range(R)]
+    cfg1 = GemmConfig(BN=16, BK=16, num_warps=4, num_stages=1)
+    cfg2 = GemmConfig(BN=32, BK=16, num_warps=4, num_stages=1)
+    plan = fused.Plan(num_programs=P, num_comm1=comm1, num_compute2=compute2, join=join, config1=cfg1,
+                      config2=cfg2, max_spins=20, use_ptx=False)
+    w13 = [s[0].to(dtype) for s in sl]
+    w2 = [s[1].to(dtype) for s in sl]
+    NB, n_tiles2 = cfg.S // BM, -(-H // cfg2.BN)
+    # Flags as a long-running process left them after step seq0 - 1 (never reset).
+    for b in bufs:
+        b.counters.fill_(_wrap32((seq0 - 1) * BM))
+        b.tiles.fill_(_wrap32((seq0 - 1) * n_tiles2))
+        b.wm.fill_(_wrap32(seq0 - 1))
+        b.bar.fill_(_wrap32(seq0 - 1))
+        b.A.fill_(float("nan"))  # nothing unwritten may be read as data
+        b.D.fill_(float("nan"))
+        b.staging.fill_(float("nan"))
+
+    record: dict = {"dtype": dtype_name, "errors": [], "steps": []}
+    for step, counts in enumerate(batches):
+        seq = seq0 + step
+        xs, ids, ws = [], [], []
+        for n in counts:
+            xs.append(torch.randn(n, H, generator=gen).to(dtype))
+            i, w = routing(n, E, K, kind, gen)
+            ids.append(i)
+            ws.append(w)
+        for r, b in enumerate(bufs):
+            b.stage(xs[r], ids[r], ws[r], seq)
+            b.ctl.copy_(torch.tensor([_wrap32(seq), counts[r], seq & 0x7FFFFFFF, seq >> 31], dtype=torch.int32))
+        # The peers' barrier signals, pre-satisfied (the interpreter cannot run ranks concurrently);
+        # "withhold": rank R-1 never signals rank 0.
+        for b in bufs:
+            b.bar.fill_(_wrap32(seq))
+        if fault == "withhold":
+            bufs[0].bar[R - 1] = _wrap32(seq - 1)
+        # Twice: on a GPU every rank writes its META before its barrier signal and reads the peers'
+        # after the wait; run one after another, the first round writes them all, the second reads.
+        for _ in range(2):
+            for b in bufs:
+                fused.run_exchange(b, plan)
+        routing_same = all(torch.equal(b.routing_g, bufs[0].routing_g) for b in bufs)
+        tables = [fused.build_step_tables(b) for b in bufs]
+        counts_t, ids_g, _ = bufs[-1].routing_views()
+        check_invariants(tables[-1], ids_g, counts_t, E, C)
+        if fault == "gate":
+            used = int((tables[0].block_expert < E).nonzero()[-1, 0])
+            bufs[0].counters[used] -= 1  # one arrival short: the gate must time out
+        for r, b in enumerate(bufs):
+            fused.run_kernel1(b, plan, tables[r], w13[r])
+        for r, b in enumerate(bufs):
+            fused.run_kernel2(b, plan, tables[r], w2[r])
+        for b in bufs:
+            fused.run_reduce(b, plan)
+        errors = [int(b.error.item()) for b in bufs]
+        record["errors"] = errors
+        if fault:
+            record["error_names"] = [fk.describe_error(e) for e in errors]
+            if fault == "gate":
+                record["gate_block"] = used
+            break
+        refs = [moe_reference(x.float(), i, w, *full) for x, i, w in zip(xs, ids, ws)]
+        sims = simulate_fused([x.float() for x in xs], ids, ws, [(a.float(), c.float()) for a, c in zip(w13, w2)],
+                              cfg.replace(dtype=torch.float32), seq=seq)
+        outs = [b.out[:n].clone() for b, n in zip(bufs, counts)]
+        record["steps"].append(dict(
+            seq=seq, counts=counts,
+            err=[rel_err(o, ref) if n else 0.0 for o, ref, n in zip(outs, refs, counts)],
+            err_sim=[rel_err(o, s) if n else 0.0 for o, s, n in zip(outs, sims, counts)],
+            finite=all(bool(torch.isfinite(o).all()) for o in outs),
+            routing_same=routing_same,
+            tables_same=all(torch.equal(getattr(t, f), getattr(tables[0], f)) for t in tables
+                            for f in ("slots", "pull_order", "job_order", "slack", "block_expert")),
+            tables_match_torch=torch.equal(tables[0].slots, build_tables(ids_g, counts_t, E, C, cfg.S).slots),
+            counters_ok=all(torch.equal(b.counters, torch.full((NB,), _wrap32(seq * BM), dtype=torch.int32)) for b in bufs),
+            tiles_ok=all(torch.equal(b.tiles, torch.full((NB,), _wrap32(seq * n_tiles2), dtype=torch.int32)) for b in bufs),
+            wm_ok=all(torch.equal(b.wm, torch.full((R,), _wrap32(seq), dtype=torch.int32)) for b in bufs),
+            bar_ok=all(torch.equal(b.bar, torch.full((R,), _wrap32(seq), dtype=torch.int32)) for b in bufs),
+            scratch_zero=all(int(b.disp.item()) == 0 and int(b.pushed.abs().sum()) == 0 for b in bufs),
+            seqs=[int(v) for v in bufs[0].routing_g[:, 1].tolist()],
+        ))
+    return record
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n][-1] is None])
+def test_fused_pipeline_matches_reference(results, name):
+    r = results[name]
+    assert "exception" not in r, r.get("exception")
+    assert r["errors"] == [0] * len(r["errors"]), f"a wait timed out: {r['errors']}"
+    assert len(r["steps"]) == len(CASES[name][6])
+    for s in r["steps"]:
+        where = f"seq {s['seq']} counts {s['counts']}"
+        assert s["routing_same"] and s["tables_same"] and s["tables_match_torch"], where
+        assert s["finite"], f"{where}: a garbage row reached the output"
+        for rank, (e, es) in enumerate(zip(s["err"], s["err_sim"])):
+            assert e <= TOL[r["dtype"]], f"{where} rank {rank}: error vs reference {e:.2e}"
+            assert es <= TOL[r["dtype"]], f"{where} rank {rank}: error vs simulation {es:.2e}"
+        assert s["counters_ok"], f"{where}: row-block counters are not at seq * BM"
+        assert s["tiles_ok"], f"{where}: tile counters are not at seq * n_tiles"
+        assert s["wm_ok"], f"{where}: a watermark (empty owners included) is not at seq"
+        assert s["bar_ok"], f"{where}: barrier slots are not at seq"
+        assert s["scratch_zero"], f"{where}: dispenser / push counts not reset for the next step"
+        assert s["seqs"] == [s["seq"] & 0x7FFFFFFF] * len(s["seqs"]), where
+
+
+def test_barrier_timeout_sets_error(results):
+    from service.kernels.fused_kernels import ERR_BARRIER, ERR_WATERMARK
+
+    r = results["barrier_timeout"]
+    assert "exception" not in r, r.get("exception")
+    R = len(CASES["barrier_timeout"][6][0])
+    assert r["errors"][0] == ERR_BARRIER + R - 1, r.get("error_names")
+    # Rank 0 then skips the step, so its peer's final reduce never sees rank 0's watermark: also
+    # a bounded wait that ends in the error flag.
+    assert r["errors"][1] == ERR_WATERMARK, r.get("error_names")
+
+
+def test_gate_timeout_sets_error(results):
+    from service.kernels.fused_kernels import ERR_GATE
+
+    r = results["gate_timeout"]
+    assert "exception" not in r, r.get("exception")
+    assert r["errors"][0] == ERR_GATE + r["gate_block"], r.get("error_names")
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    sys.path.insert(0, str(ROOT))
+    from tests.kernels.test_grouped_gemm import _patch_interpreter_for_numpy_2_4
+
+    _patch_interpreter_for_numpy_2_4()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    only = sys.argv[1:] or list(CASES)
+    out = {}
+    for case in only:
+        try:
+            out[case] = _run_case(case)
+        except Exception as exc:  # reported per case by the parent test
+            import traceback
+
+            out[case] = {"exception": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"}
+    print(json.dumps(out))
