@@ -60,3 +60,29 @@ def test_serial_layer_gemm_impls_in_process(gemm):
         ref = moe_reference(x.float(), ids.to(dev), w.to(dev), *weights)
         assert torch.isfinite(out).all()
         assert rel_err(out, ref) <= TOL[torch.bfloat16], (T, kind, rel_err(out, ref))
+
+
+def test_fused_backend_through_the_group():
+    """The rank group picks the fused backend when asked and it can run (R=1 on one GPU)."""
+    from service.config import LayerConfig
+
+    cfg = LayerConfig(E=16, H=512, I=384, K=4, R=1, C=256, dtype=torch.bfloat16)
+    weights = [t.cuda() for t in full_weights(cfg, 2)]
+    gen = torch.Generator().manual_seed(5)
+    with WorkerGroup(cfg, device="cuda", seed=2, backend="fused", start_timeout_s=600) as group:
+        assert group.backend == "fused"
+        for T in (1, 200, 256, 700):
+            x = torch.randn(T, cfg.H, generator=gen).to(torch.bfloat16)
+            ids, w = routing(T, cfg.E, cfg.K, "skewed", gen)
+            out = group.forward(x, ids.int(), w)
+            ref = moe_reference(x.cuda().float(), ids.cuda(), w.cuda(), *weights).cpu()
+            assert rel_err(out, ref) <= TOL[torch.bfloat16], (T, rel_err(out, ref))
+        slot = group.acquire_slot()
+        try:
+            slot.x[:5].normal_()
+            slot.ids[:5] = torch.randint(0, cfg.E, (5, cfg.K), dtype=torch.int32)
+            slot.w[:5] = 0.25
+            stats = group.run(slot, 5)
+        finally:
+            group.release(slot)
+        assert stats.backend == "fused" and stats.exposed_comm_s >= 0 and stats.layer_s > 0
