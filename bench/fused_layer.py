@@ -54,6 +54,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--comm1", default="", help="comma-separated kernel-1 pulling-program counts to sweep")
     args = p.parse_args()
     dev = torch.device("cuda", 0)
     cfg = LayerConfig(E=64, H=4096, I=args.intermediate, K=8, R=1, C=args.tokens, dtype=torch.bfloat16)
@@ -94,6 +95,13 @@ def main() -> None:
     print("in-kernel breakdown of the last step (us): "
           + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in breakdown.items()))
     print(f"fused / serial = {t_fused / t_serial:.3f} (target <= 1.05)")
+    sms = fused.plan.num_programs
+    for comm1 in [int(c) for c in args.comm1.split(",") if c]:
+        layer = FusedLayer(cfg, weights, rank=0, device=dev, num_comm1=comm1, num_compute2=sms - comm1)
+        t, ex = time_forward(layer, x, ids, w, args.iters, 2)
+        gates = layer.exposure_breakdown_s()
+        print(f"sweep num_comm1={comm1}: fused {t * 1e6:.0f} us = {t / t_serial:.3f} x serial; in-kernel "
+              + ", ".join(f"{k} {v * 1e6:.0f}" for k, v in gates.items()))
 
 
 if __name__ == "__main__":
