@@ -304,7 +304,10 @@ def default_plan(cfg: LayerConfig, device: torch.device, **overrides) -> Plan:
     from service.kernels.tuning import lookup_for_device
 
     sms = _num_sms(device)
-    comm = max(1, sms // 16)  # ~6 % of the SMs move tokens; the GEMMs keep the rest
+    # A quarter of the SMs pull tokens in kernel 1. Swept on an H200 at the seed shape, R=1
+    # (bench/RESULTS.md, 2026-11-29): 8 pullers 1.93x serial (GEMM1 starved at its gates,
+    # 870 us), 16 1.51x, 32 1.38x, 48 1.42x, 66 1.59x (the GEMMs lose too many SMs).
+    comm = max(1, sms // 4)
     plan = dict(num_programs=sms, num_comm1=comm, num_compute2=sms - comm, join=True,
                 config1=lookup_for_device(device, "gemm1", cfg.E, cfg.H, cfg.Ir),
                 config2=lookup_for_device(device, "gemm2", cfg.E, cfg.H, cfg.Ir))
