@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from service.config import BM
+from service.kernels.grouped_gemm import gemm_tile
 from service.kernels.sync import now_ns, signal_add, store_release, wait_all_geq, wait_geq
 
 META = tl.constexpr(4)  # int32 words in front of a routing block: n, seq low, seq high, unused (as serial.py)
@@ -58,65 +59,6 @@ ERR_NAMES = {1: "barrier", 2: "kernel-1 gate", 3: "kernel-2 job", 4: "final-redu
 def describe_error(code: int) -> str:
     kind, detail = code >> 24, code & 0xFFFFFF
     return f"{ERR_NAMES.get(kind, 'unknown')} wait timed out (detail {detail})"
-
-
-# ---------------------------------------------------------------------------------------------
-# The GEMM tile (the algorithm of service/kernels/grouped_gemm.py, as a device function).
-# ---------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _gemm_tile(a_ptr, w_ptr, out_ptr, block, expert, pn, ready, N, K, up_col,
-               stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on,
-               SWIGLU: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """out[block rows, tile pn] = A[rows] @ W[expert] (SWIGLU: silu(gate) * up, two accumulators)."""
-    k_steps = tl.cdiv(K, BK)
-    # (ready - 1) == 0: the row offsets depend on the gate's verdict, insurance against a
-    # compiler hoisting the A loads above the wait.
-    rows = block.to(tl.int64) * BM + tl.arange(0, BM) + (ready - 1)  # [BM]
-    cols = pn * BN + tl.arange(0, BN)  # [BN] output columns
-    cols = tl.max_contiguous(tl.multiple_of(cols, BN), BN)
-    ks = tl.arange(0, BK)  # [BK]
-    a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak  # [BM, BK]
-    w_base = w_ptr + expert.to(tl.int64) * stride_we
-    g_ptrs = w_base + ks[:, None] * stride_wk + cols[None, :] * stride_wn  # [BK, BN]
-    acc = tl.zeros((BM, BN), dtype=tl.float32)  # gate (GEMM1) or output (GEMM2)
-    acc_up = tl.zeros((BM, BN), dtype=tl.float32)  # up half, GEMM1 only
-    col_ok = cols[None, :] < N  # [1, BN] masks the last column tile when N % BN != 0
-    for kk in range(0, k_steps):
-        k_left = K - kk * BK  # masks the last K step when K % BK != 0
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
-        if EVEN_K and EVEN_N:
-            g = tl.load(g_ptrs)
-        else:
-            g = tl.load(g_ptrs, mask=(ks[:, None] < k_left) & col_ok, other=0.0)
-        if IEEE:
-            acc = tl.dot(a, g, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, g, acc)
-        if SWIGLU:
-            u_ptrs = g_ptrs + up_col * stride_wn  # the matching up columns, Ir to the right
-            if EVEN_K and EVEN_N:
-                u = tl.load(u_ptrs)
-            else:
-                u = tl.load(u_ptrs, mask=(ks[:, None] < k_left) & col_ok, other=0.0)
-            if IEEE:
-                acc_up = tl.dot(a, u, acc_up, input_precision="ieee")
-            else:
-                acc_up = tl.dot(a, u, acc_up)
-        a_ptrs += BK * stride_ak
-        g_ptrs += BK * stride_wk
-    if SWIGLU:
-        acc = acc * tl.sigmoid(acc) * acc_up  # silu(g) * u in fp32
-    o_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on  # [BM, BN]
-    if EVEN_N:
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty))
-    else:
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,9 +189,9 @@ def _ag_gemm1_kernel(
                         tl.atomic_cas(error_ptr, 0, (2 << 24) + block)
                         alive = ready
                     else:
-                        _gemm_tile(a_ptr, w_ptr, act_ptr, block, expert, pn, ready, Ir, H, Ir,
-                                   stride_am, 1, stride_we, stride_wk, 1, stride_om, 1,
-                                   True, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
+                        gemm_tile(a_ptr, w_ptr, act_ptr, block, expert, pn, ready, Ir, H, Ir,
+                                  stride_am, 1, stride_we, stride_wk, 1, stride_om, 1,
+                                  True, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
             tl.atomic_add(stats_ptr + 1, waited, sem="relaxed")
 
 
@@ -291,9 +233,9 @@ def _gemm2_push_kernel(
                 pn = tile % n_tiles
                 expert = tl.load(block_expert_ptr + block)
                 if expert < E:
-                    _gemm_tile(act_ptr, w_ptr, d_ptr, block, expert, pn, 1, H, Ir, 0,
-                               stride_am, 1, stride_we, stride_wk, 1, stride_om, 1,
-                               False, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
+                    gemm_tile(act_ptr, w_ptr, d_ptr, block, expert, pn, 1, H, Ir, 0,
+                              stride_am, 1, stride_we, stride_wk, 1, stride_om, 1,
+                              False, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
                 signal_add(tiles_ptr + block, 1, USE_PTX)  # CTA barrier, release (local flag)
             t_join = now_ns(USE_PTX)
         if (pid >= NUM_COMPUTE) | JOIN:

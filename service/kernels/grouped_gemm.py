@@ -32,15 +32,18 @@ taken in row-block order, which is expert order. Tiles whose block carries exper
 without loading anything: the grid is sized at capacity and needs no host sync.
 
 Hooks (compile-time, ThunderKittens style; the GEMM does not know where its data comes from):
-    GATE      before a tile's loads, wait until `counters[block] >= target[0]` (acquire, system
-              scope; bounded: after `max_spins` polls the program records `block + 1` in
-              `error[0]` and stops taking tiles instead of hanging).
+    GATE      before a tile's loads, wait until `counters[block]` reaches `target[0]` (acquire,
+              system scope, wrap-safe >=; bounded: after `max_spins` polls the program records
+              `block + 1` in `error[0]` and stops taking tiles instead of hanging).
     EPILOGUE  after a tile is stored: CTA barrier, then one release atomic add of 1 on
               `tile_counters[block]` (system scope), so a block is complete when its counter
               has grown by n_tiles.
-    USE_PTX   picks the primitives: inline PTX (one `ld.global.acquire.sys` per thread per poll,
-              no barrier per poll; `red.release.sys` by thread 0) or `tl.atomic_*` with sem and
-              scope, which the interpreter runs (it has no inline asm).
+    USE_PTX   picks the primitives (`wait_geq`, `signal_add` of service/kernels/sync.py, which
+              explains their memory ordering): inline PTX (one `ld.global.acquire.sys` per thread
+              per poll, no barrier per poll; `red.release.sys` by thread 0) or `tl.atomic_*` with
+              sem and scope, which the interpreter runs (it has no inline asm).
+
+The tile itself is `gemm_tile`, a jit function the fused kernels run too (Triton inlines it).
 
 Limits: K tiles are masked (any H, Ir); N tiles are masked; the row count is a multiple of BM by
 construction of the layout. bf16 / fp16 / fp32 inputs (fp32 dots run in IEEE fp32); the
@@ -56,6 +59,7 @@ import triton
 import triton.language as tl
 
 from service.config import BM
+from service.kernels.sync import signal_add, wait_geq
 
 # A poll is ~0.2 us on an H200 (system-scope acquire), so 2**24 polls bound a wait at a few
 # seconds: far beyond any honest arrival, short enough that a dead peer becomes an error.
@@ -97,68 +101,65 @@ class Epilogue:
 
 
 # ---------------------------------------------------------------------------------------------
-# Synchronisation primitives (also meant for the fused kernels).
+# The tile (also run by the fused kernels, service/kernels/fused_kernels.py).
 # ---------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _ld_acquire_sys_ptx(ptr):
-    # Every thread issues its own acquire load: no CTA barrier per poll (a scalar tl.atomic_*
-    # costs two bar.sync per poll). Not usable in the interpreter (no inline asm).
-    return tl.inline_asm_elementwise(
-        "ld.global.acquire.sys.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1
-    )
+def _load_dot(a, w_ptrs, w_ok, acc, EVEN: tl.constexpr, IEEE: tl.constexpr):
+    """acc + a @ W[w_ptrs]: one K step of one accumulator (masked loads unless EVEN)."""
+    if EVEN:
+        w = tl.load(w_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=w_ok, other=0.0)
+    if IEEE:
+        acc = tl.dot(a, w, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, w, acc)
+    return acc
 
 
 @triton.jit
-def _wait_geq(ptr, target, max_spins, USE_PTX: tl.constexpr):
-    """Wait until *ptr >= target (bounded). Returns an int32 scalar, 1 when observed, 0 on timeout.
-
-    The result is uniform over the CTA: it comes from a scalar tl.atomic_add, which one thread
-    issues (acquire, system scope) and broadcasts through shared memory behind a CTA barrier, so
-    every thread's later loads are ordered after that acquire. The PTX path polls first without
-    barriers, then confirms once the same way: a per-thread verdict could differ between threads
-    at the timeout boundary and leave some threads in a barrier the others never reach.
-    """
-    if USE_PTX:
-        seen = _ld_acquire_sys_ptx(ptr)
-        spins = 0
-        while (seen < target) & (spins < max_spins):
-            seen = _ld_acquire_sys_ptx(ptr)
-            spins += 1
-        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+def gemm_tile(a_ptr, w_ptr, out_ptr, block, expert, pn, ready, N, K, up_col,
+              stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on,
+              SWIGLU: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """out[rows of row block `block`, column tile `pn`] = A[rows] @ W[expert] (SWIGLU: silu(gate) * up,
+    two accumulators); one BM x BN output tile, the K loop inside. `ready` is the gate's verdict,
+    always 1 here (callers skip the tile on 0). Triton inlines it into the caller."""
+    k_steps = tl.cdiv(K, BK)
+    # (ready - 1) == 0: a data dependency of the row offsets on the gate's result, insurance
+    # against a compiler hoisting the A loads above the wait.
+    rows = block.to(tl.int64) * BM + tl.arange(0, BM) + (ready - 1)  # [BM]
+    cols = pn * BN + tl.arange(0, BN)  # [BN] output columns
+    cols = tl.max_contiguous(tl.multiple_of(cols, BN), BN)
+    ks = tl.arange(0, BK)  # [BK]
+    a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak  # [BM, BK]
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    g_ptrs = w_base + ks[:, None] * stride_wk + cols[None, :] * stride_wn  # [BK, BN]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)  # gate (GEMM1) or output (GEMM2)
+    acc_up = tl.zeros((BM, BN), dtype=tl.float32)  # up half, GEMM1 only
+    col_ok = cols[None, :] < N  # [1, BN] masks the last column tile when N % BN != 0
+    for kk in range(0, k_steps):
+        k_left = K - kk * BK  # masks the last K step when K % BK != 0
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
+        w_ok = (ks[:, None] < k_left) & col_ok  # [BK, BN], used unless EVEN_K and EVEN_N
+        acc = _load_dot(a, g_ptrs, w_ok, acc, EVEN_K and EVEN_N, IEEE)
+        if SWIGLU:
+            u_ptrs = g_ptrs + up_col * stride_wn  # the matching up columns, Ir to the right
+            acc_up = _load_dot(a, u_ptrs, w_ok, acc_up, EVEN_K and EVEN_N, IEEE)
+        a_ptrs += BK * stride_ak
+        g_ptrs += BK * stride_wk
+    if SWIGLU:
+        acc = acc * tl.sigmoid(acc) * acc_up  # silu(g) * u in fp32
+    o_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on  # [BM, BN]
+    if EVEN_N:
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty))
     else:
-        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-        spins = 0
-        while (seen < target) & (spins < max_spins):
-            seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-            spins += 1
-    return (seen >= target).to(tl.int32)
-
-
-@triton.jit
-def _signal_add(ptr, value, USE_PTX: tl.constexpr):
-    """Add `value` to *ptr with a release at system scope, after all threads' earlier stores."""
-    # Triton 3.6 puts no barrier before a release atomic: without this one, other threads'
-    # stores of the tile are not ordered before the signal.
-    tl.debug_barrier()
-    if USE_PTX:
-        # Thread 0 only (Triton launches blockDim = (32 * num_warps, 1, 1)); the barrier above
-        # makes the release cumulative over every thread's stores.
-        tl.inline_asm_elementwise(
-            """{
-            .reg .pred p;
-            .reg .b32 t;
-            mov.u32 t, %tid.x;
-            setp.eq.u32 p, t, 0;
-            @p red.release.sys.global.add.s32 [$1], $2;
-            mov.u32 $0, 0;
-            }""",
-            "=r,l,r", [ptr, value], dtype=tl.int32, is_pure=False, pack=1,
-        )
-    else:
-        # A scalar atomic is issued by one thread.
-        tl.atomic_add(ptr, value, sem="release", scope="sys")
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,7 +185,6 @@ def _grouped_gemm_kernel(
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BN)
     num_tiles = num_blocks * n_tiles
-    k_steps = tl.cdiv(K, BK)
     alive = pid * 0 + 1  # int32 scalar; 0 once a gate timed out: take no more tiles
     if GATE:
         target = tl.load(target_ptr)
@@ -198,58 +198,16 @@ def _grouped_gemm_kernel(
         if (expert < num_experts) & (alive != 0):  # expert == E: block past the last expert, no rows
             ready = alive
             if GATE:
-                ready = _wait_geq(counters_ptr + block, target, max_spins, USE_PTX)
+                ready = wait_geq(counters_ptr + block, target, max_spins, USE_PTX)
                 if ready == 0:
                     tl.atomic_max(error_ptr, block + 1)  # the host reports it; the group restarts
                     alive = ready
             if ready != 0:
-                # (ready - 1) == 0: a data dependency of the row offsets on the gate's result,
-                # insurance against a compiler hoisting A loads above the wait.
-                rows = block.to(tl.int64) * BM + tl.arange(0, BM) + (ready - 1)  # [BM]
-                cols = pn * BN + tl.arange(0, BN)  # [BN] output columns
-                cols = tl.max_contiguous(tl.multiple_of(cols, BN), BN)
-                ks = tl.arange(0, BK)  # [BK]
-                a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak  # [BM, BK]
-                w_base = w_ptr + expert.to(tl.int64) * stride_we
-                g_ptrs = w_base + ks[:, None] * stride_wk + cols[None, :] * stride_wn  # [BK, BN]
-                acc = tl.zeros((BM, BN), dtype=tl.float32)  # gate (GEMM1) or output (GEMM2)
-                acc_up = tl.zeros((BM, BN), dtype=tl.float32)  # up half, GEMM1 only
-                col_ok = cols[None, :] < N  # [1, BN] masks the last column tile when N % BN != 0
-                for kk in range(0, k_steps):
-                    k_left = K - kk * BK  # masks the last K step when K % BK != 0
-                    if EVEN_K:
-                        a = tl.load(a_ptrs)
-                    else:
-                        a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
-                    if EVEN_K and EVEN_N:
-                        g = tl.load(g_ptrs)
-                    else:
-                        g = tl.load(g_ptrs, mask=(ks[:, None] < k_left) & col_ok, other=0.0)
-                    if IEEE:
-                        acc = tl.dot(a, g, acc, input_precision="ieee")
-                    else:
-                        acc = tl.dot(a, g, acc)
-                    if SWIGLU:
-                        u_ptrs = g_ptrs + up_col * stride_wn  # the matching up columns, Ir to the right
-                        if EVEN_K and EVEN_N:
-                            u = tl.load(u_ptrs)
-                        else:
-                            u = tl.load(u_ptrs, mask=(ks[:, None] < k_left) & col_ok, other=0.0)
-                        if IEEE:
-                            acc_up = tl.dot(a, u, acc_up, input_precision="ieee")
-                        else:
-                            acc_up = tl.dot(a, u, acc_up)
-                    a_ptrs += BK * stride_ak
-                    g_ptrs += BK * stride_wk
-                if SWIGLU:
-                    acc = acc * tl.sigmoid(acc) * acc_up  # silu(g) * u in fp32
-                o_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on  # [BM, BN]
-                if EVEN_N:
-                    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty))
-                else:
-                    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+                gemm_tile(a_ptr, w_ptr, out_ptr, block, expert, pn, ready, N, K, up_col,
+                          stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on,
+                          SWIGLU, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
                 if EPILOGUE:
-                    _signal_add(tile_counters_ptr + block, 1, USE_PTX)
+                    signal_add(tile_counters_ptr + block, 1, USE_PTX)
 
 
 # ---------------------------------------------------------------------------------------------

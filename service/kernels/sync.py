@@ -1,4 +1,5 @@
-"""Cross-program and cross-GPU synchronisation primitives for the fused kernels (Triton jit helpers).
+"""Cross-program and cross-GPU synchronisation primitives (Triton jit helpers) for the fused kernels
+and the grouped GEMM's gate and epilogue hooks (service/kernels/grouped_gemm.py).
 
 Every helper takes `USE_PTX: tl.constexpr`:
     True   inline PTX (GPU builds): per-thread `ld.global.acquire.sys` polls with no CTA barrier per
@@ -27,7 +28,8 @@ import triton.language as tl
 
 @triton.jit
 def _ld_acquire_ptx(ptr):
-    # One acquire load per thread (and per element of a pointer tensor): no barrier per poll.
+    # One acquire load per thread (and per element of a pointer tensor): no barrier per poll (a
+    # scalar tl.atomic_* costs two bar.sync per poll). Not usable in the interpreter (no inline asm).
     return tl.inline_asm_elementwise(
         "ld.global.acquire.sys.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1
     )
@@ -44,19 +46,27 @@ def wait_geq(ptr, target, max_spins, USE_PTX: tl.constexpr):
     """Wait until the int32 at `ptr` reaches `target` (bounded). Returns int32 1, or 0 on timeout.
 
     The verdict is uniform over the CTA: it comes from a scalar atomic (one thread issues it with
-    acquire at system scope and broadcasts it behind a CTA barrier), so every thread's later loads
-    are ordered after an acquire that saw the flag. The PTX path polls barrier-free first.
+    acquire at system scope and broadcasts it through shared memory behind a CTA barrier), so every
+    thread's later loads are ordered after an acquire that saw the flag. The PTX path polls
+    barrier-free first, then confirms once that way and never polls again: each thread counts its
+    own polls, so at the timeout boundary the counts may differ between threads, and a loop of
+    barrier-carrying atomics after the polls could leave some threads in a barrier the others never
+    reach. One confirmation is enough: thread 0 issues it after its own polls, and a monotonic flag
+    it saw reached still reads reached (coherence of one address).
     """
-    spins = 0
     if USE_PTX:
         seen = _ld_acquire_ptx(ptr)
+        spins = 0
         while ((seen - target) < 0) & (spins < max_spins):
             seen = _ld_acquire_ptx(ptr)
             spins += 1
-    seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-    while ((seen - target) < 0) & (spins < max_spins):
         seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-        spins += 1
+    else:
+        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+        spins = 0
+        while ((seen - target) < 0) & (spins < max_spins):
+            seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+            spins += 1
     return reached(seen, target).to(tl.int32)
 
 
@@ -108,6 +118,7 @@ def signal_add(ptr, value, USE_PTX: tl.constexpr):
             "=r,l,r", [ptr, value], dtype=tl.int32, is_pure=False, pack=1,
         )
     else:
+        # A scalar atomic is issued by one thread.
         tl.atomic_add(ptr, value, sem="release", scope="sys")
 
 
