@@ -378,7 +378,8 @@ def ag_gemm1(*, region_ptrs, A, w13, act, tables, counters, ctl, error, stats, C
 
 
 def gemm2_push(*, region_ptrs, act, w2, D, tables, routing_g, tiles, disp, pushed, ctl, error, stats,
-               rank, R, C, L, stage_off, wm_off, config, num_programs, num_compute, join, max_spins, use_ptx, sync=True):
+               rank, R, C, L, stage_off, wm_off, config, num_programs, num_compute, join, max_spins, use_ptx, sync=True,
+               job_cols=512):
     """Kernel 2: D [S, H] = act @ W2, then every global token's top-k sum pushed to its owner."""
     S, Ir = act.shape
     E, _, H = w2.shape
@@ -391,7 +392,7 @@ def gemm2_push(*, region_ptrs, act, w2, D, tables, routing_g, tiles, disp, pushe
         tiles, disp, pushed, ctl, error, stats,
         rank, R, N, C, H, NB, Ir, E, L, stage_off, wm_off, max_spins,
         act.stride(0), w2.stride(0), w2.stride(1), D.stride(0),
-        K=K, KP=_p2(K), BH=min(_p2(H), 512), NUM_COMPUTE=num_compute, NUM_PROGRAMS=num_programs,
+        K=K, KP=_p2(K), BH=min(_p2(H), job_cols), NUM_COMPUTE=num_compute, NUM_PROGRAMS=num_programs,
         JOIN=join, USE_PTX=use_ptx, SYNC=sync,
         IEEE=act.dtype == torch.float32, EVEN_K=Ir % config.BK == 0, EVEN_N=H % config.BN == 0,
         BM=BM, BN=config.BN, BK=config.BK, num_warps=config.num_warps, num_stages=config.num_stages,

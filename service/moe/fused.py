@@ -195,6 +195,7 @@ class Plan:
     max_spins: int = DEFAULT_MAX_SPINS
     use_ptx: bool = True
     sync: bool = True
+    job_cols: int = 512  # columns a kernel-2 job loads per step (K rows of them at once)
 
 
 def run_exchange(b: RankBuffers, plan: Plan) -> None:
@@ -228,7 +229,8 @@ def run_kernel2(b: RankBuffers, plan: Plan, tables, w2: torch.Tensor) -> None:
                   tiles=b.tiles, disp=b.disp, pushed=b.pushed, ctl=b.ctl, error=b.error, stats=b.stats,
                   rank=b.rank, R=b.cfg.R, C=b.cfg.C, L=b.lay.L, stage_off=b.stage_off, wm_off=b.wm_off,
                   config=plan.config2, num_programs=plan.num_programs, num_compute=plan.num_compute2,
-                  join=plan.join, max_spins=plan.max_spins, use_ptx=plan.use_ptx, sync=plan.sync)
+                  join=plan.join, max_spins=plan.max_spins, use_ptx=plan.use_ptx, sync=plan.sync,
+                  job_cols=plan.job_cols)
 
 
 def run_reduce(b: RankBuffers, plan: Plan) -> None:
