@@ -195,7 +195,9 @@ class Plan:
     max_spins: int = DEFAULT_MAX_SPINS
     use_ptx: bool = True
     sync: bool = True
-    job_cols: int = 512  # columns a kernel-2 job loads per step (K rows of them at once)
+    # Columns a kernel-2 job loads per step (K rows of them at once). Swept on an H200 at the seed
+    # share, R=1 (bench/RESULTS.md): 512 -> job tail 360 us, 1024 -> 134, 2048 -> 66, 4096 -> 61.
+    job_cols: int = 2048
 
 
 def run_exchange(b: RankBuffers, plan: Plan) -> None:
