@@ -56,6 +56,8 @@ def main() -> None:
     p.add_argument("--intermediate", type=int, default=768)
     p.add_argument("--comm1", default="", help="comma-separated kernel-1 pulling-program counts to sweep")
     p.add_argument("--job-cols", default="", help="comma-separated kernel-2 job widths to sweep (default pullers)")
+    p.add_argument("--variants", default="", help="semicolon-separated plan overrides to time, e.g. "
+                   "'pull_tokens=8;counter_scope=gpu;pull_tokens=8,counter_scope=gpu'")
     args = p.parse_args()
     dev = torch.device("cuda", 0)
     cfg = LayerConfig(E=64, H=4096, I=args.intermediate, K=8, R=1, C=args.tokens, dtype=torch.bfloat16)
@@ -103,12 +105,15 @@ def main() -> None:
         gates = layer.exposure_breakdown_s()
         print(f"sweep num_comm1={comm1}: fused {t * 1e6:.0f} us = {t / t_serial:.3f} x serial; in-kernel "
               + ", ".join(f"{k} {v * 1e6:.0f}" for k, v in gates.items()))
-    for cols in [int(c) for c in args.job_cols.split(",") if c]:
-        layer = FusedLayer(cfg, weights, rank=0, device=dev, job_cols=cols)
+    variants = [dict(job_cols=int(c)) for c in args.job_cols.split(",") if c]
+    for text in [v for v in args.variants.split(";") if v]:
+        variants.append({k: (v if not v.isdigit() else int(v)) for k, v in (kv.split("=") for kv in text.split(","))})
+    for overrides in variants:
+        layer = FusedLayer(cfg, weights, rank=0, device=dev, **overrides)
         t, ex = time_forward(layer, x, ids, w, args.iters, 2)
         check = ((layer.forward(x, ids, w, seq=args.iters + 5) - ref).norm() / ref.norm()).item()
         gates = layer.exposure_breakdown_s()
-        print(f"sweep job_cols={cols}: fused {t * 1e6:.0f} us = {t / t_serial:.3f} x serial; diff {check:.1e}; "
+        print(f"sweep {overrides}: fused {t * 1e6:.0f} us = {t / t_serial:.3f} x serial; diff {check:.1e}; "
               "in-kernel " + ", ".join(f"{k} {v * 1e6:.0f}" for k, v in gates.items()))
 
 

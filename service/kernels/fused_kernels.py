@@ -130,7 +130,7 @@ def _ag_gemm1_kernel(
     K: tl.constexpr, TB: tl.constexpr, BH: tl.constexpr,
     NUM_COMM: tl.constexpr, NUM_PROGRAMS: tl.constexpr, USE_PTX: tl.constexpr, SYNC: tl.constexpr,
     IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, COUNTER_SCOPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     seq = tl.load(ctl_ptr)
@@ -141,7 +141,7 @@ def _ag_gemm1_kernel(
             # last batch at (seq-1)*BM and this one's target is seq*BM. Slack carries no data, but
             # acq_rel keeps every contribution in one release chain.
             for b in range(pid, NB, NUM_COMM):
-                tl.atomic_add(counters_ptr + b, tl.load(slack_ptr + b), sem="acq_rel", scope="sys")
+                tl.atomic_add(counters_ptr + b, tl.load(slack_ptr + b), sem="acq_rel", scope=COUNTER_SCOPE)
             parity = (seq & 1).to(tl.int64)
             tt = tl.arange(0, TB)  # [TB] tokens per iteration: TB times fewer round trips per pull
             hh = tl.arange(0, BH)  # [BH]
@@ -166,7 +166,7 @@ def _ag_gemm1_kernel(
                 tl.debug_barrier()
                 for k in tl.static_range(K):
                     row = tl.load(slots_ptr + g * K + k, mask=real, other=0)  # [TB]
-                    tl.atomic_add(counters_ptr + row // BM, 1, mask=real, sem="acq_rel", scope="sys")
+                    tl.atomic_add(counters_ptr + row // BM, 1, mask=real, sem="acq_rel", scope=COUNTER_SCOPE)
         else:
             # -- compute: persistent grouped GEMM1 over (block, column tile), gated -------------
             cp = pid - NUM_COMM
@@ -357,7 +357,7 @@ def exchange(*, region_ptrs, routing_g, ctl, error, stats, rank, R, L, rt_off, b
 
 
 def ag_gemm1(*, region_ptrs, A, w13, act, tables, counters, ctl, error, stats, C, tok_off, config,
-             num_programs, num_comm, max_spins, use_ptx, sync=True):
+             num_programs, num_comm, max_spins, use_ptx, sync=True, pull_tokens=PULL_TOKENS, counter_scope="sys"):
     """Kernel 1: A [S, H] filled from the peers' token buffers, act [S, Ir] = SwiGLU(A @ W13)."""
     S, H = A.shape
     E, _, two_ir = w13.shape
@@ -371,9 +371,10 @@ def ag_gemm1(*, region_ptrs, A, w13, act, tables, counters, ctl, error, stats, C
         counters, ctl, error, stats,
         N, C, H, NB, Ir, E, tok_off, max_spins,
         A.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        K=K, TB=PULL_TOKENS, BH=min(_p2(H), 1024), NUM_COMM=num_comm, NUM_PROGRAMS=num_programs, USE_PTX=use_ptx, SYNC=sync,
+        K=K, TB=pull_tokens, BH=min(_p2(H), 1024), NUM_COMM=num_comm, NUM_PROGRAMS=num_programs, USE_PTX=use_ptx, SYNC=sync,
         IEEE=A.dtype == torch.float32, EVEN_K=H % config.BK == 0, EVEN_N=Ir % config.BN == 0,
-        BM=BM, BN=config.BN, BK=config.BK, num_warps=config.num_warps, num_stages=config.num_stages,
+        BM=BM, BN=config.BN, BK=config.BK, COUNTER_SCOPE=counter_scope,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 

@@ -198,6 +198,11 @@ class Plan:
     # Columns a kernel-2 job loads per step (K rows of them at once). Swept on an H200 at the seed
     # share, R=1 (bench/RESULTS.md): 512 -> job tail 360 us, 1024 -> 134, 2048 -> 66, 4096 -> 61.
     job_cols: int = 2048
+    pull_tokens: int = 4          # tokens a kernel-1 puller moves per iteration
+    # Scope of the kernel-1 row-block counter releases. The counters are local (the pullers and
+    # GEMM1 share a GPU, the pulled data is stored locally), so "gpu" would suffice; "sys" is
+    # what the tests have proven so far.
+    counter_scope: str = "sys"
 
 
 def run_exchange(b: RankBuffers, plan: Plan) -> None:
@@ -221,7 +226,8 @@ def run_kernel1(b: RankBuffers, plan: Plan, tables, w13: torch.Tensor) -> None:
     fk.ag_gemm1(region_ptrs=b.region_ptrs, A=b.A, w13=w13, act=b.act, tables=tables, counters=b.counters,
                 ctl=b.ctl, error=b.error, stats=b.stats, C=b.cfg.C, tok_off=b.tok_off, config=plan.config1,
                 num_programs=plan.num_programs, num_comm=plan.num_comm1, max_spins=plan.max_spins,
-                use_ptx=plan.use_ptx, sync=plan.sync)
+                use_ptx=plan.use_ptx, sync=plan.sync, pull_tokens=plan.pull_tokens,
+                counter_scope=plan.counter_scope)
 
 
 def run_kernel2(b: RankBuffers, plan: Plan, tables, w2: torch.Tensor) -> None:

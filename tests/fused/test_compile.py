@@ -41,7 +41,7 @@ def compile_kernel(name: str, arch: int, *, config=None, dtype: str = "bf16", us
     if config is not None:
         constexprs.update(BM=BM, BN=config.BN, BK=config.BK, IEEE=False, EVEN_K=True, EVEN_N=True,
                           NUM_PROGRAMS=132, NUM_COMM=8, NUM_COMPUTE=124, JOIN=True, BH=512)
-    constexprs.update({"BL": 1024, "BR": 4, "BH": constexprs.get("BH", 1024)})
+    constexprs.update({"BL": 1024, "BR": 4, "BH": constexprs.get("BH", 1024), "COUNTER_SCOPE": "sys"})
     sig, attrs, cx = {}, {}, {}
     for i, n in enumerate(names):
         if n in constexprs:
