@@ -100,7 +100,7 @@ def test_r1_matches_reference(graph):
 # ---------------------------------------------------------------------------------------------
 
 
-def _worker(rank: int, R: int, port: int, mode: str, out_dir: str) -> None:
+def _worker(rank: int, R: int, port: int, mode: str, out_dir: str, plan: dict | None = None) -> None:
     os.environ.update(ENV)
     import torch.distributed as dist
 
@@ -121,7 +121,7 @@ def _worker(rank: int, R: int, port: int, mode: str, out_dir: str) -> None:
         gate, up, down = _weights(cfg)
         spins = {"timeout": 1 << 20}.get(mode, 1 << 22)
         layer = FusedLayer(cfg, RankWeights(*slice_rank(gate, up, down, rank, R)), rank=rank, device=dev,
-                           group=dist.group.WORLD, max_spins=spins)
+                           group=dist.group.WORLD, max_spins=spins, **(plan or {}))
         gate, up, down = gate.to(dev), up.to(dev), down.to(dev)
         gen = torch.Generator().manual_seed(5)  # the same global batches on every rank
         steps = _schedule(R) if mode == "batches" else [([C] * R, "balanced")] * 3
@@ -163,14 +163,14 @@ def _worker(rank: int, R: int, port: int, mode: str, out_dir: str) -> None:
     os._exit(0)
 
 
-def _run_group(R: int, mode: str, tmp_path) -> list[dict]:
+def _run_group(R: int, mode: str, tmp_path, plan: dict | None = None) -> list[dict]:
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
     os.environ.update(ENV)
     store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=120))
-    ctx = mp.spawn(_worker, args=(R, store.port, mode, str(tmp_path)), nprocs=R, join=False)
+    ctx = mp.spawn(_worker, args=(R, store.port, mode, str(tmp_path), plan), nprocs=R, join=False)
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
         if time.monotonic() > deadline:
@@ -185,9 +185,15 @@ def _run_group(R: int, mode: str, tmp_path) -> list[dict]:
     return results
 
 
+# Plan variants under trial (bench/fused_layer.py --variants): proven across processes here
+# before one becomes the default.
+PLAN_VARIANTS = {"default": {}, "wide-pull-gpu-scope": {"pull_tokens": 8, "counter_scope": "gpu"}}
+
+
+@pytest.mark.parametrize("plan", sorted(PLAN_VARIANTS))
 @pytest.mark.parametrize("R", [2, 4])
-def test_ranks_sharing_one_gpu_match_reference(R, tmp_path):
-    results = _run_group(R, "batches", tmp_path)
+def test_ranks_sharing_one_gpu_match_reference(R, plan, tmp_path):
+    results = _run_group(R, "batches", tmp_path, PLAN_VARIANTS[plan])
     steps = len(_schedule(R))
     for res in results:
         assert "exception" not in res, f"rank {res['rank']}: {res['exception']}"
