@@ -198,10 +198,13 @@ class Plan:
     # Columns a kernel-2 job loads per step (K rows of them at once). Swept on an H200 at the seed
     # share, R=1 (bench/RESULTS.md): 512 -> job tail 360 us, 1024 -> 134, 2048 -> 66, 4096 -> 61.
     job_cols: int = 2048
-    pull_tokens: int = 4          # tokens a kernel-1 puller moves per iteration
+    # Tokens a kernel-1 puller moves per iteration. H200, seed share, R=1 (bench/RESULTS.md):
+    # 4 -> 1.17x serial, 8 -> 1.13x, 16 -> 1.21x (register pressure).
+    pull_tokens: int = 8
     # Scope of the kernel-1 row-block counter releases. The counters are local (the pullers and
-    # GEMM1 share a GPU, the pulled data is stored locally), so "gpu" would suffice; "sys" is
-    # what the tests have proven so far.
+    # GEMM1 share a GPU, the pulled data is stored locally), so "gpu" suffices and passed the
+    # multi-process tests, but measured no faster than "sys" (1.135x vs 1.126x serial), so the
+    # stronger ordering stays.
     counter_scope: str = "sys"
 
 

@@ -187,7 +187,7 @@ def _run_group(R: int, mode: str, tmp_path, plan: dict | None = None) -> list[di
 
 # Plan variants under trial (bench/fused_layer.py --variants): proven across processes here
 # before one becomes the default.
-PLAN_VARIANTS = {"default": {}, "wide-pull-gpu-scope": {"pull_tokens": 8, "counter_scope": "gpu"}}
+PLAN_VARIANTS = {"default": {}, "gpu-scope-counters": {"counter_scope": "gpu"}}
 
 
 @pytest.mark.parametrize("plan", sorted(PLAN_VARIANTS))
