@@ -29,7 +29,7 @@ from service.config import LayerConfig
 from service.errors import GroupUnavailable, InvalidInput, WorkerError
 from service.moe.serial import COLLECTIVE_STAGES
 from service.worker.rank import RankOptions, rank_main
-from service.worker.shm import Slot, create_slots, remove_slots
+from service.worker.shm import Slot, create_slots, remove_slots, remove_stale_slots
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +78,22 @@ class WorkerGroup:
 
     # -- life cycle --------------------------------------------------------------------------
     def start(self) -> None:
-        """Spawn the ranks and wait until each has joined the group and loaded its weights."""
+        """Spawn the ranks and wait until each has joined the group and loaded its weights.
+
+        On any failure (a rank's, a timeout, or an exception here, KeyboardInterrupt included)
+        everything started so far is stopped and removed before the exception propagates.
+        """
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> None:
         import torch.distributed as dist
 
         cfg = self.cfg
-        if self.device == "cuda" and torch.cuda.device_count() < cfg.R:
-            log.warning("%d ranks share %d GPU(s)", cfg.R, torch.cuda.device_count())
+        remove_stale_slots()
         # The parent hosts the rendezvous store: binding port 0 picks a free port without a race.
         self._store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True,
                                     timeout=datetime.timedelta(seconds=self.start_timeout_s),
@@ -102,17 +112,16 @@ class WorkerGroup:
             parent_end, child_end = ctx.Pipe()
             proc = ctx.Process(target=rank_main, args=(rank, opts, child_end), daemon=True,
                                name=f"moe-rank{rank}")
-            proc.start()
-            child_end.close()
             self._procs.append(proc)
             self._conns.append(parent_end)
+            proc.start()
+            child_end.close()
         log.info("started %d ranks on %s (%s), waiting for them to load", cfg.R, self.device, cfg.describe())
         t0 = time.monotonic()
-        try:
-            infos = self._collect("ready", self.start_timeout_s, "start")
-        except WorkerError:
-            self.close()
-            raise
+        infos = self._collect("ready", self.start_timeout_s, "start")
+        # Every process has mapped the slots: unlink the files now, so nothing is left in
+        # /dev/shm whatever happens to this process later (the mappings stay valid).
+        remove_slots(self._slots)
         self.pids = [info["pid"] for info in infos]
         self.backend = infos[0]["backend"]
         self.alive = True

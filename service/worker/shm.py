@@ -5,6 +5,10 @@ shared=True): the front end writes request rows into `x`, `ids`, `w`; each rank 
 and writes its output rows into `out`. No tensor is pickled; the control messages carry only
 (seq, slot index, T). Plain files rather than `multiprocessing.shared_memory`, whose resource
 tracker unlinks segments when a child that attached them exits (Python < 3.13).
+
+The files exist only while the ranks start: once every rank has mapped them the group unlinks
+them, so a front end killed later leaves nothing in /dev/shm. Files of a front end killed
+during a start are removed by the next start on the host (their pid is gone).
 """
 
 from __future__ import annotations
@@ -77,6 +81,27 @@ def create_slots(cfg: LayerConfig, count: int) -> list[Slot]:
             os.close(fd)
         slots.append(Slot.open(cfg, i, path))
     return slots
+
+
+def remove_stale_slots() -> None:
+    """Remove slot files left by front ends that died before their ranks were up (pid gone)."""
+    directory = _shm_dir()
+    for name in os.listdir(directory):
+        if not name.startswith("moe-slot-"):
+            continue
+        try:
+            pid = int(name.split("-")[2])
+        except (IndexError, ValueError):
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join(directory, name))
+            except FileNotFoundError:
+                pass
+        except PermissionError:
+            pass  # another user's live process
 
 
 def remove_slots(slots: list[Slot]) -> None:
