@@ -107,6 +107,12 @@ def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
     del weights
     slots = [Slot.open(cfg, i, p) for i, p in enumerate(opts.slot_paths)]
     timer = StageTimer(device)
+    # This rank's rows of a step, on its device, allocated once at capacity (on the CPU the
+    # slot views are used directly).
+    if device.type == "cuda":
+        inputs = (torch.empty(cfg.C, cfg.H, dtype=cfg.dtype, device=device),    # [C, H]
+                  torch.empty(cfg.C, cfg.K, dtype=torch.int32, device=device),  # [C, K]
+                  torch.empty(cfg.C, cfg.K, dtype=torch.float32, device=device))  # [C, K]
     conn.send(("ready", rank, {"pid": os.getpid(), "device": str(device), "backend": layer.name}))
 
     last_seq = 0
@@ -123,8 +129,10 @@ def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
         start, n = rank_range(T, cfg.R, rank)
         rows = slice(start, start + n)
         wall0 = time.perf_counter()
-        out = layer.forward(slot.x[rows].to(device), slot.ids[rows].to(device),
-                            slot.w[rows].to(device), seq, timer)
+        x, ids, w = slot.x[rows], slot.ids[rows], slot.w[rows]
+        if device.type == "cuda":
+            x, ids, w = (buf[:n].copy_(src) for buf, src in zip(inputs, (x, ids, w)))
+        out = layer.forward(x, ids, w, seq, timer)
         slot.out[rows].copy_(out)  # syncs the device; the stage times are final after this
         layer.check_seq(seq)
         stages = timer.seconds()
