@@ -16,7 +16,11 @@ TOKEN_BUCKETS = tuple(float(2 ** i) for i in range(0, 17))  # 1 .. 65536 tokens
 
 PROTOCOLS = ("http_json", "http_safetensors", "v2_json", "v2_binary", "grpc")
 BACKENDS = ("serial", "fused")
-STAGES = ("tables", "all_gather", "scatter", "gemm1", "swiglu", "gemm2", "combine", "reduce_scatter")
+# Stage labels of each backend (service.moe.serial, service.moe.fused); "fused" is the whole
+# captured graph, the fused names after it are its launches when it runs without the graph.
+SERIAL_STAGES = ("tables", "all_gather", "scatter", "gemm1", "swiglu", "gemm2", "combine", "reduce_scatter")
+FUSED_STAGES = ("copy_in", "fused", "exchange", "kernel1", "kernel2", "reduce")
+STAGES = SERIAL_STAGES + FUSED_STAGES
 
 
 class Metrics:

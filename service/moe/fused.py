@@ -416,7 +416,7 @@ class FusedLayer:
         self.bufs.ctl.copy_(self._ctl_host, non_blocking=True)
         self._ctl_copied.record()
         if timer:
-            timer.mark("stage")
+            timer.mark("copy_in")
         if self._graph is not None:
             self._graph.replay()
             if timer:
