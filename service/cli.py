@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--world-size", type=int, help="ranks R (default: the preset's)")
     f.add_argument("--capacity", type=int, help="tokens per rank and step C (default: the preset's)")
     f.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights")
+    f.add_argument("--backend", choices=("auto", "serial", "fused"), default="auto",
+                   help="layer backend; auto: fused where it can run (GPU), else serial")
 
     w = sub.add_parser("write-checkpoint", help="write a synthetic checkpoint in HF per-expert naming")
     w.add_argument("output")
@@ -88,7 +90,7 @@ def _forward(args: argparse.Namespace) -> None:
             log.info("%d/%d tokens (%.0f%%), %.1f s", done, total, 100 * done / total, time.monotonic() - started)
 
     with WorkerGroup(cfg, device=device, weights=args.weights, weights_prefix=args.weights_prefix,
-                     seed=args.seed, start_timeout_s=settings.start_timeout_s,
+                     seed=args.seed, backend=args.backend, start_timeout_s=settings.start_timeout_s,
                      step_timeout_s=settings.step_timeout_s) as group:
         out = group.forward(x, ids.to(torch.int32), w.float(), progress=progress)
     save_file({"output": out.contiguous()}, args.output, metadata={"format": "pt"})

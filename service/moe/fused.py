@@ -95,6 +95,8 @@ class Layout:
     def L(self) -> int:
         return META + 2 * self.C * self.K
 
+    # Byte offsets of the fields, in region order: tokens (first), routing, staging planes,
+    # watermarks, barrier slots.
     @property
     def tok_bytes(self) -> int:
         return 0
