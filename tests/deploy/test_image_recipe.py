@@ -126,6 +126,7 @@ def replay(stage: Stage, fs: StageFs, args: dict[str, str | None], base_env: dic
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * STEP_TIMEOUT_S + START_TIMEOUT_S + 120)  # the 300 s default would cut a cold-cache install short
 def test_image_recipe_installs_starts_and_gets_ready():
     global_args, stages = dockerfile_stages()
     base_env = {k: v for k, v in os.environ.items()
