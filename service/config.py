@@ -124,7 +124,13 @@ class Settings(BaseSettings):
     drain_timeout_s: float = Field(20.0, ge=0, description="SIGTERM grace period for in-flight requests")
     restart_backoff_s: float = Field(1.0, ge=0, description="first delay before restarting a failed rank group; doubles on each failure, up to 30 s")
     slots: int = Field(2, ge=1, le=16, description="shared-memory batch slots")
-    log_level: str = Field("INFO", description="logging level: DEBUG, INFO, WARNING, ERROR")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
+        "INFO", description="logging level: DEBUG, INFO, WARNING, ERROR, CRITICAL (any case)")
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper_level(cls, v):
+        return v.upper() if isinstance(v, str) else v
 
     @field_validator("preset")
     @classmethod
