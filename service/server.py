@@ -8,8 +8,10 @@
       SIGTERM/SIGINT: not ready, new requests 503, in-flight requests finish within
                   drain_timeout_s, servers stop, ranks stop, exit 0
 
-A first start that fails (bad weights path, impossible shape) exits with status 1 instead of
-retrying: that is a configuration problem, not a transient one.
+A bad setting or an unreadable weights file (wrong path, missing key, wrong shape) exits with
+status 2 before anything starts, with a message naming the problem. A first start of the rank
+group that fails anyway exits with status 1 instead of retrying: that is a configuration
+problem, not a transient one.
 """
 
 from __future__ import annotations
@@ -143,6 +145,7 @@ class Server:
         supervisor = loop.create_task(self._supervise())
         await self._stop.wait()
 
+        drain_end = time.monotonic() + (s.drain_timeout_s if self.exit_code == 0 else 0.0)
         if self.exit_code == 0:
             drained = await self.batcher.wait_idle(s.drain_timeout_s)
             log.info("drain %s; stopping", "complete" if drained else
@@ -150,7 +153,9 @@ class Server:
         # The supervisor returns at its next check; a group start in progress is let finish
         # (a start cannot be interrupted safely) and then closed below.
         await asyncio.gather(supervisor, return_exceptions=True)
-        await self.batcher.close()
+        # Steps still in flight (those of requests past their deadline) get what is left of the
+        # drain; the step threads are joined, so none is inside group.run when the group closes.
+        await self.batcher.close(timeout_s=max(0.0, drain_end - time.monotonic()))
         http.should_exit = True
         await grpc_server.stop(GRPC_STOP_GRACE_S)
         await asyncio.gather(http_task, return_exceptions=True)
@@ -257,17 +262,24 @@ class Server:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """One flag per Settings field (--http-port for http_port, ...); flags override MOE_* variables."""
+    """One flag per Settings field (--http-port for http_port, ...); flags override MOE_* variables.
+
+    Values are checked by Settings alone, flags and variables alike (a Literal's choices are only
+    shown): argparse's `choices` would refuse what a Settings validator normalises, such as
+    `--log-level debug`."""
     p = argparse.ArgumentParser(prog="moe-serve", description="Serve the MoE layer over HTTP and gRPC. "
-                                "Every flag can also be set as MOE_<NAME> in the environment.")
+                                "Every flag can also be set as MOE_<NAME> in the environment.",
+                                epilog="Offline commands: `moe-serve forward` (one batch from a safetensors "
+                                "file through the rank group) and `moe-serve write-checkpoint` (a synthetic "
+                                "checkpoint); see `moe-serve forward --help`.")
     for name, field in Settings.model_fields.items():
-        choices = None
+        metavar = None
         for arg in (field.annotation, *typing.get_args(field.annotation)):
             if typing.get_origin(arg) is typing.Literal:
-                choices = typing.get_args(arg)
+                metavar = "{" + ",".join(map(str, typing.get_args(arg))) + "}"
         help_text = (field.description or name.replace("_", " ")) + f" (default: {field.default})"
         p.add_argument("--" + name.replace("_", "-"), dest=name, default=argparse.SUPPRESS,
-                       choices=choices, help=help_text)
+                       metavar=metavar, help=help_text)
     return p
 
 

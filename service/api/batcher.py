@@ -92,18 +92,28 @@ class Batcher:
         self._idle.set()
         self._task: asyncio.Task | None = None
         self._steps: set[asyncio.Task] = set()
+        self._closing = False  # set once close() stops waiting: steps not yet in group.run are dropped
 
     # ---- life cycle ------------------------------------------------------------------------
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._dispatch(), name="moe-batcher")
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float = 0.0) -> None:
+        """Fail what is pending, let the steps in flight finish for up to `timeout_s`, then drop
+        those that have not reached `group.run` and join the step threads: on return no thread
+        is inside the group, so it may be closed. A step already in `group.run` is waited for
+        (the group bounds it by its step timeout)."""
         self.detach(GroupUnavailable("the server is shutting down"))
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._steps:
+            await asyncio.wait(set(self._steps), timeout=timeout_s)
+        self._closing = True
         self._pool.shutdown(wait=False, cancel_futures=True)
+        await asyncio.to_thread(self._pool.shutdown, wait=True)
+        await asyncio.gather(*self._steps, return_exceptions=True)
 
     def attach(self, group) -> None:
         """Serve requests with `group` (started and warmed up)."""
@@ -258,7 +268,7 @@ class Batcher:
             for p in pieces:
                 p.job.fail(e if isinstance(e, (WorkerError, GroupUnavailable))
                            else GroupUnavailable(f"the step failed: {type(e).__name__}: {e}"))
-            if self.on_failure and not isinstance(e, asyncio.CancelledError):
+            if self.on_failure and not self._closing and not isinstance(e, asyncio.CancelledError):
                 self.on_failure(group, e)
             return
         finally:
@@ -273,6 +283,8 @@ class Batcher:
         """Worker thread: rows into the slot, one step, answers out of the slot."""
         slot = group.acquire_slot(timeout=self.slot_timeout_s)
         try:
+            if self._closing:
+                raise GroupUnavailable("the server is shutting down")
             for p in pieces:
                 rows = slice(p.start, p.start + p.rows)
                 at = slice(p.at, p.at + p.rows)

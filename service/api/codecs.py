@@ -12,6 +12,7 @@ the token limit are all checked here, each with a message that names the problem
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import warnings
@@ -262,6 +263,13 @@ def decode_grpc(request: pb.ModelInferRequest, spec: ModelSpec) -> Decoded:
     return _decoded_v2(tensors, spec, request.id or None, timeout)
 
 
+def grpc_elements(request: pb.ModelInferRequest) -> int:
+    """The elements a request declares (its shapes): the size that decides whether decoding leaves
+    the event loop. Measuring the contents instead would copy them (upb hands out bytes copies,
+    and ByteSize() encodes the whole message)."""
+    return sum(math.prod(item.shape) for item in request.inputs)
+
+
 def encode_grpc(out: torch.Tensor, req: Decoded, model_name: str) -> pb.ModelInferResponse:
     response = pb.ModelInferResponse(model_name=model_name, id=req.request_id or "")
     response.outputs.add(name=OUTPUT_NAME, datatype=V2_NAMES[out.dtype], shape=list(out.shape))
@@ -290,6 +298,8 @@ def _json_object(body: bytes | memoryview) -> dict:
         doc = json.loads(bytes(body))
     except (UnicodeDecodeError, ValueError) as e:
         raise InvalidInput(f"malformed JSON: {e}") from None
+    except RecursionError:
+        raise InvalidInput("malformed JSON: arrays or objects nested too deeply") from None
     if not isinstance(doc, dict):
         raise InvalidInput("the JSON body must be an object")
     return doc
@@ -307,13 +317,28 @@ def _require_keys(found, names: tuple[str, ...], where: str) -> None:
 
 
 def _json_array(data, name: str, np_dtype) -> torch.Tensor:
-    """Nested JSON lists -> a tensor; np_dtype None means integers are required."""
+    """Nested JSON lists of numbers -> a tensor; np_dtype None means integers are required.
+
+    Parsed without a dtype: np.asarray(["1.5", true], dtype=float32) would accept both. One
+    C-level pass over the leaves' types then catches strings, null and booleans (which numpy
+    would fold into a numeric array when mixed with numbers).
+    """
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # fp32 overflow: caught as inf later
-            arr = np.asarray(data, dtype=np_dtype)
-    except (ValueError, TypeError, OverflowError):
+        arr = np.asarray(data)
+        types = _leaf_types(data, arr.ndim)
+    except (ValueError, TypeError, OverflowError, RecursionError):
         raise InvalidInput(f"{name} must be a rectangular array of numbers") from None
+    odd = types - _NUMBER_TYPES
+    if odd:
+        what = ", ".join(sorted(_JSON_NAMES.get(t, t.__name__) for t in odd))
+        raise InvalidInput(f"{name} must be a rectangular array of numbers; it holds {what}")
+    if arr.dtype == object:  # integers past 64 bits
+        if np_dtype is None:
+            raise InvalidInput(f"{name} has values outside the int64 range")
+        try:
+            arr = np.asarray(data, dtype=np.float64)
+        except OverflowError:
+            raise InvalidInput(f"{name} has integers too large for a float") from None
     if np_dtype is None:
         if arr.size == 0:
             arr = arr.astype(np.int64)
@@ -324,9 +349,25 @@ def _json_array(data, name: str, np_dtype) -> torch.Tensor:
                 arr = arr.astype(np.int64, casting="safe")
             except TypeError:
                 raise InvalidInput(f"{name} has values outside the int64 range") from None
-    if arr.dtype == object:
-        raise InvalidInput(f"{name} must be a rectangular array of numbers")
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # fp32 overflow: caught as inf later
+            arr = arr.astype(np_dtype)
     return torch.from_numpy(np.ascontiguousarray(arr))
+
+
+_NUMBER_TYPES = frozenset((int, float))  # what json.loads makes of a JSON number
+_JSON_NAMES = {bool: "true/false", str: "strings", type(None): "null", dict: "objects", list: "nested lists"}
+
+
+def _leaf_types(data, ndim: int) -> set[type]:
+    """The Python types of the leaves of a rectangular nested list `ndim` deep (one C-level pass)."""
+    if ndim == 0:
+        return {type(data)}
+    leaves = data
+    for _ in range(ndim - 1):
+        leaves = itertools.chain.from_iterable(leaves)
+    return set(map(type, leaves))
 
 
 def _v2_tensor_header(name, datatype, shape, seen) -> tuple[str, torch.dtype, list[int]]:
@@ -386,7 +427,11 @@ def _v2_timeout(value) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidInput(f"parameter 'timeout' must be a number of microseconds, got {value!r}")
-    return parse_timeout_s(value / US_PER_S, "parameter 'timeout'")
+    try:
+        seconds = value / US_PER_S
+    except OverflowError:  # an integer past the float range
+        raise InvalidInput("parameter 'timeout' is out of range for microseconds") from None
+    return parse_timeout_s(seconds, "parameter 'timeout'")
 
 
 def _requested_binary(outputs, default) -> bool:
@@ -401,7 +446,10 @@ def _requested_binary(outputs, default) -> bool:
         if not isinstance(out, dict) or out.get("name") != OUTPUT_NAME:
             name = out.get("name") if isinstance(out, dict) else out
             raise InvalidInput(f"unknown output {name!r}; the model has one output, '{OUTPUT_NAME}'")
-        flag = (out.get("parameters") or {}).get("binary_data", default)
+        params = out.get("parameters") or {}
+        if not isinstance(params, dict):
+            raise InvalidInput(f"output '{OUTPUT_NAME}': 'parameters' must be an object")
+        flag = params.get("binary_data", default)
         if not isinstance(flag, bool):
             raise InvalidInput("output parameter 'binary_data' must be a boolean")
         binary = flag

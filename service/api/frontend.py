@@ -12,7 +12,7 @@ from service.api.batcher import Batcher
 from service.api.codecs import INPUT_NAMES, OUTPUT_NAME, V2_NAMES, Decoded, ModelSpec
 from service.config import LayerConfig, Settings
 from service.errors import GroupUnavailable
-from service.metrics import Metrics
+from service.metrics import PROTOCOLS, Metrics
 
 SERVER_NAME = "moe-serve"
 EXTENSIONS = ["binary_tensor_data", "parameters"]  # Triton's names for what v2 infer supports
@@ -28,7 +28,7 @@ class Frontend:
         self._why_not = "the service is starting"
         self.on_ready_change: list[Callable[[bool], None]] = []
         metrics.ready.set(0)
-        for protocol in ("http_json", "http_safetensors", "v2_json", "v2_binary", "grpc"):
+        for protocol in PROTOCOLS:
             metrics.requests.labels(protocol, "200")  # export the zero series up front
 
     @property

@@ -71,7 +71,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         started = time.perf_counter()
         try:
             codecs.check_model(request.model_name, request.model_version, fe.model_name)
-            req = codecs.decode_grpc(request, fe.spec)
+            req = await fe.offload(codecs.grpc_elements(request), codecs.decode_grpc, request, fe.spec)
             out = await fe.infer(req, transport_timeout_s=context.time_remaining())
             response = await fe.offload(out.numel(), codecs.encode_grpc, out, req, fe.model_name)
         except Exception as exc:  # noqa: BLE001  mapped to a code in one place

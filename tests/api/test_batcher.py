@@ -187,3 +187,39 @@ def test_detach_fails_pending_and_refuses_new():
         await b.close()
 
     run(main())
+
+
+class TrackedGroup(FakeGroup):
+    """A FakeGroup that counts the threads inside run() and refuses to be used once closed."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.inside = 0
+        self.closed = False
+
+    def run(self, slot, T):
+        assert not self.closed, "run() on a closed group"
+        self.inside += 1
+        try:
+            return super().run(slot, T)
+        finally:
+            self.inside -= 1
+
+
+@pytest.mark.parametrize("timeout_s, steps", [(5.0, [BUDGET, BUDGET]), (0.05, [BUDGET])])
+def test_close_joins_steps_in_flight(timeout_s, steps):
+    """close() returns with no thread in group.run: steps in flight finish within the timeout;
+    past it, a step that has not reached group.run (here: waiting for the one slot) is dropped."""
+    group = TrackedGroup(CFG, slots=1, step_s=0.3)
+
+    async def main():
+        b = await started(group, delay_s=0.0, slots=2)
+        pending = [asyncio.create_task(b.submit(*batch(BUDGET, i), timeout_s=10)) for i in range(2)]
+        await asyncio.sleep(0.05)  # step 1 is in run(), step 2 waits for the slot
+        await b.close(timeout_s=timeout_s)
+        assert group.inside == 0, "close() returned while a step thread was inside group.run"
+        group.closed = True
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    run(main())
+    assert group.steps == steps

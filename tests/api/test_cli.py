@@ -5,8 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+from service import server
 from service.config import Settings
-from service.server import build_parser, parse_settings
+from service.server import build_parser, main, parse_settings
 
 
 def test_one_flag_per_setting():
@@ -34,3 +37,25 @@ def test_unreadable_weights_exit_nonzero():
                         "--http-port", "0", "--grpc-port", "0"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert "nonexistent" in r.stderr
+
+
+def test_log_level_is_checked_and_any_case(monkeypatch, capsys):
+    assert parse_settings(["--log-level", "debug"]).log_level == "DEBUG"
+    for argv, env in ((["--log-level", "verbose"], None), ([], "verbose")):
+        if env:
+            monkeypatch.setenv("MOE_LOG_LEVEL", env)
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)  # before the fix: a traceback from logging.basicConfig
+        assert exit_.value.code == 2
+        assert "--log-level" in capsys.readouterr().err
+
+
+def test_help_names_the_offline_commands():
+    text = " ".join(build_parser().format_help().split())
+    assert "moe-serve forward" in text and "moe-serve write-checkpoint" in text
+    assert "moe-serve forward --help" in text
+
+
+def test_docstring_gives_the_exit_status_of_bad_weights():
+    doc = " ".join(server.__doc__.split())
+    assert "unreadable weights file" in doc and "status 2" in doc  # test_unreadable_weights_exit_nonzero

@@ -172,3 +172,80 @@ def test_one_table_of_codes():
              RuntimeError("x"): (500, grpc.StatusCode.INTERNAL)}
     for exc, expected in cases.items():
         assert classify(exc) == expected, exc
+
+
+# ---- bad input is a named InvalidInput (400), never another exception (500) --------------------
+
+
+def v2_doc(**extra):
+    x, ids, w = tensors(T=1)
+    return {"inputs": [{"name": "hidden_states", "datatype": "FP32", "shape": [1, 5], "data": x.flatten().tolist()},
+                       {"name": "topk_ids", "datatype": "INT64", "shape": [1, 2], "data": ids.flatten().tolist()},
+                       {"name": "topk_weights", "datatype": "FP32", "shape": [1, 2], "data": w.flatten().tolist()}],
+            **extra}
+
+
+@pytest.mark.parametrize("params", [["binary_data"], "binary_data", 1])
+def test_v2_output_parameters_must_be_an_object(params):
+    body = json.dumps(v2_doc(outputs=[{"name": "output", "parameters": params}])).encode()
+    with pytest.raises(InvalidInput, match="output 'output': 'parameters' must be an object"):
+        codecs.decode_v2_http(body, None, SPEC)
+
+
+def test_v2_timeout_past_the_float_range():
+    body = json.dumps(v2_doc(parameters={"timeout": 10 ** 400})).encode()
+    with pytest.raises(InvalidInput, match="parameter 'timeout' is out of range"):
+        codecs.decode_v2_http(body, None, SPEC)
+
+
+DEEP = 100_000  # far past the interpreter's recursion limit
+NESTED = "[" * DEEP + "]" * DEEP
+
+
+@pytest.mark.parametrize("body, decode", [
+    (NESTED, codecs.decode_forward_json),
+    ('{"hidden_states": %s, "topk_ids": [[0, 1]], "topk_weights": [[0.5, 0.5]]}' % NESTED, codecs.decode_forward_json),
+    (NESTED, lambda b, spec: codecs.decode_v2_http(b, None, spec)),
+    ('{"inputs": [{"name": "hidden_states", "datatype": "FP32", "shape": [1, 5], "data": %s}]}' % NESTED,
+     lambda b, spec: codecs.decode_v2_http(b, None, spec)),
+], ids=["forward", "forward-hidden_states", "v2", "v2-data"])
+def test_deeply_nested_json_is_a_named_400(body, decode):
+    with pytest.raises(InvalidInput, match="nested too deeply"):
+        decode(body.encode(), SPEC)
+
+
+def forward_body(**change):
+    x, ids, w = tensors()
+    doc = {"hidden_states": x.tolist(), "topk_ids": ids.tolist(), "topk_weights": w.tolist(), **change}
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize("name, value, holds", [
+    ("hidden_states", [["1.5"] * 5] * 3, "strings"),
+    ("hidden_states", [[True] * 5] * 3, "true/false"),
+    ("hidden_states", [[0.5, True, 0.5, 0.5, 0.5]] + [[0.5] * 5] * 2, "true/false"),  # numpy would make 1.0
+    ("hidden_states", [[0.5, None, 0.5, 0.5, 0.5]] + [[0.5] * 5] * 2, "null"),
+    ("topk_weights", [["0.5", "0.5"]] * 3, "strings"),
+    ("topk_weights", [[1, False]] * 3, "true/false"),
+    ("topk_ids", [[0, True]] * 3, "true/false"),  # numpy would make 1
+    ("topk_ids", [["0", "1"]] * 3, "strings"),
+])
+def test_json_numbers_must_be_numbers(name, value, holds):
+    with pytest.raises(InvalidInput, match=f"{name} must be a rectangular array of numbers; it holds {holds}"):
+        codecs.decode_forward_json(forward_body(**{name: value}), SPEC)
+    doc = v2_doc()
+    item = next(i for i in doc["inputs"] if i["name"] == name)
+    item["shape"] = [3, len(value[0])]
+    item["data"] = value
+    with pytest.raises(InvalidInput, match=f"{name} must be a rectangular array of numbers; it holds {holds}"):
+        codecs.decode_v2_http(json.dumps(doc).encode(), None, SPEC)
+
+
+def test_json_integers_are_numbers():
+    """Integer literals are numbers, in float tensors too; integers past 64 bits are named."""
+    req = codecs.decode_forward_json(forward_body(hidden_states=[[1, 2, 3, 4, 5]] * 3), SPEC)
+    assert req.x.dtype == torch.float32 and req.x[0].tolist() == [1, 2, 3, 4, 5]
+    with pytest.raises(InvalidInput, match="topk_ids has values outside the int64 range"):
+        codecs.decode_forward_json(forward_body(topk_ids=[[0, 2 ** 70]] * 3), SPEC)
+    with pytest.raises(InvalidInput, match="hidden_states contains NaN or infinity"):
+        codecs.decode_forward_json(forward_body(hidden_states=[[2 ** 200, 0, 0, 0, 0]] * 3), SPEC)

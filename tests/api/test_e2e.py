@@ -262,6 +262,10 @@ BAD_JSON = {
     "nan-x": (_fwd(x=torch.full((3, H), float("nan"))), "hidden_states contains NaN"),
     "inf-w": (_fwd(w=torch.full((3, K), float("inf"))), "topk_weights contains NaN"),
     "fp32-overflow": (_fwd(x=[[1e39] * H] * 3), "NaN or infinity"),
+    "string-numbers": (_fwd(x=[["1.5"] * H] * 3), "hidden_states must be a rectangular array of numbers"),
+    "bool-weights": (_fwd(w=[[True] * K] * 3), "topk_weights must be a rectangular array of numbers"),
+    "deep-body": ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    "deep-x": (_fwd(x=[]).replace("[]", "[" * 100_000 + "]" * 100_000, 1), "nested too deeply"),
 }
 
 
@@ -329,7 +333,17 @@ BAD_V2 = {
     "unknown-output": (_v2(GOOD, outputs=[{"name": "logits"}]), "unknown output 'logits'"),
     "bad-timeout": (_v2(GOOD, parameters={"timeout": "soon"}), "microseconds"),
     "ids-range": (_v2(GOOD[:1] + [_t("topk_ids", "INT32", [1, K], [E] * K)] + GOOD[2:]), "not an expert id"),
+    "output-params-list": (_v2(GOOD, outputs=[{"name": "output", "parameters": ["binary_data"]}]),
+                           "'parameters' must be an object"),
+    "bool-data": (_v2([_t("hidden_states", "FP32", [1, H], [True] * H)] + GOOD[1:]), "it holds true/false"),
 }
+
+
+def test_deeply_nested_v2_body(http):
+    deep = "[" * 100_000 + "]" * 100_000
+    for body in (deep, json.dumps(_v2([_t("hidden_states", "FP32", [1, H], [])] + GOOD[1:])).replace("[]", deep, 1)):
+        r = http.post("/v2/models/moe/infer", content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "nested too deeply" in r.json()["error"], (r.status_code, r.text)
 
 
 @pytest.mark.parametrize("case", sorted(BAD_V2))
