@@ -1,5 +1,4 @@
-"""Schedule tables on the GPU: the one-launch CUDA op `moe::build_tables` when it is built, the
-vectorized torch builder (service.moe.tables.build_tables) otherwise.
+"""Schedule tables on the GPU: the launcher of the one-launch CUDA op `moe::build_tables`.
 
 The op (csrc/schedule/schedule_kernel.cu) produces every table of docs/CONTRACTS.md in one
 launch of one 1024-thread CTA: three stable counting sorts (hits by expert, tokens by smallest and
@@ -12,15 +11,17 @@ CUDA device (others are cast).
 
 Nothing is built or loaded at import: `python csrc/build.py` builds the library ahead of time
 (CUDA torch and nvcc needed) into build/moe_csrc/, and the first call here loads it. Why the op
-is off (CPU, not built, wrong torch) is logged once, and the torch builder runs instead.
+is off (CPU, not built, wrong torch) is logged once.
 
-Imports point kernels <- moe; this module reaches service.moe.tables only inside functions (the
-fallback and the Tables record), never at import.
+Imports point kernels <- moe: the tables come back as plain tensors in FIELDS order (the order
+of docs/CONTRACTS.md); service.moe.serial.build_tables wraps them into `Tables` and falls back
+to the torch builder where the op does not run.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -35,6 +36,8 @@ BUILD_DIR = ROOT / "build" / LIBRARY_NAME
 LIBRARY_PATH = BUILD_DIR / f"{LIBRARY_NAME}.so"
 MAX_EXPERTS = 1023  # csrc/schedule/schedule_kernel.h kMaxExperts
 MAX_HITS = 65536    # csrc/schedule/schedule_kernel.h kMaxHits
+# The op's outputs, in the order of its schema and of the contract's Tables record.
+FIELDS = ("expert_offsets", "block_expert", "slots", "row_token", "pull_order", "job_order", "slack")
 
 _loaded: bool | None = None
 _reason = ""
@@ -78,15 +81,15 @@ def fits_cuda_op(num_tokens: int, K: int, E: int) -> bool:
 
 
 def use_cuda_op(ids: torch.Tensor, E: int) -> bool:
-    """Whether build_tables would take the CUDA op for these inputs."""
+    """Whether the CUDA op serves these inputs (CUDA ids, within its limits, library loaded)."""
     return ids.is_cuda and fits_cuda_op(ids.shape[0], ids.shape[1], E) and load()[0]
 
 
-def build_tables_cuda(ids: torch.Tensor, counts: torch.Tensor, E: int, C: int, S: int, *, out=None):
-    """The CUDA op. ids [R*C, K], counts [R] on one CUDA device. With `out` (a Tables of
-    preallocated int32 buffers) nothing is allocated, which is what a captured graph wants."""
-    from service.moe.tables import Tables
-
+def build_tables_cuda(ids: torch.Tensor, counts: torch.Tensor, E: int, C: int, S: int, *,
+                      out: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+    """The CUDA op. ids [R*C, K], counts [R] on one CUDA device -> the seven int32 tables in FIELDS
+    order. With `out` (seven preallocated int32 tensors in FIELDS order, written in place and
+    returned) nothing is allocated, which is what a captured graph wants."""
     available, reason = load()
     if not available:
         raise RuntimeError(f"moe::build_tables is not available: {reason}")
@@ -94,22 +97,8 @@ def build_tables_cuda(ids: torch.Tensor, counts: torch.Tensor, E: int, C: int, S
     ids = ids if ids.dtype == torch.int32 and ids.is_contiguous() else ids.to(torch.int32).contiguous()
     counts = counts.to(ids.device, torch.int32).contiguous()
     if out is None:
-        return Tables(*torch.ops.moe.build_tables(ids, counts, E, C, S))
-    torch.ops.moe.build_tables_out(ids, counts, E, C, out.expert_offsets, out.block_expert, out.slots,
-                                   out.row_token, out.pull_order, out.job_order, out.slack)
-    return out
-
-
-def build_tables(ids: torch.Tensor, counts: torch.Tensor, E: int, C: int, S: int, *, out=None):
-    """The schedule tables: the CUDA op where it runs (CUDA ids, within its limits, built), the
-    torch builder otherwise. Same values either way."""
-    if use_cuda_op(ids, E):
-        return build_tables_cuda(ids, counts, E, C, S, out=out)
-    from service.moe import tables
-
-    result = tables.build_tables(ids, counts, E, C, S)
-    if out is None:
-        return result
-    for name in ("expert_offsets", "block_expert", "slots", "row_token", "pull_order", "job_order", "slack"):
-        getattr(out, name).copy_(getattr(result, name))
+        return tuple(torch.ops.moe.build_tables(ids, counts, E, C, S))
+    out = tuple(out)
+    assert len(out) == len(FIELDS), f"out must hold the {len(FIELDS)} tables {FIELDS}, got {len(out)}"
+    torch.ops.moe.build_tables_out(ids, counts, E, C, *out)
     return out

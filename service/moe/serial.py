@@ -107,13 +107,14 @@ class GroupedGemms:
         return d
 
 
-def build_tables(ids: torch.Tensor, counts: torch.Tensor, E: int, C: int, S: int):
-    """The schedule tables: the csrc CUDA op where it runs, else the vectorized torch builder."""
+def build_tables(ids: torch.Tensor, counts: torch.Tensor, E: int, C: int, S: int) -> torch_tables.Tables:
+    """The schedule tables, the one dispatcher: the csrc CUDA op where it runs (CUDA ids, within
+    its limits, library built), else the vectorized torch builder. Same values either way."""
     if ids.is_cuda:
         from service.kernels import schedule
 
         if schedule.use_cuda_op(ids, E):
-            return schedule.build_tables_cuda(ids, counts, E, C, S)
+            return torch_tables.Tables(*schedule.build_tables_cuda(ids, counts, E, C, S))
     return torch_tables.build_tables(ids, counts, E, C, S)
 
 
@@ -137,6 +138,8 @@ class SerialLayer:
         self.A = torch.zeros(cfg.S, H, dtype=cfg.dtype, **kw)    # [S, H]
         self.out = torch.zeros(C, H, dtype=torch.float32, **kw)  # [C, H] fp32 sum of the slices
         self.partial = torch.empty(R * C, H, dtype=torch.float32, **kw)  # [R*C, H] combine output
+        if self.gemms.impl == "torch":  # the portable combine's gather buffer
+            self.gathered = torch.empty(R * C, H, dtype=cfg.dtype, **kw)   # [R*C, H]
 
     # -- collectives: the same call on gloo and NCCL -------------------------------------------
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
@@ -216,13 +219,16 @@ class SerialLayer:
             from service.kernels.combine import combine
 
             return combine(d, slots, w_g, out=self.partial)
-        # Portable: K rounds of gather + fused multiply-add. A padding token's slots are -1, read
-        # as row 0 with weight 0; where() then zeroes the row (and any non-finite value of row 0).
-        partial = torch.zeros(slots.shape[0], d.shape[1], dtype=torch.float32, device=self.device)
+        # Portable: K rounds of gather + fused multiply-add into the buffers of __init__ (the
+        # multiply-add reads the layer dtype and accumulates in fp32). A padding token's slots are
+        # -1, read as row 0 with weight 0; its row is then zeroed (as is any non-finite value of row 0).
+        partial, gathered = self.partial, self.gathered                   # [R*C, H] fp32, [R*C, H]
+        partial.zero_()
         idx = slots.long().clamp(min=0)                                   # [R*C, K]
         for k in range(slots.shape[1]):
-            partial.addcmul_(d.index_select(0, idx[:, k]).float(), w_g[:, k:k + 1])
-        return torch.where((slots[:, :1] >= 0), partial, 0.0)
+            torch.index_select(d, 0, idx[:, k], out=gathered)
+            partial.addcmul_(gathered, w_g[:, k:k + 1])
+        return partial.masked_fill_(slots[:, :1] < 0, 0.0)
 
     def check_seq(self, seq: int) -> None:
         """After a step: every rank must have run the same batch (read once the step is done,

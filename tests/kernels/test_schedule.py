@@ -4,11 +4,13 @@ CPU: `emulate_kernel` is a phase-by-phase Python port of csrc/schedule/schedule_
 (FastDiv, per-warp segments and 16-bit counters, column and block scans, per-block binary search,
 the warp-match placement), checked element by element against build_tables_golden, so the
 algorithm is tested where there is no GPU.
-GPU: the op itself, eager and under CUDA graph capture, against the golden on random routings.
+GPU: the op itself, eager and under CUDA graph capture (preallocated outputs), against the golden on
+random routings; the moe-side dispatcher (service.moe.serial.build_tables) taking it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import pytest
@@ -216,12 +218,21 @@ def test_orders_are_sorts_by_smallest_and_largest_expert():
     assert torch.equal(golden.job_order.long(), torch.sort(emax * (R * C) + g).indices)
 
 
-def test_import_loads_nothing_and_cpu_falls_back():
+def test_op_fields_are_the_contract_order():
+    """The op returns bare tensors; the dispatcher builds Tables from them by position."""
     from service.kernels import schedule
 
+    assert schedule.FIELDS == tuple(f.name for f in dataclasses.fields(Tables))
+
+
+def test_import_loads_nothing_and_cpu_falls_back():
+    from service.kernels import schedule
+    from service.moe.serial import build_tables
+
     ids, counts, S = _problem(8, 2, 2, 5, "partial", "balanced")
-    tables = schedule.build_tables(ids, counts, 8, 5, S)
+    tables = build_tables(ids, counts, 8, 5, S)
     assert_same(tables, build_tables_golden(ids, counts, 8, 5, S))
+    assert not schedule.use_cuda_op(ids, 8)  # CPU ids never take the op
     if not torch.cuda.is_available():
         available, reason = schedule.load()
         assert not available and "CUDA" in reason
@@ -250,11 +261,31 @@ def test_cuda_op_matches_golden(E, K, R, C, count_kind, routing_kind):
     ids, counts, S = _problem(E, K, R, C, count_kind, routing_kind)
     golden = build_tables_golden(ids, counts, E, C, S)
     dev = torch.device("cuda")
-    got = schedule.build_tables_cuda(ids.to(dev, torch.int32), counts.to(dev, torch.int32), E, C, S)
+    got = Tables(*schedule.build_tables_cuda(ids.to(dev, torch.int32), counts.to(dev, torch.int32), E, C, S))
     assert_same(got, golden)
-    again = schedule.build_tables_cuda(ids.to(dev, torch.int32), counts.to(dev, torch.int32), E, C, S)
+    again = Tables(*schedule.build_tables_cuda(ids.to(dev, torch.int32), counts.to(dev, torch.int32), E, C, S))
     assert_same(again, golden)  # deterministic: same tables on every run
     check_invariants(got.to("cpu"), ids, counts, E, C)
+
+
+@pytest.mark.gpu
+def test_dispatcher_takes_the_op_on_cuda():
+    """service.moe.serial.build_tables: the op for CUDA ids within its limits, same values as golden."""
+    from service.moe.serial import build_tables
+
+    schedule = _require_op()
+    E, K, R, C = 16, 4, 4, 97
+    ids, counts, S = _problem(E, K, R, C, "partial", "skewed")
+    dev = torch.device("cuda")
+    assert schedule.use_cuda_op(ids.to(dev), E)
+    tables = build_tables(ids.to(dev), counts.to(dev), E, C, S)
+    assert isinstance(tables, Tables) and tables.slots.is_cuda
+    assert_same(tables, build_tables_golden(ids, counts, E, C, S))
+
+
+def _buffers(t: Tables) -> tuple[torch.Tensor, ...]:
+    """The tables' tensors in field order (dataclasses.astuple would copy them)."""
+    return tuple(getattr(t, f.name) for f in dataclasses.fields(t))
 
 
 def _empty_tables(E, K, R, C, S, dev) -> Tables:
@@ -280,11 +311,11 @@ def test_builders_under_cuda_graph(builder):
 
     def run():
         if builder == "cuda_op":
-            schedule.build_tables_cuda(ids, counts, E, C, S, out=out)
+            written = schedule.build_tables_cuda(ids, counts, E, C, S, out=_buffers(out))
+            assert all(a is b for a, b in zip(written, _buffers(out)))  # written in place, returned
         else:
-            result = torch_tables.build_tables(ids, counts, E, C, S)
-            for name in ("expert_offsets", "block_expert", "slots", "row_token", "pull_order", "job_order", "slack"):
-                getattr(out, name).copy_(getattr(result, name))
+            for buf, result in zip(_buffers(out), _buffers(torch_tables.build_tables(ids, counts, E, C, S))):
+                buf.copy_(result)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -299,8 +330,7 @@ def test_builders_under_cuda_graph(builder):
         new_ids, new_counts, _ = _problem(E, K, R, C, count_kind, routing_kind)
         ids.copy_(new_ids.to(torch.int32))
         counts.copy_(new_counts.to(torch.int32))
-        for t in (out.expert_offsets, out.block_expert, out.slots, out.row_token, out.pull_order, out.job_order,
-                  out.slack):
+        for t in _buffers(out):
             t.fill_(-7)  # poison: every element must be rewritten by the replay
         graph.replay()
         torch.cuda.synchronize()

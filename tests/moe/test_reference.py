@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from service.moe.reference import moe_reference
+from service.moe.reference import full_weights, moe_reference
+from service.moe.weights import synthetic_expert
 from tests.helpers import layer, one_thread, random_experts, rel_err, routing  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -53,13 +54,10 @@ def test_reference_int32_ids_and_low_precision_inputs():
 
 
 def test_full_weights_stacks_synthetic_experts():
-    weights = pytest.importorskip("service.moe.weights")
-    from service.moe.reference import full_weights
-
     cfg = layer(3, 2, 2, 4, H=8, Ir=4)
     gate, up, down = full_weights(cfg, seed=9)
     assert gate.shape == up.shape == (cfg.E, cfg.I, cfg.H) and down.shape == (cfg.E, cfg.H, cfg.I)
     assert gate.dtype == up.dtype == down.dtype == torch.float32
     for e in range(cfg.E):
-        g, u, d = weights.synthetic_expert(cfg, 9, e)
+        g, u, d = synthetic_expert(cfg, 9, e)
         assert torch.equal(gate[e], g.float()) and torch.equal(up[e], u.float()) and torch.equal(down[e], d.float())

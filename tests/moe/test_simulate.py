@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.moe.reference import moe_reference
+from service.moe.reference import full_weights, moe_reference
 from service.moe.simulate import simulate_fused
+from service.moe.weights import synthetic_rank_weights
 from tests.helpers import SIM_TOL, layer, one_thread, random_experts, rel_err, routing, slice_rank  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -80,7 +81,9 @@ def test_single_expert_k1_spans_blocks():
 
 
 def test_later_sequence_number():
-    """Counters and watermarks carried over from earlier batches: targets follow seq."""
+    """A later batch (seq 41): counters start where 40 batches leave them, (seq-1)*BM, and
+    watermarks at seq-1, so every target is a function of seq. (The simulation rebuilds that state
+    per call; state carried across real consecutive batches is tested on the GPU, tests/fused.)"""
     gen = torch.Generator().manual_seed(12)
     cfg = layer(8, 2, 2, 30, H=16, Ir=8)
     counts = [30, 7]
@@ -90,13 +93,10 @@ def test_later_sequence_number():
 
 def test_synthetic_weights_slices_match_full_weights():
     """synthetic_rank_weights slices the same experts that full_weights stacks (contract between the two)."""
-    weights = pytest.importorskip("service.moe.weights")
-    from service.moe.reference import full_weights
-
     gen = torch.Generator().manual_seed(13)
     cfg = layer(6, 2, 2, 24, H=32, Ir=16)
     full = full_weights(cfg, seed=5)
-    rank_weights = [weights.synthetic_rank_weights(cfg, r, 5) for r in range(cfg.R)]
+    rank_weights = [synthetic_rank_weights(cfg, r, 5) for r in range(cfg.R)]
     counts = [24, 9]
     outs, refs = run_case(cfg, counts, "balanced", gen, rank_weights=rank_weights, full=full)
     assert_shards_close(outs, refs, counts, SIM_TOL)

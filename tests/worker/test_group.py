@@ -14,7 +14,7 @@ from service.errors import GroupUnavailable, InvalidInput, WorkerError
 from service.moe.reference import full_weights, moe_reference
 from service.worker.group import WorkerGroup
 from service.worker.rank import rank_range
-from tests.helpers import TOL, rel_err, routing
+from tests.helpers import rel_err, routing, tolerance
 
 SEED = 3
 
@@ -34,8 +34,9 @@ def check_batch(group: WorkerGroup, ref_weights, T: int, kind: str, gen: torch.G
     out = group.forward(x, ids.to(torch.int32), w)
     assert out.shape == (T, cfg.H) and out.dtype == x_dtype
     ref = moe_reference(x.float(), ids, w, *ref_weights)
+    tol = tolerance(cfg.dtype, x_dtype)  # the batch and every shard alike
     err = rel_err(out, ref)
-    assert err <= TOL[cfg.dtype] + (TOL[x_dtype] if x_dtype != torch.float32 else 0), (T, kind, err)
+    assert err <= tol, (T, kind, err, tol)
     # Every rank's shard, not just the whole: each rank's rows must match on their own.
     for r in range(cfg.R):
         for lo in range(0, T, cfg.tokens_per_step):
@@ -43,7 +44,8 @@ def check_batch(group: WorkerGroup, ref_weights, T: int, kind: str, gen: torch.G
             start, n = rank_range(Tstep, cfg.R, r)
             rows = slice(lo + start, lo + start + n)
             if n:
-                assert rel_err(out[rows], ref[rows]) <= 2 * TOL[cfg.dtype] + TOL.get(x_dtype, 0), (r, rows)
+                err = rel_err(out[rows], ref[rows])
+                assert err <= tol, (T, kind, r, rows, err, tol)
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
@@ -53,10 +55,10 @@ def group(request):
         yield g, full_weights(cfg, SEED)
 
 
-@pytest.mark.parametrize("kind", ["balanced", "skewed", "empty_expert"])
-def test_layer_matches_reference(group, kind):
+@pytest.mark.parametrize("kind,seed", [("balanced", 21), ("skewed", 22), ("empty_expert", 23)])
+def test_layer_matches_reference(group, kind, seed):
     g, ref_weights = group
-    gen = torch.Generator().manual_seed(hash(kind) % 1000)
+    gen = torch.Generator().manual_seed(seed)
     R, C = g.cfg.R, g.cfg.C
     for T in (1, 3, R * C - 1, R * C, 2 * R * C + 5):  # T=1, T % R != 0, exactly full, several steps
         check_batch(g, ref_weights, T, kind, gen)
