@@ -36,7 +36,6 @@ grpcio and the standard library (not tritonclient), so it runs where the service
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import datetime
 import http.client
 import json
@@ -53,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench import loadstats  # noqa: E402
 from service.config import LayerConfig, preset  # noqa: E402
 
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -463,23 +463,6 @@ def _v2_binary_caller(url: str, model: str, tensors, T: int, H: int):
     return call
 
 
-def _measure(callers: list, seconds: float) -> tuple[list[float], float]:
-    stop = time.perf_counter() + seconds
-
-    def worker(call) -> list[float]:
-        lat = []
-        while time.perf_counter() < stop or not lat:
-            t0 = time.perf_counter()
-            call()
-            lat.append(time.perf_counter() - t0)
-        return lat
-
-    t0 = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(len(callers)) as pool:
-        lats = [x for f in [pool.submit(worker, c) for c in callers] for x in f.result()]
-    return lats, time.perf_counter() - t0
-
-
 def _histograms(text: str) -> dict:
     """{(metric, backend): {"buckets": [(le, cumulative)], "sum": s, "count": n}} of the moe_ histograms."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -539,10 +522,8 @@ def run_load(args) -> int:
                        for _ in range(args.concurrency)]
             for call in callers:
                 call(finite=True)  # warm-up: connection, first allocations; checks the values once
-            lats, wall = _measure(callers, args.seconds)
-            q = statistics.quantiles(lats, n=100, method="inclusive") if len(lats) > 1 else [lats[0]] * 99
-            results.append({"protocol": proto, "T": T, "requests": len(lats), "tok_s": len(lats) * T / wall,
-                            "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3})
+            lats, wall = loadstats.measure(callers, args.seconds)
+            results.append({"protocol": proto, "T": T, **loadstats.summary(lats, wall, T)})
     after = _histograms(_http_get(args.url + "/metrics")[1].decode())
 
     print("\n| protocol | T | requests | tokens/s | p50 ms | p99 ms |")

@@ -14,26 +14,28 @@ small host the clients share the CPU cores with the ranks, which the ratio then 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-# Run as a script, this file's folder leads sys.path and its name would shadow the `service` package.
+# Run as a script, this file's folder leads sys.path and its name would shadow the `service` package:
+# drop that folder, and put the repository's root first for `bench.loadstats` (the rank processes
+# spawned below inherit this sys.path when they import this file again).
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
 
 import httpx  # noqa: E402
 import numpy as np
 import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 
+from bench import loadstats  # noqa: E402
 from service.config import Settings  # noqa: E402
 from service.worker.group import WorkerGroup  # noqa: E402
 
@@ -47,29 +49,6 @@ def make_batch(cfg, T: int, seed: int):
     ids = torch.stack([torch.randperm(cfg.E, generator=gen)[:cfg.K] for _ in range(T)]).int()  # [T, K]
     w = torch.softmax(torch.randn(T, cfg.K, generator=gen), dim=1)                # [T, K]
     return x, ids, w
-
-
-def measure(callers: list, seconds: float, min_requests: int) -> tuple[list[float], float]:
-    """Latencies of back-to-back calls, one thread per caller, for about `seconds`."""
-    stop = time.perf_counter() + seconds
-
-    def worker(call) -> list[float]:
-        lat = []
-        while time.perf_counter() < stop or len(lat) * len(callers) < min_requests:
-            t0 = time.perf_counter()
-            call()
-            lat.append(time.perf_counter() - t0)
-        return lat
-
-    t0 = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(len(callers)) as pool:
-        lats = [x for f in [pool.submit(worker, c) for c in callers] for x in f.result()]
-    return lats, time.perf_counter() - t0
-
-
-def summary(lats: list[float], wall: float, T: int) -> dict:
-    q = statistics.quantiles(lats, n=100, method="inclusive") if len(lats) > 1 else [lats[0]] * 99
-    return {"requests": len(lats), "tok_s": len(lats) * T / wall, "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3}
 
 
 # ---- clients (one per thread) -------------------------------------------------------------------
@@ -198,7 +177,8 @@ def main() -> None:
                 callers[proto, T] = [client(proto, url, grpc_url, x, ids, w) for _ in range(args.concurrency)]
         for _ in range(args.rounds):
             for key, cell_callers in callers.items():
-                cell, wall = measure(cell_callers, args.seconds / args.rounds, max(1, args.min_requests // args.rounds))
+                cell, wall = loadstats.measure(cell_callers, args.seconds / args.rounds,
+                                               max(1, args.min_requests // args.rounds))
                 lats.setdefault(key, []).extend(cell)
                 walls[key] = walls.get(key, 0.0) + wall
     finally:
@@ -209,7 +189,7 @@ def main() -> None:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    results = {key: summary(lats[key], walls[key], key[1]) for key in lats}
+    results = {key: loadstats.summary(lats[key], walls[key], key[1]) for key in lats}
 
     print(f"{'protocol':<18}{'T':>6}{'requests':>10}{'tokens/s':>12}{'p50 ms':>10}{'p99 ms':>10}{'vs direct':>11}")
     for T in sizes:

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from tests.api.common import CFG, check, inputs
-from tests.api.serverproc import ServerProcess
+from tests.serverproc import ServerProcess
 
 MAX_REQUEST_BYTES = 4 << 20
 GRPC_MAX_MESSAGE_BYTES = 4 << 20
@@ -30,9 +30,9 @@ STEP = CFG.tokens_per_step
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc = ServerProcess(str(tmp_path_factory.mktemp("e2e") / "server.log"),
-                         "--max-request-bytes", str(MAX_REQUEST_BYTES),
-                         "--grpc-max-message-bytes", str(GRPC_MAX_MESSAGE_BYTES))
+    proc = ServerProcess.module(tmp_path_factory.mktemp("e2e") / "server.log",
+                                "--max-request-bytes", str(MAX_REQUEST_BYTES),
+                                "--grpc-max-message-bytes", str(GRPC_MAX_MESSAGE_BYTES))
     try:
         proc.wait_ready()
         yield proc

@@ -14,7 +14,7 @@ import pytest
 import safetensors.torch
 
 from tests.api.common import check, inputs
-from tests.api.serverproc import ServerProcess, free_port
+from tests.serverproc import ServerProcess, free_port
 from tests.api.test_e2e import post_safetensors, scrape, value
 
 QUEUE_TOKENS = 64
@@ -35,9 +35,9 @@ def process_running(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc = ServerProcess(str(tmp_path_factory.mktemp("overload") / "server.log"),
-                         "--queue-tokens", str(QUEUE_TOKENS), "--batch-delay-ms", str(DELAY_MS),
-                         "--drain-timeout-s", "20", env={"MOE_METRICS_PORT": str(METRICS_PORT)})
+    proc = ServerProcess.module(tmp_path_factory.mktemp("overload") / "server.log",
+                                "--queue-tokens", str(QUEUE_TOKENS), "--batch-delay-ms", str(DELAY_MS),
+                                "--drain-timeout-s", "20", env={"MOE_METRICS_PORT": str(METRICS_PORT)})
     try:
         proc.wait_ready()
         yield proc

@@ -1,18 +1,13 @@
 """Helpers of the deployment tests: paths, YAML, the Dockerfile's stages, .dockerignore, PromQL
-metric names, a Prometheus scrape, and a moe-serve process on free ports."""
+metric names and a Prometheus scrape (the moe-serve process is tests/serverproc.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fnmatch
 import json
-import os
 import re
 import shlex
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -20,8 +15,6 @@ import promql_parser
 import yaml
 from dockerfile_parse import DockerfileParser
 from prometheus_client.parser import text_string_to_metric_families
-
-from tests.api.serverproc import descendants, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -33,9 +26,6 @@ DASHBOARD = DEPLOY / "grafana" / "dashboards" / "moe-serve.json"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
 SCRIPTS = DEPLOY / "docker"  # copied into the image; the Dockerfile's RUN steps call them
-
-START_TIMEOUT_S = 180.0  # 4 CPU ranks start in ~15 s on 2 cores; room for a loaded CI machine
-STOP_TIMEOUT_S = 60.0
 
 # Grafana's variables stand for these when a dashboard query is parsed as PromQL.
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "1h", "$instance": ".*"}
@@ -243,57 +233,3 @@ def scrape(url: str) -> dict[str, set[str]]:
         for sample in family.samples:
             series.setdefault(sample.name, set()).update(sample.labels)
     return series
-
-
-# ---- a moe-serve process -----------------------------------------------------------------------
-
-
-class ServiceProcess:
-    """A moe-serve command on free loopback ports, its output in a log file."""
-
-    def __init__(self, cmd: list[str], log_path: Path, *, env: dict[str, str], cwd: Path | None = None):
-        self.log_path = log_path
-        self.url = f"http://127.0.0.1:{env['MOE_HTTP_PORT']}"
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
-
-    @staticmethod
-    def loopback_env(base: dict[str, str]) -> dict[str, str]:
-        """`base` with MOE_HOST on loopback and free MOE_HTTP_PORT / MOE_GRPC_PORT."""
-        return {**base, "MOE_HOST": "127.0.0.1", "MOE_HTTP_PORT": str(free_port()),
-                "MOE_GRPC_PORT": str(free_port())}
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait(self, ready, timeout: float = START_TIMEOUT_S) -> None:
-        """Poll `ready()` until it is true; fail with the log if the process exits or time runs out."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"moe-serve exited with {self.proc.returncode}:\n{self.log()[-5000:]}")
-            if ready():
-                return
-            time.sleep(0.5)
-        raise AssertionError(f"moe-serve was not ready within {timeout} s:\n{self.log()[-5000:]}")
-
-    def http_ready(self) -> bool:
-        try:
-            return httpx.get(self.url + "/v2/health/ready", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def stop(self, timeout: float = STOP_TIMEOUT_S) -> int:
-        """SIGTERM and wait (the drain path); SIGKILL the whole tree if it hangs."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                for pid in descendants(self.proc.pid):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode

@@ -26,9 +26,10 @@ import httpx
 import pytest
 
 from tests.deploy.common import (
-    ROOT, SCRIPTS, START_TIMEOUT_S, ServiceProcess, Stage, arg_declaration, assignments, dockerfile_stages,
-    dockerignore_patterns, exec_form, healthcheck, in_build_context, split_flags,
+    ROOT, SCRIPTS, Stage, arg_declaration, assignments, dockerfile_stages, dockerignore_patterns, exec_form,
+    healthcheck, in_build_context, split_flags,
 )
+from tests.serverproc import START_TIMEOUT_S, ServerProcess
 
 # `docker build --build-arg` equivalents: the CPU torch (the +cpu local version exists only as
 # this machine's file, so pip can never fall back to a multi-GB CUDA download) and no csrc library.
@@ -140,7 +141,7 @@ def test_image_recipe_installs_starts_and_gets_ready():
         runtime, runtime_fs = stages[final], stages_fs[final]
 
         # The environment the container starts with, plus ports on loopback.
-        env = ServiceProcess.loopback_env(image_env)
+        env = ServerProcess.loopback_env(image_env)
         entrypoint = exec_form(runtime.one("ENTRYPOINT").value)
         executable = shutil.which(entrypoint[0], path=env["PATH"])
         assert executable and Path(executable).is_relative_to(runtime_fs.root), \
@@ -159,10 +160,10 @@ def test_image_recipe_installs_starts_and_gets_ready():
             return subprocess.run(check, env=env, capture_output=True, timeout=30).returncode == 0
 
         assert not healthy(), "HEALTHCHECK says ready with nothing listening"
-        server = ServiceProcess([executable, *entrypoint[1:]], Path(tmp) / "moe-serve.log", env=env,
-                                cwd=runtime_fs.local(workdir))
+        server = ServerProcess([executable, *entrypoint[1:]], Path(tmp) / "moe-serve.log", env=env,
+                               cwd=runtime_fs.local(workdir))
         try:
-            server.wait(healthy, timeout=START_TIMEOUT_S)
+            server.wait_ready(healthy, timeout=START_TIMEOUT_S)
             assert httpx.get(server.url + "/v2/health/live", timeout=5).status_code == 200
         finally:
             code = server.stop()

@@ -15,9 +15,10 @@ from cloudcoil.models.prometheus_operator import v1 as monitoring
 
 from service.config import Settings
 from tests.deploy.common import (
-    ALERTS, DASHBOARD, K8S, PROMETHEUS_CONFIG, PROMETHEUS_OWN, TARGET_LABELS, ServiceProcess, grouping_labels,
-    load_yaml, load_yaml_all, scrape, selectors,
+    ALERTS, DASHBOARD, K8S, PROMETHEUS_CONFIG, PROMETHEUS_OWN, TARGET_LABELS, grouping_labels, load_yaml,
+    load_yaml_all, scrape, selectors,
 )
+from tests.serverproc import ServerProcess
 
 GRID_COLUMNS = 24  # Grafana's dashboard width
 ADAPTER_VALUES = K8S / "prometheus-adapter-values.yaml"
@@ -143,10 +144,10 @@ def live_series(tmp_path_factory) -> dict[str, set[str]]:
     log = tmp_path_factory.mktemp("live") / "moe-serve.log"
     script = Path(sys.executable).parent / "moe-serve"
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "service"]
-    env = ServiceProcess.loopback_env({**os.environ, "MOE_DEVICE": "cpu"})
-    server = ServiceProcess(cmd, log, env=env)
+    env = ServerProcess.loopback_env({**os.environ, "MOE_DEVICE": "cpu"})
+    server = ServerProcess(cmd, log, env=env)
     try:
-        server.wait(server.http_ready)
+        server.wait_ready()
         model = Settings.model_fields["model_name"].default
         meta = httpx.get(f"{server.url}/v2/models/{model}", timeout=10).json()
         shapes = {t["name"]: t["shape"] for t in meta["inputs"]}

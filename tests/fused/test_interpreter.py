@@ -11,23 +11,16 @@ over consecutive batches (including int32 wrap-around of seq * BM), and that tim
 in the error flag.
 
 TRITON_INTERPRET is read when `@triton.jit` decorates, so the cases run in a subprocess (this
-file as a script), as tests/kernels/test_grouped_gemm.py does.
+file as a script, tests/interp.py).
 """
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers import TOL
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.interp import main, run_cases
 
 # name: (dtype, E, H, Ir, K, C, counts per batch, routing, programs, comm1, compute2, join, seq0, fault)
 CASES = {
@@ -152,11 +145,7 @@ def _run_case(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_cases(__file__)
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n][-1] is None])
@@ -202,20 +191,5 @@ def test_gate_timeout_sets_error(results):
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    sys.path.insert(0, str(ROOT))
-    from tests.kernels.test_grouped_gemm import _patch_interpreter_for_numpy_2_4
-
-    _patch_interpreter_for_numpy_2_4()
-    torch.manual_seed(0)
     torch.set_num_threads(1)
-    only = sys.argv[1:] or list(CASES)
-    out = {}
-    for case in only:
-        try:
-            out[case] = _run_case(case)
-        except Exception as exc:  # reported per case by the parent test
-            import traceback
-
-            out[case] = {"exception": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"}
-    print(json.dumps(out))
+    main(CASES, _run_case)

@@ -2,23 +2,17 @@
 and the compiled kernel on a GPU.
 
 TRITON_INTERPRET is read when `@triton.jit` decorates, so the interpreter cases run in a child
-process (this file as a script) and each test asserts on its case's JSON record, as in
-test_grouped_gemm.py.
+process (this file as a script, tests/interp.py) and each test asserts on its case's JSON record.
 """
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import triton
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.interp import main, run_cases
+
 # Relative error ||out - ref|| / ||ref||, defined once. Both sides accumulate in fp32, in the same
 # k order, so they agree to rounding.
 TOL = 1e-6
@@ -68,11 +62,7 @@ def _run_case(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_cases(__file__)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -190,16 +180,4 @@ def test_gpu_cuda_graph_capture():
 
 
 if __name__ == "__main__":
-    # The interpreter run: TRITON_INTERPRET=1 is set by the caller before anything imports triton.
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    sys.path.insert(0, str(ROOT))
-    from tests.kernels.test_grouped_gemm import _patch_interpreter_for_numpy_2_4
-
-    _patch_interpreter_for_numpy_2_4()
-    results = {}
-    for case in CASES:
-        try:
-            results[case] = _run_case(case)
-        except Exception as exc:  # reported per case by the parent test
-            results[case] = {"exception": f"{type(exc).__name__}: {exc}"}
-    print(json.dumps(results))
+    main(CASES, _run_case)

@@ -2,26 +2,22 @@
 
 TRITON_INTERPRET is read when `@triton.jit` decorates, so the interpreter cases cannot share a
 process with compiled kernels (test_compile.py, the GPU tests, other packages' kernels): the
-module fixture runs this file as a script with TRITON_INTERPRET=1, every case once, and each
-test asserts on its case's JSON record.
+module fixture runs this file as a script with TRITON_INTERPRET=1 (tests/interp.py), every case
+once, and each test asserts on its case's JSON record.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import zlib
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from service.config import BM
+from tests.interp import main, run_cases
 
-ROOT = Path(__file__).resolve().parents[2]
 # Relative error ||out - ref|| / ||ref||, defined once.
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -57,20 +53,6 @@ CASES = {
     "all_empty": ("float32", 3, 32, 16, [0, 0, 0], 2, 16, 16, "gate+epilogue"),
     "gate_timeout": ("float32", 2, 32, 16, [100, 60], 0, 16, 16, "timeout"),
 }
-
-
-def _patch_interpreter_for_numpy_2_4() -> None:
-    """triton 3.6's interpreter turns scalars into 1-element arrays and calls int() on them in
-    range(); numpy >= 2.4 rejects int() of arrays with ndim > 0. Index through the element."""
-    import triton.runtime.interpreter as interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
 
 
 def _run_case(name: str) -> dict:
@@ -132,11 +114,7 @@ def _run_case(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_cases(__file__)
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n != "gate_timeout"])
@@ -333,15 +311,4 @@ def test_gpu_cuda_graph_capture():
 
 
 if __name__ == "__main__":
-    # The interpreter run: TRITON_INTERPRET=1 is set by the caller before anything imports triton.
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    sys.path.insert(0, str(ROOT))
-    _patch_interpreter_for_numpy_2_4()
-    torch.manual_seed(0)
-    results = {}
-    for case in CASES:
-        try:
-            results[case] = _run_case(case)
-        except Exception as exc:  # reported per case by the parent test
-            results[case] = {"exception": f"{type(exc).__name__}: {exc}"}
-    print(json.dumps(results))
+    main(CASES, _run_case)

@@ -1,4 +1,5 @@
-"""A real `python -m service` process on free ports, for the end-to-end tests and the benchmark."""
+"""A real moe-serve process on free loopback ports, its output in a log file: for the API's
+end-to-end tests (`python -m service` with flags) and the deployment tests (the image's entrypoint)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 
 START_TIMEOUT_S = 180.0  # 4 rank processes on 2 CPU cores start in ~10-20 s; leave room for slow CI
 STOP_TIMEOUT_S = 60.0
+POLL_S = 0.2
 
 
 def free_port() -> int:
@@ -51,25 +55,35 @@ def cmdline(pid: int) -> str:
 
 
 class ServerProcess:
-    def __init__(self, log_path: str, *flags: str, env: dict | None = None):
-        self.http_port, self.grpc_port = free_port(), free_port()
+    """`cmd` with `env`, whose MOE_HTTP_PORT / MOE_GRPC_PORT name its ports (see `loopback_env`)."""
+
+    def __init__(self, cmd: list[str], log_path: str | Path, *, env: dict[str, str], cwd: Path | None = None):
+        self.http_port, self.grpc_port = int(env["MOE_HTTP_PORT"]), int(env["MOE_GRPC_PORT"])
         self.url = f"http://127.0.0.1:{self.http_port}"
         self.grpc_url = f"127.0.0.1:{self.grpc_port}"
         self.http_hostport = f"127.0.0.1:{self.http_port}"
-        self.log_path = log_path
+        self.log_path = Path(log_path)
         self._log = open(log_path, "wb")
-        cmd = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--http-port", str(self.http_port),
-               "--grpc-port", str(self.grpc_port), *flags]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+
+    @classmethod
+    def module(cls, log_path: str | Path, *flags: str, env: dict[str, str] | None = None) -> ServerProcess:
+        """`python -m service` with `flags`, in this environment plus `env`, on free loopback ports."""
+        return cls([sys.executable, "-m", "service", *flags], log_path,
+                   env=cls.loopback_env({**os.environ, **(env or {})}))
+
+    @staticmethod
+    def loopback_env(base: dict[str, str]) -> dict[str, str]:
+        """`base` with MOE_HOST on loopback and free MOE_HTTP_PORT / MOE_GRPC_PORT."""
+        return {**base, "MOE_HOST": "127.0.0.1", "MOE_HTTP_PORT": str(free_port()),
+                "MOE_GRPC_PORT": str(free_port())}
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
     def log(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
+        return self.log_path.read_text(errors="replace")
 
     def ready(self) -> bool:
         try:
@@ -77,21 +91,25 @@ class ServerProcess:
         except httpx.HTTPError:
             return False
 
-    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+    def wait_ready(self, ready: Callable[[], bool] | None = None, timeout: float = START_TIMEOUT_S) -> None:
+        """Poll `ready()` (default: the HTTP readiness route) until it is true; fail with the log if
+        the process exits or time runs out."""
+        ready = ready or self.ready
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log()[-5000:]}")
-            if self.ready():
+                raise RuntimeError(f"moe-serve exited with {self.proc.returncode}:\n{self.log()[-5000:]}")
+            if ready():
                 return
-            time.sleep(0.2)
-        raise TimeoutError(f"the server was not ready within {timeout} s:\n{self.log()[-5000:]}")
+            time.sleep(POLL_S)
+        raise TimeoutError(f"moe-serve was not ready within {timeout} s:\n{self.log()[-5000:]}")
 
     def rank_pids(self) -> list[int]:
         """The rank processes: the spawned children (not multiprocessing's resource tracker)."""
         return [p for p in descendants(self.pid) if "spawn_main" in cmdline(p)]
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> int:
+        """SIGTERM and wait (the drain path); SIGKILL the whole tree if it hangs."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -104,4 +122,3 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
-
