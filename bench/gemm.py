@@ -266,13 +266,18 @@ def print_combine(c: dict) -> None:
     print(f"  triton vs torch rel err {c['rel_err_vs_torch']:.1e}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_shape_args(parser: argparse.ArgumentParser) -> None:
+    """The problem shape, seed share by default: T tokens x top-K over E experts, H, Ir."""
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--K", type=int, default=8)
     parser.add_argument("--E", type=int, default=64)
     parser.add_argument("--H", type=int, default=4096)
     parser.add_argument("--Ir", type=int, default=768)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_args(parser)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--parts", default="gemm,schedule,combine", help="comma-separated subset to measure")
     parser.add_argument("--json", type=Path, help="also write the report here")

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+from bench.gemm import add_shape_args  # noqa: E402
 from service.config import BM  # noqa: E402
 from service.kernels import tuning  # noqa: E402
 from service.kernels.grouped_gemm import GemmConfig, flops, gemm1_swiglu, gemm2  # noqa: E402
@@ -43,11 +44,7 @@ def candidates(mode: str, quick: bool) -> list[GemmConfig]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--K", type=int, default=8)
-    parser.add_argument("--E", type=int, default=64)
-    parser.add_argument("--H", type=int, default=4096)
-    parser.add_argument("--Ir", type=int, default=768)
+    add_shape_args(parser)
     parser.add_argument("--quick", action="store_true", help="a handful of candidates (minutes, not tens)")
     parser.add_argument("--dry-run", action="store_true", help="print, do not write the JSON files")
     parser.add_argument("--out-dir", type=Path, default=tuning.CONFIG_DIR)
