@@ -5,11 +5,13 @@
 Shape: the seed preset's per-rank share (E=64, H=4096, K=8, I = 768 = one TP4 slice), with all
 T = 2048 tokens of a step on one GPU (R=1, C=T), bf16, random weights. Same inputs for every row:
   - serial        service.moe.serial.SerialLayer with the Triton grouped GEMMs (gemm=triton):
-                  gather, tables, GEMM1+SwiGLU, GEMM2, combine, one after the other (eager);
+                  tables, GEMM1+SwiGLU (rows gathered through row_token), GEMM2, combine, one
+                  after the other (eager);
   - fused         service.moe.fused.FusedLayer (CUDA graph): exchange, tables, kernel 1, kernel 2,
                   final reduce; the same GEMM tile code and tile configs as the serial GEMMs;
   - compute-only  the fused layer with every wait removed (SYNC=False): the same programs move the
-                  same bytes, all local at R=1, nobody waits (output discarded);
+                  same bytes, nobody waits (output discarded). At R=1 kernel 1 pulls nothing
+                  (every token is read in place), so what differs is kernel 2's job machinery;
   - exposed comm  fused - compute-only, and the in-kernel measure (`FusedLayer.exposed_comm_s`).
 Each figure is the median of --iters steps timed with CUDA events around `forward` (staging copies
 included); ratios are to serial measured in the same run. Target (issue 6): fused <= 1.05 x serial.
@@ -45,6 +47,20 @@ def time_forward(layer, x, ids, w, iters: int, seq0: int) -> tuple[float, list[f
     return statistics.median(times), exposed
 
 
+def stage_medians(layer, x, ids, w, iters: int, seq0: int) -> dict[str, float]:
+    """Median device time per stage (StageTimer events; the fused layer must run eagerly)."""
+    from service.moe.timing import StageTimer
+
+    timer = StageTimer(x.device)
+    per: dict[str, list[float]] = {}
+    for i in range(iters + 3):
+        layer.forward(x, ids, w, seq=seq0 + i, timer=timer)
+        if i >= 3:
+            for k, v in timer.seconds().items():
+                per.setdefault(k, []).append(v)
+    return {k: statistics.median(v) for k, v in per.items()}
+
+
 def main() -> None:
     from service.moe.fused import FusedLayer
     from service.moe.serial import SerialLayer
@@ -54,10 +70,10 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--intermediate", type=int, default=768)
-    p.add_argument("--comm1", default="", help="comma-separated kernel-1 pulling-program counts to sweep")
-    p.add_argument("--job-cols", default="", help="comma-separated kernel-2 job widths to sweep (default pullers)")
+    p.add_argument("--stages", action="store_true", help="also print per-stage times (serial, fused eager)")
+    p.add_argument("--job-cols", default="", help="comma-separated kernel-2 job widths to sweep")
     p.add_argument("--variants", default="", help="semicolon-separated plan overrides to time, e.g. "
-                   "'pull_tokens=8;counter_scope=gpu;pull_tokens=8,counter_scope=gpu'")
+                   "'num_compute2=132;num_compute2=116,job_cols=1024'")
     args = p.parse_args()
     dev = torch.device("cuda", 0)
     cfg = LayerConfig(E=64, H=4096, I=args.intermediate, K=8, R=1, C=args.tokens, dtype=torch.bfloat16)
@@ -98,13 +114,12 @@ def main() -> None:
     print("in-kernel breakdown of the last step (us): "
           + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in breakdown.items()))
     print(f"fused / serial = {t_fused / t_serial:.3f} (target <= 1.05)")
-    sms = fused.plan.num_programs
-    for comm1 in [int(c) for c in args.comm1.split(",") if c]:
-        layer = FusedLayer(cfg, weights, rank=0, device=dev, num_comm1=comm1, num_compute2=sms - comm1)
-        t, ex = time_forward(layer, x, ids, w, args.iters, 2)
-        gates = layer.exposure_breakdown_s()
-        print(f"sweep num_comm1={comm1}: fused {t * 1e6:.0f} us = {t / t_serial:.3f} x serial; in-kernel "
-              + ", ".join(f"{k} {v * 1e6:.0f}" for k, v in gates.items()))
+    if args.stages:
+        eager = FusedLayer(cfg, weights, rank=0, device=dev, graph=False)
+        for name, layer in (("serial", serial), ("fused eager", eager)):
+            med = stage_medians(layer, x, ids, w, args.iters, 100)
+            print(f"stages {name} (us): " + ", ".join(f"{k} {v * 1e6:.0f}" for k, v in med.items())
+                  + f"; sum {sum(med.values()) * 1e6:.0f}")
     variants = [dict(job_cols=int(c)) for c in args.job_cols.split(",") if c]
     for text in [v for v in args.variants.split(";") if v]:
         variants.append({k: (v if not v.isdigit() else int(v)) for k, v in (kv.split("=") for kv in text.split(","))})

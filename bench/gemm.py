@@ -8,7 +8,9 @@ slice, S rows of the gathered layout, BM = 128.
 GEMM figures are TFLOP/s over the useful work, real hits only (padding rows excluded):
     GEMM1 (+SwiGLU)  2 * T*K * H * 2*Ir      GEMM2  2 * T*K * Ir * H
 for three implementations, balanced and skewed routing:
-    triton    service.kernels.grouped_gemm over the padded layout (what the fused layer runs)
+    triton    service.kernels.grouped_gemm over the padded layout
+    triton_gather           GEMM1 reading row s as token row_token[s] (what both layers run)
+    triton_identity_gather  the gather code path on the laid-out rows (row_token = identity)
     grouped   torch._grouped_mm on the unpadded hits + a separate SwiGLU (the baseline, ratio 1.0)
     loop      one cuBLAS matmul per expert on host-known offsets (what a naive layer does)
 Schedule build time (us) for the CUDA op moe::build_tables (graph replay), the vectorized torch
@@ -88,6 +90,17 @@ def bench_gemms(args, kind: str, dev: torch.device) -> dict:
     def triton2():
         gemm2(act_pad, w2, be, config=cfg2, out=d_pad)
 
+    # GEMM1 reading its rows through row_token from the token matrix (what both layers run), and
+    # the same code path on the laid-out rows (row_token = identity): code cost vs access pattern.
+    identity = torch.arange(S, device=dev, dtype=torch.int32)
+    act_g = torch.empty(S, Ir, device=dev, dtype=dtype)
+
+    def gather1():
+        gemm1_swiglu(x, w13, be, config=cfg1, out=act_g, row_token=tables.row_token)
+
+    def identity1():
+        gemm1_swiglu(a_pad, w13, be, config=cfg1, out=act_g, row_token=identity)
+
     def grouped1():
         h = torch._grouped_mm(a_hits, w13, offs=offs)  # [T*K, 2*Ir]
         return F.silu(h[:, :Ir]) * h[:, Ir:]
@@ -124,6 +137,11 @@ def bench_gemms(args, kind: str, dev: torch.device) -> dict:
     result = {"routing": kind, "rows_used": int(tables.expert_offsets[-1]), "hits": hits,
               "max_rows_per_expert": int(rows_per_expert.max()), "cfg1": str(cfg1), "cfg2": str(cfg2),
               "rel_err_vs_grouped": [err1, err2]}
+    gather1()
+    result["rel_err_gather_vs_layout"] = rel_err(act_g[real_rows], act_pad[real_rows])
+    for name, fn in (("triton_gather", gather1), ("triton_identity_gather", identity1)):
+        ms1 = do_bench(fn, warmup=25, rep=200)
+        result[name] = {"gemm1_ms": ms1, "gemm1_tflops": f1 / ms1 / 1e9}
     for name, fn1, fn2 in (("triton", triton1, triton2), ("grouped", grouped1, grouped2), ("loop", loop1, loop2)):
         ms1, ms2 = do_bench(fn1, warmup=25, rep=200), do_bench(fn2, warmup=25, rep=200)
         result[name] = {"gemm1_ms": ms1, "gemm2_ms": ms2,
@@ -242,8 +260,12 @@ def print_gemms(report: dict) -> None:
             v = r[name]
             print(f"{r['routing']:9s} {name:8s} {v['gemm1_tflops']:14.0f} {v['gemm1_tflops'] / base['gemm1_tflops']:6.2f} "
                   f"{v['gemm2_tflops']:10.0f} {v['gemm2_tflops'] / base['gemm2_tflops']:6.2f}")
+        for name in ("triton_gather", "triton_identity_gather"):
+            v = r[name]
+            print(f"{r['routing']:9s} {name:8s} {v['gemm1_tflops']:14.0f} {v['gemm1_tflops'] / base['gemm1_tflops']:6.2f}")
         print(f"{'':9s} rows used {r['rows_used']} for {r['hits']} hits; max rows/expert {r['max_rows_per_expert']}; "
-              f"triton vs grouped rel err {r['rel_err_vs_grouped'][0]:.1e} / {r['rel_err_vs_grouped'][1]:.1e}")
+              f"triton vs grouped rel err {r['rel_err_vs_grouped'][0]:.1e} / {r['rel_err_vs_grouped'][1]:.1e}; "
+              f"gather vs layout {r['rel_err_gather_vs_layout']:.1e}")
 
 
 def print_schedule(s: dict) -> None:

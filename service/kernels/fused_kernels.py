@@ -6,11 +6,13 @@ Dimension letters: R ranks, C capacity per rank, N = R*C global tokens, K top-k,
 Ir intermediate slice, E experts, S gathered rows, NB = S / BM row blocks, L = META + 2*C*K
 int32 words of one routing block.
 
-Peer memory: every rank owns one symmetric region; `region_ptrs [R] int64` holds the base of
-each rank's region as mapped in this process. Offsets into a region are passed in elements of the
-type read there (tokens: the layer dtype, routing / flags: int32, staging: fp32):
+Peer memory: every rank owns one symmetric region. The kernels get this rank's region as a
+pointer and `region_off [R] int64`, the distance of every rank's region (as mapped in this
+process) from it in 16-byte units (`region_of`). Offsets into a region are passed in elements
+of the type read there (tokens: the layer dtype, routing / flags: int32, staging: fp32):
 
     tokens   [2, C, H]      dtype  parity seq & 1 (double buffered, see fused.py)
+    pulled   [N, H]         dtype  remote tokens copied here by kernel 1 (read only locally)
     routing  [2, L]         int32  META words (n, seq lo, seq hi, 0), ids [C, K], weights [C, K] (fp32 bits)
     staging  [R, C, H]      fp32   plane s = partial sums pushed by source rank s
     wm       [R]            int32  wm[s] = last batch whose pushes from source s are complete
@@ -20,7 +22,8 @@ Roles by program id. Producers take the low ids: the interpreter runs programs i
 consumer never waits on a program it has not run yet, and on the GPU the whole grid is
 co-resident anyway (grid <= #SMs, one CTA per SM at these tile sizes), so spinning consumers can
 never keep a producer off the machine.
-    kernel 1: pid < NUM_COMM pull tokens (producers), the rest run GEMM1 behind the gate;
+    kernel 1: pid < NUM_COMM pull remote tokens (producers), the rest run GEMM1 behind the gate
+              (NUM_COMM = 0 when R = 1: every token is local);
     kernel 2: pid < NUM_COMPUTE run GEMM2 and mark tiles (producers), the rest take jobs; with
               JOIN the GEMM programs take jobs too once their tiles are done (all-hands tail).
 
@@ -61,13 +64,22 @@ def describe_error(code: int) -> str:
     return f"{ERR_NAMES.get(kind, 'unknown')} wait timed out (detail {detail})"
 
 
+@triton.jit
+def region_of(region_ptr, region_off, r, DT: tl.constexpr):
+    """Base of rank r's region (r a scalar or a tensor of ranks) as a pointer to DT: our own
+    region's base plus r's distance from it in 16-byte units. Built this way, not from an absolute
+    int64 address (which the compiler cannot see is aligned), peer rows move in 16-byte vectors
+    instead of one element per instruction."""
+    return region_ptr.to(tl.pointer_type(DT)) + tl.load(region_off + r) * (16 // (DT.primitive_bitwidth // 8))
+
+
 # ---------------------------------------------------------------------------------------------
 # Exchange: barrier on the batch number, then every rank's routing block.
 # ---------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _exchange_kernel(region_ptrs, routing_g_ptr, ctl_ptr, error_ptr, stats_ptr,
+def _exchange_kernel(region_ptr, region_off, routing_g_ptr, ctl_ptr, error_ptr, stats_ptr,
                      rank, R, L, rt_off, bar_off, max_spins,
                      RP: tl.constexpr, BL: tl.constexpr, USE_PTX: tl.constexpr, SYNC: tl.constexpr):
     """One program. bar[rank] := seq on every peer (release), wait until bar[s] >= seq for all s,
@@ -84,18 +96,17 @@ def _exchange_kernel(region_ptrs, routing_g_ptr, ctl_ptr, error_ptr, stats_ptr,
     for i in tl.static_range(1, 4):
         tl.store(stats_ptr + i, tl.zeros((), dtype=tl.int64))
     if tl.load(error_ptr) == 0:
-        mine = tl.load(region_ptrs + rank)
+        mine = region_ptr.to(tl.pointer_type(tl.int32))
         parity = (seq & 1).to(tl.int64)
-        meta = mine.to(tl.pointer_type(tl.int32)) + rt_off + parity * L
+        meta = mine + rt_off + parity * L
         for i in tl.static_range(1, 4):
             tl.store(meta + i - 1, tl.load(ctl_ptr + i))
         tl.store(meta + 3, 0)
-        bases = tl.load(region_ptrs + rr, mask=rmask, other=0)  # [RP]
-        bases = tl.where(rmask, bases, mine)  # lanes past R address our own slot: a duplicate store
-        peer_slots = bases.to(tl.pointer_type(tl.int32)) + bar_off + rank  # [RP]
+        # Lanes past R address our own slot: a duplicate store.
+        peer_slots = region_of(region_ptr, region_off, tl.where(rmask, rr, rank), tl.int32) + bar_off + rank  # [RP]
         store_release(peer_slots, tl.zeros((RP,), dtype=tl.int32) + seq, USE_PTX)
         t0 = now_ns(USE_PTX)
-        my_slots = mine.to(tl.pointer_type(tl.int32)) + bar_off + tl.where(rmask, rr, 0)  # [RP]
+        my_slots = mine + bar_off + tl.where(rmask, rr, 0)  # [RP]
         ok = 1
         if SYNC:
             ok = wait_all_geq(my_slots, rmask, seq, max_spins, USE_PTX)
@@ -108,7 +119,7 @@ def _exchange_kernel(region_ptrs, routing_g_ptr, ctl_ptr, error_ptr, stats_ptr,
         # Routing blocks (after the acquire above; stale but well-formed when it timed out).
         offs = tl.arange(0, BL)
         for r in range(0, R):
-            src = tl.load(region_ptrs + r).to(tl.pointer_type(tl.int32)) + rt_off + parity * L
+            src = region_of(region_ptr, region_off, r, tl.int32) + rt_off + parity * L
             for o in range(0, L, BL):
                 m = (o + offs) < L
                 tl.store(routing_g_ptr + r * L + o + offs, tl.load(src + o + offs, mask=m), mask=m)
@@ -121,76 +132,81 @@ def _exchange_kernel(region_ptrs, routing_g_ptr, ctl_ptr, error_ptr, stats_ptr,
 
 @triton.jit
 def _ag_gemm1_kernel(
-    region_ptrs, a_ptr, w_ptr, act_ptr,   # [R] int64, A [S, H], W13 [E, H, 2*Ir], act [S, Ir]
-    slots_ptr, pull_ptr, slack_ptr, block_expert_ptr,  # [N, K], [N], [NB], [NB] int32
-    counters_ptr,                         # [NB] int32 row-block arrivals, monotonic
+    region_ptr, region_off, w_ptr, act_ptr,  # our region, [R] int64 (16 B units), W13 [E, H, 2*Ir], act [S, Ir]
+    slots_ptr, pull_ptr, row_token_ptr, block_expert_ptr,  # [N, K], [N], [S], [NB] int32
+    arrived_ptr,                          # [N + 1] int32 per pulled token, monotonic; [N] is a dummy
     ctl_ptr, error_ptr, stats_ptr,        # [1] int32 seq, [1] int32, [4] int64
-    N, C, H, NB, Ir, E, tok_off, max_spins,
-    stride_am, stride_we, stride_wk, stride_om,
-    K: tl.constexpr, TB: tl.constexpr, BH: tl.constexpr,
+    rank, N, C, H, NB, Ir, E, tok_off, pull_off, max_spins,
+    stride_we, stride_wk, stride_om,
+    TB: tl.constexpr, BH: tl.constexpr, K: tl.constexpr,
     NUM_COMM: tl.constexpr, NUM_PROGRAMS: tl.constexpr, USE_PTX: tl.constexpr, SYNC: tl.constexpr,
     IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, COUNTER_SCOPE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
+    """Row s of GEMM1's input is token row_token[s]: read in place from this rank's own token
+    buffer when the token is ours (or s is a padding row: our row s mod C, output unused), else from
+    `pulled` [N, H] in our region, where the comm programs copy each remote token once (one
+    read from its owner, one local write: the K copies are the GEMM's re-reads of one row).
+    A tile waits until every remote token of its row block has arrived[g] >= seq."""
     pid = tl.program_id(0)
     seq = tl.load(ctl_ptr)
+    parity = (seq & 1).to(tl.int64)
+    mine = region_ptr.to(tl.pointer_type(w_ptr.dtype.element_ty))
     if tl.load(error_ptr) == 0:
         if pid < NUM_COMM:
-            # -- comm: seed every block with its slack, then pull tokens in pull_order ---------
-            # Every block gains exactly BM per batch (slack + arrivals), so the counters ended the
-            # last batch at (seq-1)*BM and this one's target is seq*BM. Slack carries no data, but
-            # acq_rel keeps every contribution in one release chain.
-            for b in range(pid, NB, NUM_COMM):
-                tl.atomic_add(counters_ptr + b, tl.load(slack_ptr + b), sem="acq_rel", scope=COUNTER_SCOPE)
-            parity = (seq & 1).to(tl.int64)
+            # -- comm: pull the remote real tokens in pull_order, TB per iteration -------------
             tt = tl.arange(0, TB)  # [TB] tokens per iteration: TB times fewer round trips per pull
             hh = tl.arange(0, BH)  # [BH]
             # Program p takes chunks p, p + NUM_COMM, ... of TB consecutive tokens of pull_order.
             for i0 in range(pid * TB, N, NUM_COMM * TB):
                 idx = i0 + tt
                 g = tl.load(pull_ptr + idx, mask=idx < N, other=0)  # [TB]
-                # Padding tokens (last in pull_order) have slot -1 and move nothing.
-                real = (idx < N) & (tl.load(slots_ptr + g * K) >= 0)  # [TB]
                 owner = g // C
-                src_base = tl.load(region_ptrs + owner, mask=real, other=0)  # [TB] owners' regions
-                src = (src_base.to(tl.pointer_type(a_ptr.dtype.element_ty))
+                # Padding tokens (slot -1, last in pull_order) and our own tokens move nothing.
+                move = (idx < N) & (owner != rank) & (tl.load(slots_ptr + g * K) >= 0)  # [TB]
+                src = (region_of(region_ptr, region_off, owner, w_ptr.dtype.element_ty)
                        + tok_off + (parity * C + (g - owner * C)) * H)  # [TB] the tokens in their owners' buffers
+                dst = mine + pull_off + g.to(tl.int64) * H  # [TB]
                 for h0 in range(0, H, BH):
                     cols = h0 + hh
-                    m = real[:, None] & (cols < H)[None, :]  # [TB, BH]
-                    x = tl.load(src[:, None] + cols[None, :], mask=m)  # [TB, BH] one peer read per token
-                    for k in tl.static_range(K):  # its K copies
-                        row = tl.load(slots_ptr + g * K + k, mask=real, other=0).to(tl.int64)  # [TB]
-                        tl.store(a_ptr + row[:, None] * stride_am + cols[None, :], x, mask=m)
-                # All threads' stores, CTA barrier, then the releases (one per hit).
-                tl.debug_barrier()
-                for k in tl.static_range(K):
-                    row = tl.load(slots_ptr + g * K + k, mask=real, other=0)  # [TB]
-                    tl.atomic_add(counters_ptr + row // BM, 1, mask=real, sem="acq_rel", scope=COUNTER_SCOPE)
+                    m = move[:, None] & (cols < H)[None, :]  # [TB, BH]
+                    x = tl.load(src[:, None] + cols[None, :], mask=m)  # one peer read per token
+                    tl.store(dst[:, None] + cols[None, :], x, mask=m)
+                # All threads' stores, CTA barrier, one release per moved token (the rest hit the dummy).
+                store_release(arrived_ptr + tl.where(move, g, N), seq, USE_PTX)
         else:
             # -- compute: persistent grouped GEMM1 over (block, column tile), gated -------------
             cp = pid - NUM_COMM
             n_tiles = tl.cdiv(Ir, BN)
-            target = seq * BM
             alive = pid * 0 + 1
             waited = tl.zeros((), dtype=tl.int64)
             # Plain range (no flatten): a tile's wait stays ahead of that tile's loads.
             for tile in range(cp, NB * n_tiles, NUM_PROGRAMS - NUM_COMM):
-                block = tile // n_tiles  # row blocks in order = the order the comm programs fill them
+                block = tile // n_tiles  # row blocks in order = the order pull_order completes them
                 pn = tile % n_tiles
                 expert = tl.load(block_expert_ptr + block)
                 if (expert < E) & (alive != 0):  # expert == E: a block past the last expert
+                    rows = block.to(tl.int64) * BM + tl.arange(0, BM)  # [BM]
+                    rt = tl.load(row_token_ptr + rows)  # [BM]
+                    g = tl.maximum(rt, 0)
+                    owner = g // C
+                    local = (owner == rank) | (rt < 0)  # [BM] rows read in place
                     t0 = now_ns(USE_PTX)
                     ready = alive
                     if SYNC:
-                        ready = wait_geq(counters_ptr + block, target, max_spins, USE_PTX)
+                        ready = wait_all_geq(arrived_ptr + tl.where(local, N, g), local == 0, seq, max_spins, USE_PTX)
                     waited += now_ns(USE_PTX) - t0
                     if ready == 0:
                         tl.atomic_cas(error_ptr, 0, (2 << 24) + block)
                         alive = ready
                     else:
-                        gemm_tile(a_ptr, w_ptr, act_ptr, block, expert, pn, ready, Ir, H, Ir,
-                                  stride_am, 1, stride_we, stride_wk, 1, stride_om, 1,
+                        # A padding row reads our row s mod C: valid, and spread (one shared
+                        # row would hammer one L2 slice with a quarter of GEMM1's loads).
+                        own_row = tl.where(rt < 0, rows % C, g - owner * C).to(tl.int64)
+                        a_rows = tl.where(local, tok_off + (parity * C + own_row) * H,
+                                          pull_off + g.to(tl.int64) * H)  # [BM] element offsets in our region
+                        gemm_tile(mine, a_rows, w_ptr, act_ptr, block, expert, pn, ready, Ir, H, Ir,
+                                  1, stride_we, stride_wk, 1, stride_om, 1,
                                   True, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
             tl.atomic_add(stats_ptr + 1, waited, sem="relaxed")
 
@@ -202,7 +218,7 @@ def _ag_gemm1_kernel(
 
 @triton.jit
 def _gemm2_push_kernel(
-    region_ptrs, act_ptr, w_ptr, d_ptr,   # [R] int64, act [S, Ir], W2 [E, Ir, H], D [S, H]
+    region_ptr, region_off, act_ptr, w_ptr, d_ptr,  # our region, [R] int64, act [S, Ir], W2 [E, Ir, H], D [S, H]
     block_expert_ptr, slots_ptr, job_ptr, routing_g_ptr,  # [NB], [N, K], [N], [R, L] int32
     tiles_ptr,                            # [NB] int32 finished column tiles per block, monotonic
     disp_ptr, pushed_ptr,                 # [1], [R] int32 local scratch, zeroed by the final reduce
@@ -222,7 +238,7 @@ def _gemm2_push_kernel(
             # Owners with no tokens get no job, so no last writer: publish for them now.
             for o in range(0, R):
                 if tl.load(routing_g_ptr + o * L) == 0:
-                    wm = tl.load(region_ptrs + o).to(tl.pointer_type(tl.int32)) + wm_off + rank
+                    wm = region_of(region_ptr, region_off, o, tl.int32) + wm_off + rank
                     store_release(wm, seq, USE_PTX)
         t_join = now_ns(USE_PTX)
         if pid < NUM_COMPUTE:
@@ -233,8 +249,9 @@ def _gemm2_push_kernel(
                 pn = tile % n_tiles
                 expert = tl.load(block_expert_ptr + block)
                 if expert < E:
-                    gemm_tile(act_ptr, w_ptr, d_ptr, block, expert, pn, 1, H, Ir, 0,
-                              stride_am, 1, stride_we, stride_wk, 1, stride_om, 1,
+                    rows = block.to(tl.int64) * BM + tl.arange(0, BM)  # [BM]
+                    gemm_tile(act_ptr, rows * stride_am, w_ptr, d_ptr, block, expert, pn, 1, H, Ir, 0,
+                              1, stride_we, stride_wk, 1, stride_om, 1,
                               False, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
                 signal_add(tiles_ptr + block, 1, USE_PTX)  # CTA barrier, release (local flag)
             t_join = now_ns(USE_PTX)
@@ -262,7 +279,7 @@ def _gemm2_push_kernel(
                         i = g - owner * C
                         wbits = tl.load(routing_g_ptr + owner * L + META + C * K + i * K + kk, mask=kmask, other=0)
                         wk = wbits.to(tl.float32, bitcast=True)  # [KP] routing weights
-                        dst = (tl.load(region_ptrs + owner).to(tl.pointer_type(tl.float32))
+                        dst = (region_of(region_ptr, region_off, owner, tl.float32)
                                + stage_off + (rank * C + i).to(tl.int64) * H)  # owner's plane for this source
                         rows = d_ptr + srow.to(tl.int64)[:, None] * stride_om  # [KP, 1]
                         for h0 in range(0, H, BH):
@@ -277,7 +294,7 @@ def _gemm2_push_kernel(
                         tl.debug_barrier()
                         old = tl.atomic_add(pushed_ptr + owner, 1, sem="acq_rel", scope="sys")
                         if old + 1 == tl.load(routing_g_ptr + owner * L):
-                            wm = tl.load(region_ptrs + owner).to(tl.pointer_type(tl.int32)) + wm_off + rank
+                            wm = region_of(region_ptr, region_off, owner, tl.int32) + wm_off + rank
                             store_release(wm, seq, USE_PTX)
                         j = tl.atomic_add(disp_ptr, 1, sem="relaxed", scope="gpu")
                         go = j < N
@@ -338,9 +355,6 @@ def _final_reduce_kernel(stage_ptr, wm_ptr, out_ptr, routing_g_ptr, disp_ptr, pu
 # ---------------------------------------------------------------------------------------------
 
 
-PULL_TOKENS = 4  # tokens per kernel-1 pull iteration ([4, 1024] elements: 16 per thread at 8 warps)
-
-
 def _p2(x: int) -> int:
     return triton.next_power_of_2(max(1, x))
 
@@ -349,36 +363,39 @@ def _interpreting() -> bool:
     return triton.knobs.runtime.interpret
 
 
-def exchange(*, region_ptrs, routing_g, ctl, error, stats, rank, R, L, rt_off, bar_off, max_spins, use_ptx, sync=True):
+def exchange(*, region, region_off, routing_g, ctl, error, stats, rank, R, L, rt_off, bar_off, max_spins, use_ptx, sync=True):
     """routing_g [R, L] int32 <- every rank's routing block of this step, after the barrier."""
     assert routing_g.shape == (R, L) and routing_g.dtype == torch.int32
-    _exchange_kernel[(1,)](region_ptrs, routing_g, ctl, error, stats, rank, R, L, rt_off, bar_off, max_spins,
+    _exchange_kernel[(1,)](region, region_off, routing_g, ctl, error, stats, rank, R, L, rt_off, bar_off, max_spins,
                            RP=_p2(R), BL=1024, USE_PTX=use_ptx, SYNC=sync, num_warps=4)
 
 
-def ag_gemm1(*, region_ptrs, A, w13, act, tables, counters, ctl, error, stats, C, tok_off, config,
-             num_programs, num_comm, max_spins, use_ptx, sync=True, pull_tokens=PULL_TOKENS, counter_scope="sys"):
-    """Kernel 1: A [S, H] filled from the peers' token buffers, act [S, Ir] = SwiGLU(A @ W13)."""
-    S, H = A.shape
+def ag_gemm1(*, region, region_off, pulled, w13, act, tables, arrived, ctl, error, stats, rank, R, C, tok_off, pull_off,
+             config, num_programs, num_comm, max_spins, use_ptx, pull_tokens, sync=True):
+    """Kernel 1: act [S, Ir] = SwiGLU(A @ W13) with A's rows read from the owners' token buffers
+    (remote tokens pulled once into `pulled` [R*C, H], a view of this rank's region)."""
+    N, H = pulled.shape
     E, _, two_ir = w13.shape
     Ir = two_ir // 2
-    N, K = tables.slots.shape
+    S = tables.row_token.shape[0]
+    K = tables.slots.shape[1]
     NB = S // BM
-    assert act.shape == (S, Ir) and A.stride(1) == 1 and w13.stride(2) == 1 and act.stride(1) == 1
-    assert 0 < num_comm < num_programs, "kernel 1 needs comm and compute programs"
+    assert act.shape == (S, Ir) and pulled.stride(1) == 1 and w13.stride(2) == 1 and act.stride(1) == 1
+    assert arrived.shape == (N + 1,) and arrived.dtype == torch.int32
+    assert 0 <= num_comm < num_programs and (num_comm > 0 or R == 1), "kernel 1 needs compute programs, and pullers when R > 1"
     _ag_gemm1_kernel[(num_programs,)](
-        region_ptrs, A, w13, act, tables.slots, tables.pull_order, tables.slack, tables.block_expert,
-        counters, ctl, error, stats,
-        N, C, H, NB, Ir, E, tok_off, max_spins,
-        A.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        K=K, TB=pull_tokens, BH=min(_p2(H), 1024), NUM_COMM=num_comm, NUM_PROGRAMS=num_programs, USE_PTX=use_ptx, SYNC=sync,
-        IEEE=A.dtype == torch.float32, EVEN_K=H % config.BK == 0, EVEN_N=Ir % config.BN == 0,
-        BM=BM, BN=config.BN, BK=config.BK, COUNTER_SCOPE=counter_scope,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        region, region_off, w13, act, tables.slots, tables.pull_order, tables.row_token, tables.block_expert,
+        arrived, ctl, error, stats,
+        rank, N, C, H, NB, Ir, E, tok_off, pull_off, max_spins,
+        w13.stride(0), w13.stride(1), act.stride(0),
+        TB=pull_tokens, BH=min(_p2(H), 1024), K=K, NUM_COMM=num_comm, NUM_PROGRAMS=num_programs,
+        USE_PTX=use_ptx, SYNC=sync,
+        IEEE=w13.dtype == torch.float32, EVEN_K=H % config.BK == 0, EVEN_N=Ir % config.BN == 0,
+        BM=BM, BN=config.BN, BK=config.BK, num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
-def gemm2_push(*, region_ptrs, act, w2, D, tables, routing_g, tiles, disp, pushed, ctl, error, stats,
+def gemm2_push(*, region, region_off, act, w2, D, tables, routing_g, tiles, disp, pushed, ctl, error, stats,
                rank, R, C, L, stage_off, wm_off, config, num_programs, num_compute, join, max_spins, use_ptx, sync=True,
                job_cols=512):
     """Kernel 2: D [S, H] = act @ W2, then every global token's top-k sum pushed to its owner."""
@@ -389,7 +406,7 @@ def gemm2_push(*, region_ptrs, act, w2, D, tables, routing_g, tiles, disp, pushe
     assert D.shape == (S, H) and act.stride(1) == 1 and w2.stride(2) == 1 and D.stride(1) == 1
     assert 0 < num_compute <= num_programs and (join or num_compute < num_programs), "nobody takes jobs"
     _gemm2_push_kernel[(num_programs,)](
-        region_ptrs, act, w2, D, tables.block_expert, tables.slots, tables.job_order, routing_g,
+        region, region_off, act, w2, D, tables.block_expert, tables.slots, tables.job_order, routing_g,
         tiles, disp, pushed, ctl, error, stats,
         rank, R, N, C, H, NB, Ir, E, L, stage_off, wm_off, max_spins,
         act.stride(0), w2.stride(0), w2.stride(1), D.stride(0),

@@ -31,6 +31,11 @@ t = pid, pid + P, ...; tile t is (row block t // n_tiles, column tile t % n_tile
 taken in row-block order, which is expert order. Tiles whose block carries expert E are skipped
 without loading anything: the grid is sized at capacity and needs no host sync.
 
+Row gather (compile-time GATHER): with `row_token [S]`, output row s reads row row_token[s] of A
+(A is then the token matrix [N, H], not the gathered layout; -1 marks a padding row, whose output
+nobody uses: it reads row s mod N, spread so that padding rows do not all hit one cache line). GEMM1 then needs no scattered copy of the tokens: the
+K copies of a token are the same row of a small matrix that stays in L2.
+
 Hooks (compile-time, ThunderKittens style; the GEMM does not know where its data comes from):
     GATE      before a tile's loads, wait until `counters[block]` reaches `target[0]` (acquire,
               system scope, wrap-safe >=; bounded: after `max_spins` polls the program records
@@ -120,21 +125,25 @@ def _load_dot(a, w_ptrs, w_ok, acc, EVEN: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def gemm_tile(a_ptr, w_ptr, out_ptr, block, expert, pn, ready, N, K, up_col,
-              stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on,
+def gemm_tile(a_ptr, a_rows, w_ptr, out_ptr, block, expert, pn, ready, N, K, up_col,
+              stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on,
               SWIGLU: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """out[rows of row block `block`, column tile `pn`] = A[rows] @ W[expert] (SWIGLU: silu(gate) * up,
-    two accumulators); one BM x BN output tile, the K loop inside. `ready` is the gate's verdict,
-    always 1 here (callers skip the tile on 0). Triton inlines it into the caller."""
+    """out[rows of row block `block`, column tile `pn`] = A @ W[expert] (SWIGLU: silu(gate) * up,
+    two accumulators); one BM x BN output tile, the K loop inside. The BM input rows start at
+    `a_ptr + a_rows` ([BM] int64 element offsets: `rows * stride_am` for a contiguous A, or any
+    gather of rows, e.g. a token per row); output rows are the block's. `ready` is the gate's
+    verdict, always 1 here (callers skip the tile on 0). Triton inlines it into the caller."""
     k_steps = tl.cdiv(K, BK)
     # (ready - 1) == 0: a data dependency of the row offsets on the gate's result, insurance
-    # against a compiler hoisting the A loads above the wait.
-    rows = block.to(tl.int64) * BM + tl.arange(0, BM) + (ready - 1)  # [BM]
+    # against a compiler hoisting the A loads above the wait (times 16, so the offsets keep their
+    # proven alignment and the loads stay 16-byte vectors).
+    a_rows = a_rows + (ready - 1) * 16  # [BM]
+    rows = block.to(tl.int64) * BM + tl.arange(0, BM)  # [BM] output rows
     cols = pn * BN + tl.arange(0, BN)  # [BN] output columns
     cols = tl.max_contiguous(tl.multiple_of(cols, BN), BN)
     ks = tl.arange(0, BK)  # [BK]
-    a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak  # [BM, BK]
+    a_ptrs = a_ptr + a_rows[:, None] + ks[None, :] * stride_ak  # [BM, BK]
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     g_ptrs = w_base + ks[:, None] * stride_wk + cols[None, :] * stride_wn  # [BK, BN]
     acc = tl.zeros((BM, BN), dtype=tl.float32)  # gate (GEMM1) or output (GEMM2)
@@ -171,15 +180,16 @@ def gemm_tile(a_ptr, w_ptr, out_ptr, block, expert, pn, ready, N, K, up_col,
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr,            # A [S, K], W [E, K, n_w], out [S, N]
     block_expert_ptr,                 # [S/BM] int32, E = unused block
+    row_token_ptr,                    # GATHER: [S] int32 row of A for output row s (-1: padding, reads row 0)
     counters_ptr, target_ptr,         # GATE: [S/BM] int32, [1] int32
     tile_counters_ptr,                # EPILOGUE: [S/BM] int32
     error_ptr,                        # [1] int32: block + 1 of a timed-out wait, else untouched
-    num_blocks, N, K, num_experts,
+    num_blocks, N, K, num_experts, num_a_rows,
     up_col,                           # SWIGLU: column of W where the up half starts (Ir)
     max_spins,
     stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on,
-    SWIGLU: tl.constexpr, GATE: tl.constexpr, EPILOGUE: tl.constexpr, USE_PTX: tl.constexpr,
-    IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    SWIGLU: tl.constexpr, GATHER: tl.constexpr, GATE: tl.constexpr, EPILOGUE: tl.constexpr,
+    USE_PTX: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -203,8 +213,14 @@ def _grouped_gemm_kernel(
                     tl.atomic_max(error_ptr, block + 1)  # the host reports it; the group restarts
                     alive = ready
             if ready != 0:
-                gemm_tile(a_ptr, w_ptr, out_ptr, block, expert, pn, ready, N, K, up_col,
-                          stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on,
+                rows = block.to(tl.int64) * BM + tl.arange(0, BM)  # [BM]
+                if GATHER:
+                    # Padding rows read row s mod M: any valid row, but spread. All on one row,
+                    # a quarter of the layout would hammer one L2 slice (measured: GEMM1 1.4x slower).
+                    rt = tl.load(row_token_ptr + rows)
+                    rows = tl.where(rt >= 0, rt, rows % num_a_rows).to(tl.int64)  # [BM] rows of A
+                gemm_tile(a_ptr, rows * stride_am, w_ptr, out_ptr, block, expert, pn, ready, N, K, up_col,
+                          stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on,
                           SWIGLU, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
                 if EPILOGUE:
                     signal_add(tile_counters_ptr + block, 1, USE_PTX)
@@ -233,8 +249,10 @@ def grid_size(num_blocks: int, n: int, config: GemmConfig, device: torch.device,
     return max(1, min(num_programs or _num_sms(device), tiles))
 
 
-def _launch(a, w, out, block_expert, *, n, up_col, swiglu, config, gate, epilogue, error, num_programs, use_ptx):
-    S, K = a.shape
+def _launch(a, w, out, block_expert, *, n, up_col, swiglu, config, gate, epilogue, error, num_programs, use_ptx,
+            row_token=None):
+    K = a.shape[1]
+    S = a.shape[0] if row_token is None else row_token.shape[0]
     E = w.shape[0]
     if a.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"input dtype must be one of {_SUPPORTED_DTYPES}, got {a.dtype}")
@@ -249,6 +267,10 @@ def _launch(a, w, out, block_expert, *, n, up_col, swiglu, config, gate, epilogu
     if block_expert.shape != (S // BM,) or block_expert.dtype != torch.int32:
         raise ValueError(f"block_expert must be int32 [{S // BM}], got {block_expert.dtype} {list(block_expert.shape)}")
     tensors = [a, w, out, block_expert]
+    if row_token is not None:
+        if row_token.dtype != torch.int32 or row_token.dim() != 1:
+            raise ValueError(f"row_token must be int32 [S], got {row_token.dtype} {list(row_token.shape)}")
+        tensors.append(row_token)
     if gate is not None:
         if gate.counters.shape != (S // BM,) or gate.counters.dtype != torch.int32:
             raise ValueError("gate.counters must be int32 [S/BM]")
@@ -277,13 +299,13 @@ def _launch(a, w, out, block_expert, *, n, up_col, swiglu, config, gate, epilogu
     dummy = block_expert  # pointer for the hooks that are compiled out
     P = grid_size(S // BM, n, config, a.device, num_programs)
     _grouped_gemm_kernel[(P,)](
-        a, w, out, block_expert,
+        a, w, out, block_expert, row_token if row_token is not None else dummy,
         gate.counters if gate else dummy, gate.target if gate else dummy,
         epilogue.tile_counters if epilogue else dummy,
         error if error is not None else dummy,
-        S // BM, n, K, E, up_col, gate.max_spins if gate else 0,
+        S // BM, n, K, E, a.shape[0], up_col, gate.max_spins if gate else 0,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-        SWIGLU=swiglu, GATE=gate is not None, EPILOGUE=epilogue is not None, USE_PTX=use_ptx,
+        SWIGLU=swiglu, GATHER=row_token is not None, GATE=gate is not None, EPILOGUE=epilogue is not None, USE_PTX=use_ptx,
         IEEE=a.dtype == torch.float32, EVEN_K=K % config.BK == 0, EVEN_N=n % config.BN == 0,
         BM=BM, BN=config.BN, BK=config.BK, NUM_PROGRAMS=P,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -292,18 +314,20 @@ def _launch(a, w, out, block_expert, *, n, up_col, swiglu, config, gate, epilogu
 
 
 def gemm1_swiglu(a, w13, block_expert, *, config: GemmConfig, out=None, gate: Gate | None = None,
-                 epilogue: Epilogue | None = None, error=None, num_programs=None, use_ptx=None):
+                 epilogue: Epilogue | None = None, error=None, num_programs=None, use_ptx=None, row_token=None):
     """act [S, Ir] = silu(A @ W13[e][:, :Ir]) * (A @ W13[e][:, Ir:]) per row block (e = block_expert[b]).
 
     a [S, H], w13 [E, H, 2*Ir], block_expert [S/BM] int32. Rows of unused blocks are not written.
+    With row_token [S] int32, a is [N, H] and row s of A is a[row_token[s]] (padding rows: -1).
     """
     if w13.dim() != 3 or w13.shape[2] % 2:
         raise ValueError(f"w13 must be [E, H, 2*Ir], got {list(w13.shape)}")
     Ir = w13.shape[2] // 2
     if out is None:
-        out = torch.empty((a.shape[0], Ir), dtype=a.dtype, device=a.device)
+        S = a.shape[0] if row_token is None else row_token.shape[0]
+        out = torch.empty((S, Ir), dtype=a.dtype, device=a.device)
     return _launch(a, w13, out, block_expert, n=Ir, up_col=Ir, swiglu=True, config=config, gate=gate,
-                   epilogue=epilogue, error=error, num_programs=num_programs, use_ptx=use_ptx)
+                   epilogue=epilogue, error=error, num_programs=num_programs, use_ptx=use_ptx, row_token=row_token)
 
 
 def gemm2(act, w2, block_expert, *, config: GemmConfig, out=None, gate: Gate | None = None,

@@ -11,9 +11,12 @@ One step on rank r (service/moe/simulate.py is the CPU model of exactly this dat
     exchange one CTA: write META, store seq into bar[r] of every peer (release), wait until all R
              of our bar slots reach seq (the device barrier), copy the R routing blocks -> routing_g.
     tables   service.moe.serial.build_tables (CUDA op or torch builder): identical on every rank.
-    kernel 1 comm programs pull each real token once from its owner's buffer in pull_order, write
-             its K rows of A, bump the row-block counters (seeded with slack); compute programs
-             run grouped GEMM1 + SwiGLU, each tile gated on counter[block] >= seq * BM.
+    kernel 1 comm programs pull each remote real token once from its owner's buffer in pull_order
+             into `pulled` [N, H] of this rank's region and mark arrived[g] = seq (release);
+             compute programs run grouped GEMM1 + SwiGLU over the gathered layout, reading row s
+             as token row_token[s] in place (own tokens from the token buffer, remote ones from
+             `pulled`: the K copies of a token are re-reads of one row, no scattered A [S, H]),
+             each tile gated on arrived[g] >= seq for the remote tokens of its row block.
     kernel 2 compute programs run grouped GEMM2, marking tiles[block] (+1 per column tile, for
              used and unused blocks, so the target is seq * n_tiles); jobs (one per token, from an
              atomic dispenser in job_order) wait for their K rows, sum them in fp32 with the
@@ -24,8 +27,8 @@ One step on rank r (service/moe/simulate.py is the CPU model of exactly this dat
     reduce   wait until wm[s] >= seq for all s, out_r = sum over the R planes.
 
 Sequence numbers. Every flag is compared against a function of the step number `seq` (the
-layer's own counter, ctl[0], which also runs the warm-up step) and never reset: row-block counters
-target seq*BM, tile counters seq*n_tiles, watermarks and barrier slots seq (int32, wrap-safe
+layer's own counter, ctl[0], which also runs the warm-up step) and never reset: token arrivals,
+watermarks and barrier slots target seq, tile counters seq*n_tiles (int32, wrap-safe
 comparisons, service/kernels/sync.py). Only the dispenser and the per-owner push counts are
 zeroed, by the final reduce: they are local, read by no peer, and the dispenser overshoots by the
 number of programs that find it empty, so no seq target could describe it.
@@ -95,15 +98,19 @@ class Layout:
     def L(self) -> int:
         return META + 2 * self.C * self.K
 
-    # Byte offsets of the fields, in region order: tokens (first), routing, staging planes,
-    # watermarks, barrier slots.
+    # Byte offsets of the fields, in region order: tokens (first), pulled tokens, routing,
+    # staging planes, watermarks, barrier slots.
     @property
     def tok_bytes(self) -> int:
         return 0
 
     @property
-    def rt_bytes(self) -> int:
+    def pull_bytes(self) -> int:
         return _align(self.tok_bytes + 2 * self.C * self.H * self.itemsize)
+
+    @property
+    def rt_bytes(self) -> int:
+        return _align(self.pull_bytes + self.R * self.C * self.H * self.itemsize)
 
     @property
     def stage_bytes(self) -> int:
@@ -125,34 +132,39 @@ class Layout:
 class RankBuffers:
     """Everything one rank's steps touch, allocated once at capacity.
 
-    `region` is this rank's symmetric buffer (uint8 [nbytes]); `region_ptrs [R] int64` the base of
-    every rank's region as mapped in this process. The views below are this rank's own parts.
+    `region` is this rank's symmetric buffer (uint8 [nbytes]); `addresses` the base address of
+    every rank's region as mapped in this process, kept as `region_off [R] int64`, each region's
+    distance from ours in 16-byte units (what the kernels take). The views below are ours.
     """
 
-    def __init__(self, cfg: LayerConfig, rank: int, region: torch.Tensor, region_ptrs: torch.Tensor):
+    def __init__(self, cfg: LayerConfig, rank: int, region: torch.Tensor, addresses: list[int]):
         R, C, H, K, S = cfg.R, cfg.C, cfg.H, cfg.K, cfg.S
         dev = region.device
         self.cfg, self.rank = cfg, rank
         self.lay = lay = Layout(R, C, H, K, cfg.dtype.itemsize)
         assert region.dtype == torch.uint8 and region.numel() >= lay.nbytes
-        self.region, self.region_ptrs = region, region_ptrs
+        assert len(addresses) == R and addresses[rank] == region.data_ptr()
+        bad = [a for a in addresses if a % 16]
+        assert not bad, f"symmetric regions must be 16-byte aligned, got {[hex(a) for a in bad]}"
+        self.region = region
+        self.region_off = torch.tensor([(a - addresses[rank]) // 16 for a in addresses], dtype=torch.int64, device=dev)
         L = lay.L
-        self.tokens = region[:lay.rt_bytes].view(cfg.dtype)[:2 * C * H].view(2, C, H)        # [2, C, H]
+        self.tokens = region[:lay.pull_bytes].view(cfg.dtype)[:2 * C * H].view(2, C, H)      # [2, C, H]
+        self.pulled = region[lay.pull_bytes:lay.rt_bytes].view(cfg.dtype)[:R * C * H].view(R * C, H)  # [N, H]
         self.routing = region[lay.rt_bytes:lay.rt_bytes + 2 * L * 4].view(torch.int32).view(2, L)  # [2, L]
         self.staging = region[lay.stage_bytes:lay.stage_bytes + R * C * H * 4].view(torch.float32).view(R, C, H)
         self.wm = region[lay.wm_bytes:lay.wm_bytes + R * 4].view(torch.int32)                # [R]
         self.bar = region[lay.bar_bytes:lay.bar_bytes + R * 4].view(torch.int32)             # [R]
         # Element offsets of the parts inside any rank's region (the kernels' arguments).
-        self.tok_off = lay.tok_bytes // cfg.dtype.itemsize
+        self.tok_off, self.pull_off = lay.tok_bytes // cfg.dtype.itemsize, lay.pull_bytes // cfg.dtype.itemsize
         self.rt_off, self.stage_off = lay.rt_bytes // 4, lay.stage_bytes // 4
         self.wm_off, self.bar_off = lay.wm_bytes // 4, lay.bar_bytes // 4
         z = lambda *shape, dtype=torch.int32: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
         self.routing_g = z(R, L)                       # [R, L] every rank's routing block
-        self.A = z(S, H, dtype=cfg.dtype)              # [S, H] gathered layout
         self.act = z(S, cfg.Ir, dtype=cfg.dtype)       # [S, Ir]
         self.D = z(S, H, dtype=cfg.dtype)              # [S, H]
         self.out = z(C, H, dtype=torch.float32)        # [C, H]
-        self.counters = z(S // BM)                     # [NB] row-block arrivals (kernel 1)
+        self.arrived = z(R * C + 1)                    # [N + 1] pulled-token arrivals (kernel 1); [N] a dummy
         self.tiles = z(S // BM)                        # [NB] finished GEMM2 tiles (kernel 2)
         self.disp = z(1)                               # job dispenser
         self.pushed = z(R)                             # jobs pushed per owner this step
@@ -189,7 +201,7 @@ class Plan:
     """How the kernels are launched: grid sizes, roles, tiles, bounds."""
 
     num_programs: int
-    num_comm1: int      # kernel 1 programs that pull
+    num_comm1: int      # kernel 1 programs that pull (0 when R = 1: nothing is remote)
     num_compute2: int   # kernel 2 programs that run GEMM2 (the rest take jobs from the start)
     join: bool          # GEMM2 programs take jobs after their tiles
     config1: object
@@ -200,20 +212,15 @@ class Plan:
     # Columns a kernel-2 job loads per step (K rows of them at once). Swept on an H200 at the seed
     # share, R=1 (bench/RESULTS.md): 512 -> job tail 360 us, 1024 -> 134, 2048 -> 66, 4096 -> 61.
     job_cols: int = 2048
-    # Tokens a kernel-1 puller moves per iteration. H200, seed share, R=1 (bench/RESULTS.md):
-    # 4 -> 1.17x serial, 8 -> 1.13x, 16 -> 1.21x (register pressure).
+    # Tokens a kernel-1 puller moves per iteration. H200, seed share, R=1, when kernel 1 still
+    # wrote K rows per token (bench/RESULTS.md): 4 -> 1.17x serial, 8 -> 1.13x, 16 -> 1.21x.
     pull_tokens: int = 8
-    # Scope of the kernel-1 row-block counter releases. The counters are local (the pullers and
-    # GEMM1 share a GPU, the pulled data is stored locally), so "gpu" suffices and passed the
-    # multi-process tests, but measured no faster than "sys" (1.135x vs 1.126x serial), so the
-    # stronger ordering stays.
-    counter_scope: str = "sys"
 
 
 def run_exchange(b: RankBuffers, plan: Plan) -> None:
     from service.kernels import fused_kernels as fk
 
-    fk.exchange(region_ptrs=b.region_ptrs, routing_g=b.routing_g, ctl=b.ctl, error=b.error, stats=b.stats,
+    fk.exchange(region=b.region, region_off=b.region_off, routing_g=b.routing_g, ctl=b.ctl, error=b.error, stats=b.stats,
                 rank=b.rank, R=b.cfg.R, L=b.lay.L, rt_off=b.rt_off, bar_off=b.bar_off,
                 max_spins=plan.max_spins, use_ptx=plan.use_ptx, sync=plan.sync)
 
@@ -228,17 +235,17 @@ def build_step_tables(b: RankBuffers):
 def run_kernel1(b: RankBuffers, plan: Plan, tables, w13: torch.Tensor) -> None:
     from service.kernels import fused_kernels as fk
 
-    fk.ag_gemm1(region_ptrs=b.region_ptrs, A=b.A, w13=w13, act=b.act, tables=tables, counters=b.counters,
-                ctl=b.ctl, error=b.error, stats=b.stats, C=b.cfg.C, tok_off=b.tok_off, config=plan.config1,
-                num_programs=plan.num_programs, num_comm=plan.num_comm1, max_spins=plan.max_spins,
-                use_ptx=plan.use_ptx, sync=plan.sync, pull_tokens=plan.pull_tokens,
-                counter_scope=plan.counter_scope)
+    fk.ag_gemm1(region=b.region, region_off=b.region_off, pulled=b.pulled, w13=w13, act=b.act, tables=tables,
+                arrived=b.arrived, ctl=b.ctl, error=b.error, stats=b.stats, rank=b.rank, R=b.cfg.R, C=b.cfg.C,
+                tok_off=b.tok_off, pull_off=b.pull_off, config=plan.config1, num_programs=plan.num_programs,
+                num_comm=plan.num_comm1, max_spins=plan.max_spins, use_ptx=plan.use_ptx, sync=plan.sync,
+                pull_tokens=plan.pull_tokens)
 
 
 def run_kernel2(b: RankBuffers, plan: Plan, tables, w2: torch.Tensor) -> None:
     from service.kernels import fused_kernels as fk
 
-    fk.gemm2_push(region_ptrs=b.region_ptrs, act=b.act, w2=w2, D=b.D, tables=tables, routing_g=b.routing_g,
+    fk.gemm2_push(region=b.region, region_off=b.region_off, act=b.act, w2=w2, D=b.D, tables=tables, routing_g=b.routing_g,
                   tiles=b.tiles, disp=b.disp, pushed=b.pushed, ctl=b.ctl, error=b.error, stats=b.stats,
                   rank=b.rank, R=b.cfg.R, C=b.cfg.C, L=b.lay.L, stage_off=b.stage_off, wm_off=b.wm_off,
                   config=plan.config2, num_programs=plan.num_programs, num_compute=plan.num_compute2,
@@ -319,11 +326,14 @@ def default_plan(cfg: LayerConfig, device: torch.device, **overrides) -> Plan:
     from service.kernels.tuning import lookup_for_device
 
     sms = _num_sms(device)
-    # A quarter of the SMs pull tokens in kernel 1. Swept on an H200 at the seed shape, R=1
-    # (bench/RESULTS.md, 2026-11-29): 8 pullers 1.93x serial (GEMM1 starved at its gates,
-    # 870 us), 16 1.51x, 32 1.38x, 48 1.42x, 66 1.59x (the GEMMs lose too many SMs).
-    comm = max(1, sms // 4)
-    plan = dict(num_programs=sms, num_comm1=comm, num_compute2=sms - comm, join=True,
+    # Pullers in kernel 1: none at R = 1 (every token is read in place); an eighth of the SMs
+    # otherwise, for (R-1)/R * N * H * itemsize bytes (12 MB at the seed shape, R = 4). When
+    # kernel 1 still copied every token to its K rows (8x the bytes), a sweep at R = 1 on an H200
+    # found a quarter of the SMs best (bench/RESULTS.md); R > 1 awaits the 4-GPU run.
+    comm = 0 if cfg.R == 1 else max(1, sms // 8)
+    # Kernel 2: three quarters of the SMs run GEMM2, the rest take jobs from the start, and the
+    # GEMM programs join them after their tiles (the split measured with the sweep above).
+    plan = dict(num_programs=sms, num_comm1=comm, num_compute2=sms - max(1, sms // 4), join=True,
                 config1=lookup_for_device(device, "gemm1", cfg.E, cfg.H, cfg.Ir),
                 config2=lookup_for_device(device, "gemm2", cfg.E, cfg.H, cfg.Ir))
     plan.update(overrides)
@@ -366,7 +376,7 @@ class FusedLayer:
             region.zero_()
             torch.cuda.synchronize(device)
             dist.barrier(group=group)  # every region is zero before anyone signals into it
-        self.bufs = RankBuffers(cfg, rank, region, torch.tensor(ptrs, dtype=torch.int64, device=device))
+        self.bufs = RankBuffers(cfg, rank, region, ptrs)
         self._ctl_host = torch.zeros(4, dtype=torch.int32, pin_memory=True)
         self._ctl_copied = torch.cuda.Event()
         self.step = 0  # the flags' sequence number: counts every step, the warm-up included

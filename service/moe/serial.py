@@ -6,8 +6,9 @@ every expert, W13 [E, H, 2*Ir] (gate columns, then up columns) and W2 [E, Ir, H]
     1. all-gather routing (n_r, seq, ids, weights)       -> ids_g, w_g [R*C, K]
     2. schedule tables (service.moe.tables)              -> slots, offsets, ...
     3. all-gather tokens                                  -> x_g [R*C, H]
-       scatter into the gathered layout                   -> A [S, H]
     4. grouped GEMM1, SwiGLU, grouped GEMM2               -> D [S, H]
+       (row s of GEMM1's input is x_g[row_token[s]]: the Triton GEMM gathers the rows as it
+       loads them; the torch path first copies them into A [S, H], stage "scatter")
     5. top-k combine in fp32: partial[g] = sum_k w_g[g,k] * D[slots[g,k]]   [R*C, H]
     6. reduce-scatter over ranks (sum of the Ir slices)   -> out_r [n_r, H]
 
@@ -86,18 +87,24 @@ class GroupedGemms:
         else:
             self.w13 = prepare_weight(weights.w13.to(device))  # [E, H, 2*Ir]
             self.w2 = prepare_weight(weights.w2.to(device))    # [E, Ir, H]
+            self.A = torch.zeros(cfg.S, cfg.H, dtype=cfg.dtype, device=device)  # [S, H] gathered layout
 
-    def __call__(self, A: torch.Tensor, tables, timer: StageTimer) -> torch.Tensor:
-        """A [S, H] -> D [S, H]; marks the stages gemm1, swiglu (torch only) and gemm2."""
+    def __call__(self, x_g: torch.Tensor, tables, timer: StageTimer) -> torch.Tensor:
+        """Global tokens x_g [R*C, H] -> D [S, H] over the gathered layout; marks the stages
+        scatter and swiglu (torch only), gemm1 and gemm2. The Triton GEMM1 reads each row's token
+        through row_token; the torch path first copies the tokens into the layout."""
         Ir = self.w2.shape[1]
         if self.impl == "triton":
             from service.kernels.grouped_gemm import gemm1_swiglu, gemm2
 
-            gemm1_swiglu(A, self.w13, tables.block_expert, config=self.configs[0], out=self.act)
+            gemm1_swiglu(x_g, self.w13, tables.block_expert, config=self.configs[0], out=self.act,
+                         row_token=tables.row_token)
             timer.mark("gemm1")
             gemm2(self.act, self.w2, tables.block_expert, config=self.configs[1], out=self.d)
             timer.mark("gemm2")
             return self.d
+        A = torch.index_select(x_g, 0, tables.row_token.clamp(min=0), out=self.A)  # [S, H]
+        timer.mark("scatter")
         h = grouped_mm(A, self.w13, tables.expert_offsets)   # [S, 2*Ir]
         timer.mark("gemm1")
         act = F.silu(h[:, :Ir]) * h[:, Ir:]                  # [S, Ir]
@@ -135,7 +142,6 @@ class SerialLayer:
         self.routing_g = torch.zeros(R, META + 2 * C * K, dtype=torch.int32, **kw)
         self.x = torch.zeros(C, H, dtype=cfg.dtype, **kw)        # [C, H]
         self.x_g = torch.zeros(R * C, H, dtype=cfg.dtype, **kw)  # [R*C, H]
-        self.A = torch.zeros(cfg.S, H, dtype=cfg.dtype, **kw)    # [S, H]
         self.out = torch.zeros(C, H, dtype=torch.float32, **kw)  # [C, H] fp32 sum of the slices
         self.partial = torch.empty(R * C, H, dtype=torch.float32, **kw)  # [R*C, H] combine output
         if self.gemms.impl == "torch":  # the portable combine's gather buffer
@@ -195,14 +201,12 @@ class SerialLayer:
         tables = build_tables(ids_g, counts, cfg.E, C, cfg.S)
         timer.mark("tables")
 
-        # 3. tokens: all-gather, then scatter rows into the gathered layout.
+        # 3. tokens: all-gather.
         self._all_gather(self.x_g, self.x)
         timer.mark("all_gather")
-        torch.index_select(self.x_g, 0, tables.row_token.clamp(min=0), out=self.A)  # [S, H]
-        timer.mark("scatter")
 
-        # 4. grouped GEMM1 + SwiGLU, grouped GEMM2.
-        d = self.gemms(self.A, tables, timer)                     # [S, H]
+        # 4. grouped GEMM1 + SwiGLU over the gathered layout, grouped GEMM2.
+        d = self.gemms(self.x_g, tables, timer)                   # [S, H]
 
         # 5. top-k combine in fp32 -> partial [R*C, H]; padding tokens' rows are 0.
         partial = self._combine(d, tables.slots, w_g)

@@ -3,23 +3,24 @@
 It moves the data the way the three launches do, with the real schedule tables, so that a table
 or ordering mistake shows up as a wrong answer or a failed wait rather than in a GPU hang:
 
-    kernel 1  pull each global token once, in pull_order, from its owner's token buffer and copy
-              it to its K slot rows of A [S, H]; each copy bumps its row block's counter, seeded
-              with the block's slack. Compute walks row blocks in order and waits (here: pulls
-              until) the block's counter reaches its target, then GEMM1 + SwiGLU -> act [S, Ir].
+    kernel 1  pull each remote global token once, in pull_order, from its owner's token buffer
+              into `pulled` [N, H] and mark it arrived. Compute walks row blocks in order, waits
+              (here: pulls until) every remote token of the block arrived, then GEMM1 + SwiGLU
+              -> act [S, Ir], reading row s as token row_token[s] in place (own tokens from the
+              token buffer, remote ones from `pulled`).
     kernel 2  GEMM2 per row block -> D [S, H], marking the block done. Jobs (one per global token)
               are taken in job_order as soon as all K slot rows are done: fp32 sum over k of
               w[g, k] * D[slots[g, k]], pushed into the owner's staging plane for this source rank
               ([R, C, H] per owner). The last job for an owner publishes this rank's watermark.
     reduce    each owner waits for all R watermarks to reach seq, sums its R planes -> out_r.
 
-Besides the numbers, it asserts the orders' purpose at row-block granularity: when block b is
-complete, no token pulled so far is needed only by later blocks; after GEMM2 of block b, no ready
+Besides the numbers, it asserts the orders' purpose at row-block granularity: when block b's
+tokens have arrived, no token pulled so far is needed only by later blocks; after GEMM2 of block b, no ready
 job waits behind an unready one in the dispenser.
 
-Counters and watermarks are not zeroed between batches (ARCHITECTURE.md 5.4): they start where
-the previous batch (seq - 1) left them, and every target is a function of seq. Buffers the
-kernels never initialize (token buffer tails, A, D, staging planes) are filled with NaN, so a read
+Watermarks are not zeroed between batches (ARCHITECTURE.md 5.4): they start where the previous
+batch (seq - 1) left them, and every target is a function of seq. Buffers the kernels never
+initialize (token buffer tails, pulled tokens, D, staging planes) are filled with NaN, so a read
 of a row the schedule says is garbage poisons the result instead of passing silently.
 
 Dimension letters: N = R*C global tokens, n_r tokens on rank r, NB = S / BM row blocks.
@@ -53,48 +54,50 @@ def _unused(tables: Tables) -> int:
     return tables.expert_offsets.shape[0] - 1
 
 
-def _kernel1(r: int, tables: Tables, bufs: list[Tensor], w13: Tensor, C: int, seq: int) -> Tensor:
+def _kernel1(r: int, tables: Tables, bufs: list[Tensor], w13: Tensor, C: int) -> Tensor:
     """AllGather (+) GEMM1 (+) SwiGLU on rank r -> act [S, Ir]."""
-    S = tables.S
     H = bufs[0].shape[1]
     Ir = w13.shape[2] // 2
     slots = tables.slots.tolist()                                    # [N][K]
     pull = tables.pull_order.tolist()
-    A = torch.full((S, H), float("nan"))                             # [S, H] gathered layout
-    act = torch.full((S, Ir), float("nan"))                          # [S, Ir]
-    # Every block, used or not, gains exactly BM per batch (slack + real arrivals), so each
-    # counter ended the last batch at (seq-1)*BM and this batch's target is seq*BM.
-    counter = [(seq - 1) * BM + s for s in tables.slack.tolist()]  # [NB]
-    target = seq * BM
+    row_token = tables.row_token.tolist()                            # [S]
+    pulled = torch.full((len(slots), H), float("nan"))               # [N, H] remote tokens, once each
+    arrived = [False] * len(slots)
+    act = torch.full((tables.S, Ir), float("nan"))                   # [S, Ir]
     next_pull = 0
+
+    def remote(g: int) -> bool:
+        return g // C != r
 
     for b in range(tables.num_blocks):
         e = int(tables.block_expert[b])
         if e == _unused(tables):
-            assert counter[b] == target, f"unused block {b} is not full from its slack alone"
             continue
-        # Gate: comm programs keep pulling (in pull_order) until this block is complete.
-        while counter[b] < target:
-            assert next_pull < len(pull), f"rank {r}: pull_order ran out before block {b} filled"
+        rows = range(b * BM, (b + 1) * BM)
+        need = {row_token[s] for s in rows if row_token[s] >= 0 and remote(row_token[s])}
+        # Gate: comm programs keep pulling (in pull_order) until this block's remote tokens arrived.
+        while not all(arrived[g] for g in need):
+            assert next_pull < len(pull), f"rank {r}: pull_order ran out before block {b}'s tokens arrived"
             g = pull[next_pull]
             next_pull += 1
-            if slots[g][0] < 0:
-                continue  # padding token: nothing to pull
-            row = bufs[g // C][g % C]                                # [H] from the owner's buffer
-            for s in slots[g]:
-                A[s] = row
-                counter[s // BM] += 1
-        assert counter[b] == target, f"rank {r}: block {b} counter overshot to {counter[b]}"
+            if slots[g][0] < 0 or not remote(g):
+                continue  # padding token or one of ours: nothing to pull
+            pulled[g] = bufs[g // C][g % C]                          # one read from the owner
+            arrived[g] = True
         # Data arrives in the order the GEMM consumes it: nothing pulled yet belongs only to later blocks.
         end = (b + 1) * BM
-        late = [g for g in pull[:next_pull] if slots[g][0] >= 0 and min(slots[g]) >= end]
-        assert not late, f"rank {r}: tokens {late[:4]} pulled before block {b} filled but needed only later"
-        rows = slice(b * BM, (b + 1) * BM)
-        h = A[rows] @ w13[e].float()                                 # [BM, 2*Ir]
-        act[rows] = F.silu(h[:, :Ir]) * h[:, Ir:]
-    # Whatever is left of pull_order must be tokens nobody waits for: there are none among the real.
+        late = [g for g in pull[:next_pull] if slots[g][0] >= 0 and remote(g) and min(slots[g]) >= end]
+        assert not late, f"rank {r}: tokens {late[:4]} pulled before block {b} was complete but needed only later"
+        # Row s reads its token in place: ours from the token buffer, remote ones from `pulled`;
+        # a padding row reads our row s mod C (its output is never used).
+        A = torch.stack([bufs[r][s % C] if row_token[s] < 0 else
+                         (pulled[row_token[s]] if remote(row_token[s]) else bufs[r][row_token[s] % C])
+                         for s in rows])                             # [BM, H]
+        h = A @ w13[e].float()                                       # [BM, 2*Ir]
+        act[b * BM:end] = F.silu(h[:, :Ir]) * h[:, Ir:]
+    # Whatever is left of pull_order must be tokens nobody waits for: no remote real token is among them.
     for g in pull[next_pull:]:
-        assert slots[g][0] < 0, f"rank {r}: real token {g} was never pulled"
+        assert slots[g][0] < 0 or not remote(g), f"rank {r}: remote token {g} was never pulled"
     return act
 
 
@@ -178,7 +181,7 @@ def simulate_fused(xs: list[Tensor], ids: list[Tensor], ws: list[Tensor], rank_w
 
     for r in range(R):
         w13, w2 = weights[r]
-        act = _kernel1(r, tables, bufs, w13, C, seq)
+        act = _kernel1(r, tables, bufs, w13, C)
         _kernel2(r, tables, act, w2, w_g, counts_l, staging, watermarks, C, seq)
 
     outs = []

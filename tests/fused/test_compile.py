@@ -8,6 +8,7 @@ Run as a script to print the table: `python tests/fused/test_compile.py`.
 from __future__ import annotations
 
 import inspect
+import re
 import sys
 from pathlib import Path
 
@@ -16,13 +17,13 @@ import triton
 
 ROOT = Path(__file__).resolve().parents[2]
 SMEM_LIMIT = {90: 232448, 120: 101376}
-DIVISIBLE = ("stride_am", "stride_we", "stride_wk", "stride_om", "H", "Ir", "C", "tok_off", "stage_off")
+DIVISIBLE = ("stride_am", "stride_we", "stride_wk", "stride_om", "H", "Ir", "C", "tok_off", "pull_off", "stage_off")
 
 interpreting = pytest.mark.skipif(triton.knobs.runtime.interpret, reason="compile-only needs the compiler")
 
 # Kernel -> pointer types (everything else ending in _ptr / _ptrs is int32).
 POINTERS = {
-    "region_ptrs": "*i64", "stats_ptr": "*i64",
+    "region_ptr": "*u8", "region_off": "*i64", "stats_ptr": "*i64",
     "a_ptr": "*{dt}", "w_ptr": "*{dt}", "act_ptr": "*{dt}", "d_ptr": "*{dt}",
     "stage_ptr": "*fp32", "out_ptr": "*fp32",
 }
@@ -41,13 +42,13 @@ def compile_kernel(name: str, arch: int, *, config=None, dtype: str = "bf16", us
     if config is not None:
         constexprs.update(BM=BM, BN=config.BN, BK=config.BK, IEEE=False, EVEN_K=True, EVEN_N=True,
                           NUM_PROGRAMS=132, NUM_COMM=8, NUM_COMPUTE=124, JOIN=True, BH=512)
-    constexprs.update({"BL": 1024, "BR": 4, "BH": constexprs.get("BH", 1024), "COUNTER_SCOPE": "sys"})
+    constexprs.update({"BL": 1024, "BR": 4, "BH": constexprs.get("BH", 1024)})
     sig, attrs, cx = {}, {}, {}
     for i, n in enumerate(names):
         if n in constexprs:
             sig[n] = "constexpr"
             cx[n] = constexprs[n]
-        elif n.endswith("_ptr") or n.endswith("_ptrs"):
+        elif n.endswith("_ptr") or n.endswith("_ptrs") or n in POINTERS:
             sig[n] = POINTERS.get(n, "*i32").format(dt=dtype)
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
@@ -80,12 +81,17 @@ def test_gemm_kernels_fit_and_order(arch):
         assert "ld.global.acquire.sys.b32" in ptx, f"{name}: no per-thread acquire poll"
         assert "%globaltimer" in ptx, f"{name}: no wait timer"
         if name == "_ag_gemm1_kernel":
-            # The comm programs' arrivals (the last acq_rel add; the first ones seed the slack):
-            # acq_rel atomics at system scope, right after a CTA barrier.
-            at = ptx.rfind("atom.global.sys.acq_rel.add")
-            seed = ptx.find("atom.global.sys.acq_rel.add")
-            assert 0 <= seed < at, f"{name}: slack seeding and arrivals not both found"
-            assert "bar.sync" in ptx[seed:at], f"{name}: arrival without a preceding barrier"
+            # The pullers' arrivals: release stores after a CTA barrier; no read-modify-write.
+            at = ptx.find("st.release.sys.global.b32")
+            assert at > 0 and "bar.sync" in ptx[:at], f"{name}: arrival without a preceding CTA barrier"
+            atomics = set(re.findall(r"(?<![\w.])(?:atom|red)\.global[\w.]*", ptx))
+            assert atomics <= {"atom.global.gpu.relaxed.add.u64", "atom.global.acq_rel.gpu.cas.b32"}, \
+                f"{name}: atomics beyond the stats sum and the error flag: {atomics}"
+            # The gathered A rows still move in 16-byte pieces (the row offsets' alignment was
+            # proven to the compiler): every asynchronous copy is 16 bytes.
+            sizes = set(re.findall(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^]]+\], \[[^]]+\], (\w+)", ptx))
+            assert sizes == {"0x10"}, f"{name}: async copy sizes {sizes}"
+            assert "ld.global.b16" not in ptx, f"{name}: element-wise 2-byte loads (lost alignment)"
         else:
             assert "red.release.sys.global.add.s32" in ptx, "GEMM2 epilogue: no release signal"
             assert "st.release.sys.global.b32" in ptx, "watermark: no release store to the owner"

@@ -187,7 +187,7 @@ def _run_group(R: int, mode: str, tmp_path, plan: dict | None = None) -> list[di
 
 # Plan variants under trial (bench/fused_layer.py --variants): proven across processes here
 # before one becomes the default.
-PLAN_VARIANTS = {"default": {}, "gpu-scope-counters": {"counter_scope": "gpu"}}
+PLAN_VARIANTS = {"default": {}, "one-puller": {"num_comm1": 1}}  # one puller: the gates wait most
 
 
 @pytest.mark.parametrize("plan", sorted(PLAN_VARIANTS))

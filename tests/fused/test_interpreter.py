@@ -16,6 +16,8 @@ file as a script, tests/interp.py).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -58,7 +60,7 @@ def _run_case(name: str) -> dict:
     sl = [slice_rank(*full, r, R) for r in range(R)]
     lay = fused.Layout(R, C, H, K, dtype.itemsize)
     regions = [torch.zeros(lay.nbytes, dtype=torch.uint8) for _ in range(R)]
-    ptrs = torch.tensor([t.data_ptr() for t in regions], dtype=torch.int64)
+    ptrs = [t.data_ptr() for t in regions]
     bufs = [fused.RankBuffers(cfg, r, regions[r], ptrs) for r in range(R)]
     cfg1 = GemmConfig(BN=16, BK=16, num_warps=4, num_stages=1)
     cfg2 = GemmConfig(BN=32, BK=16, num_warps=4, num_stages=1)
@@ -69,14 +71,15 @@ def _run_case(name: str) -> dict:
     NB, n_tiles2 = cfg.S // BM, -(-H // cfg2.BN)
     # Flags as a long-running process left them after step seq0 - 1 (never reset).
     for b in bufs:
-        b.counters.fill_(_wrap32((seq0 - 1) * BM))
+        b.arrived.fill_(_wrap32(seq0 - 1))
         b.tiles.fill_(_wrap32((seq0 - 1) * n_tiles2))
         b.wm.fill_(_wrap32(seq0 - 1))
         b.bar.fill_(_wrap32(seq0 - 1))
-        b.A.fill_(float("nan"))  # nothing unwritten may be read as data
+        b.pulled.fill_(float("nan"))  # nothing unwritten may be read as data
         b.D.fill_(float("nan"))
         b.staging.fill_(float("nan"))
 
+    arrived_want = [[_wrap32(seq0 - 1)] * (R * C) for _ in range(R)]  # per rank: arrived[g] after each step
     record: dict = {"dtype": dtype_name, "errors": [], "steps": []}
     for step, counts in enumerate(batches):
         seq = seq0 + step
@@ -105,8 +108,14 @@ def _run_case(name: str) -> dict:
         counts_t, ids_g, _ = bufs[-1].routing_views()
         check_invariants(tables[-1], ids_g, counts_t, E, C)
         if fault == "gate":
-            used = int((tables[0].block_expert < E).nonzero()[-1, 0])
-            bufs[0].counters[used] -= 1  # one arrival short: the gate must time out
+            # Rank 0's pullers skip one remote token (pull_order names another in its place):
+            # the blocks holding its rows must time out at their gates.
+            withheld = next(g for g in tables[0].pull_order.tolist()
+                            if g // C != 0 and int(tables[0].slots[g, 0]) >= 0)
+            order = tables[0].pull_order.clone()
+            order[order == withheld] = int(order[order != withheld][0])
+            tables[0] = dataclasses.replace(tables[0], pull_order=order)
+            gate_blocks = sorted({s // BM for s in tables[0].slots[withheld].tolist()})
         for r, b in enumerate(bufs):
             fused.run_kernel1(b, plan, tables[r], w13[r])
         for r, b in enumerate(bufs):
@@ -118,8 +127,12 @@ def _run_case(name: str) -> dict:
         if fault:
             record["error_names"] = [fk.describe_error(e) for e in errors]
             if fault == "gate":
-                record["gate_block"] = used
+                record["gate_blocks"] = gate_blocks
             break
+        for r, want in enumerate(arrived_want):  # pulled this step: the remote real tokens
+            for g in range(R * C):
+                if g // C != r and g % C < counts[g // C]:
+                    want[g] = _wrap32(seq)
         refs = [moe_reference(x.float(), i, w, *full) for x, i, w in zip(xs, ids, ws)]
         sims = simulate_fused([x.float() for x in xs], ids, ws, [(a.float(), c.float()) for a, c in zip(w13, w2)],
                               cfg.replace(dtype=torch.float32), seq=seq)
@@ -133,7 +146,7 @@ def _run_case(name: str) -> dict:
             tables_same=all(torch.equal(getattr(t, f), getattr(tables[0], f)) for t in tables
                             for f in ("slots", "pull_order", "job_order", "slack", "block_expert")),
             tables_match_torch=torch.equal(tables[0].slots, build_tables(ids_g, counts_t, E, C, cfg.S).slots),
-            counters_ok=all(torch.equal(b.counters, torch.full((NB,), _wrap32(seq * BM), dtype=torch.int32)) for b in bufs),
+            arrived_ok=all(b.arrived[:R * C].tolist() == want for b, want in zip(bufs, arrived_want)),
             tiles_ok=all(torch.equal(b.tiles, torch.full((NB,), _wrap32(seq * n_tiles2), dtype=torch.int32)) for b in bufs),
             wm_ok=all(torch.equal(b.wm, torch.full((R,), _wrap32(seq), dtype=torch.int32)) for b in bufs),
             bar_ok=all(torch.equal(b.bar, torch.full((R,), _wrap32(seq), dtype=torch.int32)) for b in bufs),
@@ -162,7 +175,7 @@ def test_fused_pipeline_matches_reference(results, name):
         for rank, (e, es) in enumerate(zip(s["err"], s["err_sim"])):
             assert e <= tol, f"{where} rank {rank}: error vs reference {e:.2e}"
             assert es <= tol, f"{where} rank {rank}: error vs simulation {es:.2e}"
-        assert s["counters_ok"], f"{where}: row-block counters are not at seq * BM"
+        assert s["arrived_ok"], f"{where}: arrivals are not at seq for exactly the pulled (remote, real) tokens"
         assert s["tiles_ok"], f"{where}: tile counters are not at seq * n_tiles"
         assert s["wm_ok"], f"{where}: a watermark (empty owners included) is not at seq"
         assert s["bar_ok"], f"{where}: barrier slots are not at seq"
@@ -187,7 +200,7 @@ def test_gate_timeout_sets_error(results):
 
     r = results["gate_timeout"]
     assert "exception" not in r, r.get("exception")
-    assert r["errors"][0] == ERR_GATE + r["gate_block"], r.get("error_names")
+    assert r["errors"][0] - ERR_GATE in r["gate_blocks"], r.get("error_names")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import triton
 
 ROOT = Path(__file__).resolve().parents[2]
 SMEM_LIMIT = {90: 232448, 120: 101376}  # bytes of shared memory per block (opt-in maximum)
-CONSTEXPRS = ("SWIGLU", "GATE", "EPILOGUE", "USE_PTX", "IEEE", "EVEN_K", "EVEN_N", "BM", "BN", "BK", "NUM_PROGRAMS")
+CONSTEXPRS = ("SWIGLU", "GATHER", "GATE", "EPILOGUE", "USE_PTX", "IEEE", "EVEN_K", "EVEN_N", "BM", "BN", "BK", "NUM_PROGRAMS")
 # What the runtime specialises at launch for the seed shape: 16-byte aligned pointers, strides
 # and sizes divisible by 16, unit inner strides. Without these hints no cp.async pipelining.
 DIVISIBLE = ("stride_am", "stride_we", "stride_wk", "stride_om", "N", "K", "up_col")
@@ -29,7 +29,7 @@ DEVICE_ARCH = {"NVIDIA_H200": 90, "NVIDIA_H100_80GB_HBM3": 90, "NVIDIA_GeForce_R
 interpreting = pytest.mark.skipif(triton.knobs.runtime.interpret, reason="compile-only needs the compiler, not TRITON_INTERPRET")
 
 
-def compile_gemm(arch: int, *, swiglu: bool, config, gate=True, epilogue=True, use_ptx=True, dtype="bf16"):
+def compile_gemm(arch: int, *, swiglu: bool, config, gate=True, epilogue=True, use_ptx=True, dtype="bf16", gather=False):
     """triton.compile of the kernel for GPUTarget('cuda', arch, 32), as a launch would specialise it."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -48,7 +48,7 @@ def compile_gemm(arch: int, *, swiglu: bool, config, gate=True, epilogue=True, u
             sig[name] = "i32"
             if name in DIVISIBLE:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    constexprs = dict(SWIGLU=swiglu, GATE=gate, EPILOGUE=epilogue, USE_PTX=use_ptx, IEEE=dtype == "fp32",
+    constexprs = dict(SWIGLU=swiglu, GATHER=gather, GATE=gate, EPILOGUE=epilogue, USE_PTX=use_ptx, IEEE=dtype == "fp32",
                       EVEN_K=True, EVEN_N=True, BM=BM, BN=config.BN, BK=config.BK, NUM_PROGRAMS=132,
                       **{name: 1 for name in UNIT})
     src = ASTSource(_grouped_gemm_kernel, sig, constexprs, attrs)

@@ -93,6 +93,14 @@ def _run_case(name: str) -> dict:
         record["block_1_untouched"] = bool(torch.isnan(act[BM:2 * BM]).all())
         return record
     ref1 = gemm1_swiglu_ref(a, w13, block_expert)
+    # The same rows through GATHER: A's rows shuffled into a token matrix x, row_token pointing
+    # back (padding rows -1). Same data, same tiles: the used rows must come out bit for bit.
+    perm = torch.randperm(S, generator=g)
+    x = torch.empty_like(a)
+    x[perm] = a
+    row_token = torch.where(used, perm, -1).to(torch.int32)
+    act_g = torch.full((S, Ir), float("nan"), dtype=dtype)
+    gemm1_swiglu(x, w13, block_expert, config=cfg1, out=act_g, row_token=row_token, num_programs=3)
     act_clean = torch.where(used[:, None], act, torch.zeros((), dtype=dtype))  # GEMM2 input without the poison
     d = torch.full((S, H), float("nan"), dtype=dtype)
     gemm2(act_clean, w2, block_expert, config=cfg2, out=d, gate=gate, epilogue=epi2, error=err, num_programs=5)
@@ -102,6 +110,7 @@ def _run_case(name: str) -> dict:
         err1=rel_err(act[used], ref1[used]) if used.any() else 0.0,
         err2=rel_err(d[used], ref2[used]) if used.any() else 0.0,
         unused_untouched=bool(torch.isnan(act[~used]).all() and torch.isnan(d[~used]).all()),
+        gather_same=bool(torch.equal(act_g[used], act[used]) and torch.isnan(act_g[~used]).all()),
         tiles1=(tile1 - base).tolist(),
         tiles2=(tile2 - base).tolist(),
         tiles_expected1=[0 if u else (n1 if epi1 else 0) for u in unused_blocks.tolist()],
@@ -125,6 +134,7 @@ def test_interpreter_matches_reference(interpreter_results, name):
     assert r["err1"] <= tol, f"GEMM1+SwiGLU relative error {r['err1']:.3g} > {tol}"
     assert r["err2"] <= tol, f"GEMM2 relative error {r['err2']:.3g} > {tol}"
     assert r["unused_untouched"], "rows of unused blocks (expert == E) were written"
+    assert r["gather_same"], "GEMM1 with row_token differs from GEMM1 on the same rows laid out"
     assert r["error"] == 0, f"a pre-satisfied gate reported a timeout at block {r['error'] - 1}"
 
 
@@ -230,6 +240,13 @@ def test_gpu_matches_reference(shape, kind, dtype):
         torch.cuda.synchronize()
         ref1 = gemm1_swiglu_ref(a, w13, block_expert)
         ref2 = gemm2_ref(act_in, w2, block_expert)
+        # GATHER (what the serial and fused layers run): the rows as a shuffled token matrix.
+        perm = torch.randperm(a.shape[0], device=a.device)
+        x = torch.empty_like(a)
+        x[perm] = a
+        act_g = torch.full_like(act, float("nan"))
+        gemm1_swiglu(x, w13, block_expert, config=cfg1, out=act_g, row_token=torch.where(used, perm, -1).int())
+        assert torch.equal(act_g[used], act[used]), "GEMM1 with row_token differs from GEMM1 on the laid-out rows"
         assert torch.isfinite(act[used]).all() and torch.isfinite(d[used]).all(), "NaN left in used rows"
         assert torch.isnan(act[~used]).all(), "rows of unused blocks were written"
         assert rel_err(act[used], ref1[used]) <= TOL[dtype]
