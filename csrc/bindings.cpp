@@ -1,7 +1,7 @@
 // Every torch.library schema of csrc/, in one file, with the checks at each entry (vLLM style).
 //
 //   moe::build_tables(Tensor ids, Tensor counts, int E, int C, int S)
-//       -> (expert_offsets, block_expert, slots, row_token, pull_order, job_order, slack)
+//       -> (expert_offsets, block_expert, slots, row_token, pull_order, job_order)
 //   moe::build_tables_out(Tensor ids, Tensor counts, int E, int C, Tensor(a!) expert_offsets, ...)
 //       the same into caller-owned buffers (allocated once at capacity; nothing allocates per batch)
 //
@@ -97,8 +97,7 @@ int64_t check_inputs(const Tensor& ids, const Tensor& counts, int64_t E, int64_t
 }
 
 void launch(const Tensor& ids, const Tensor& counts, int64_t E, int64_t C, int64_t S, Tensor& expert_offsets,
-            Tensor& block_expert, Tensor& slots, Tensor& row_token, Tensor& pull_order, Tensor& job_order,
-            Tensor& slack) {
+            Tensor& block_expert, Tensor& slots, Tensor& row_token, Tensor& pull_order, Tensor& job_order) {
   const int64_t R = counts.size(0), K = ids.size(1);
 #ifndef MOE_SYNTAX_ONLY
   const c10::cuda::CUDAGuard guard(ids.device());
@@ -111,13 +110,12 @@ void launch(const Tensor& ids, const Tensor& counts, int64_t E, int64_t C, int64
                                       static_cast<int>(S), expert_offsets.data_ptr<int32_t>(),
                                       block_expert.data_ptr<int32_t>(), slots.data_ptr<int32_t>(),
                                       row_token.data_ptr<int32_t>(), pull_order.data_ptr<int32_t>(),
-                                      job_order.data_ptr<int32_t>(), slack.data_ptr<int32_t>(), stream);
+                                      job_order.data_ptr<int32_t>(), stream);
   MOE_CHECK(err == 0, "moe::build_tables: launch failed: ", error_string(err));
 }
 
 void build_tables_out(const Tensor& ids, const Tensor& counts, int64_t E, int64_t C, Tensor& expert_offsets,
-                      Tensor& block_expert, Tensor& slots, Tensor& row_token, Tensor& pull_order, Tensor& job_order,
-                      Tensor& slack) {
+                      Tensor& block_expert, Tensor& slots, Tensor& row_token, Tensor& pull_order, Tensor& job_order) {
   MOE_CHECK(row_token.defined() && row_token.dim() == 1, "moe::build_tables: row_token must be a 1-d [S] tensor");
   const int64_t S = row_token.numel();  // S comes from the caller's buffer
   const int64_t K = check_inputs(ids, counts, E, C, S);
@@ -128,27 +126,24 @@ void build_tables_out(const Tensor& ids, const Tensor& counts, int64_t E, int64_
   check_int32_cuda(row_token, "row_token", S, ids);
   check_int32_cuda(pull_order, "pull_order", T, ids);
   check_int32_cuda(job_order, "job_order", T, ids);
-  check_int32_cuda(slack, "slack", S / kBlockRows, ids);
-  launch(ids, counts, E, C, S, expert_offsets, block_expert, slots, row_token, pull_order, job_order, slack);
+  launch(ids, counts, E, C, S, expert_offsets, block_expert, slots, row_token, pull_order, job_order);
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> build_tables(const Tensor& ids,
-                                                                                const Tensor& counts, int64_t E,
-                                                                                int64_t C, int64_t S) {
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> build_tables(const Tensor& ids, const Tensor& counts,
+                                                                        int64_t E, int64_t C, int64_t S) {
   const int64_t K = check_inputs(ids, counts, E, C, S);  // before allocating anything
   const auto opts = ids.options().dtype(at::kInt);
   const int64_t T = ids.size(0);
   Tensor expert_offsets = at::empty({E + 1}, opts), block_expert = at::empty({S / kBlockRows}, opts),
          slots = at::empty({T, K}, opts), row_token = at::empty({S}, opts), pull_order = at::empty({T}, opts),
-         job_order = at::empty({T}, opts), slack = at::empty({S / kBlockRows}, opts);
-  launch(ids, counts, E, C, S, expert_offsets, block_expert, slots, row_token, pull_order, job_order, slack);
-  return {expert_offsets, block_expert, slots, row_token, pull_order, job_order, slack};
+         job_order = at::empty({T}, opts);
+  launch(ids, counts, E, C, S, expert_offsets, block_expert, slots, row_token, pull_order, job_order);
+  return {expert_offsets, block_expert, slots, row_token, pull_order, job_order};
 }
 
 void build_tables_out_op(const Tensor& ids, const Tensor& counts, int64_t E, int64_t C, Tensor expert_offsets,
-                         Tensor block_expert, Tensor slots, Tensor row_token, Tensor pull_order, Tensor job_order,
-                         Tensor slack) {
-  build_tables_out(ids, counts, E, C, expert_offsets, block_expert, slots, row_token, pull_order, job_order, slack);
+                         Tensor block_expert, Tensor slots, Tensor row_token, Tensor pull_order, Tensor job_order) {
+  build_tables_out(ids, counts, E, C, expert_offsets, block_expert, slots, row_token, pull_order, job_order);
 }
 
 }  // namespace
@@ -156,10 +151,10 @@ void build_tables_out_op(const Tensor& ids, const Tensor& counts, int64_t E, int
 
 TORCH_LIBRARY(moe, m) {
   m.def("build_tables(Tensor ids, Tensor counts, int E, int C, int S) -> (Tensor, Tensor, Tensor, Tensor, Tensor, "
-        "Tensor, Tensor)");
+        "Tensor)");
   m.def("build_tables_out(Tensor ids, Tensor counts, int E, int C, Tensor(a!) expert_offsets, "
         "Tensor(b!) block_expert, Tensor(c!) slots, Tensor(d!) row_token, Tensor(e!) pull_order, "
-        "Tensor(f!) job_order, Tensor(g!) slack) -> ()");
+        "Tensor(f!) job_order) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(moe, CUDA, m) {

@@ -19,7 +19,7 @@ BACKENDS = ("serial", "fused")
 # Stage labels of each backend (service.moe.serial, service.moe.fused); "fused" is the whole
 # captured graph, the fused names after it are its launches when it runs without the graph.
 SERIAL_STAGES = ("tables", "all_gather", "scatter", "gemm1", "swiglu", "gemm2", "combine", "reduce_scatter")
-FUSED_STAGES = ("copy_in", "fused", "exchange", "kernel1", "kernel2", "reduce")
+FUSED_STAGES = ("copy_in", "fused", "stage", "exchange", "kernel1", "kernel2", "reduce")
 STAGES = SERIAL_STAGES + FUSED_STAGES
 
 

@@ -236,7 +236,7 @@ __device__ __forceinline__ void sort_place(Segment seg, uint16_t* row, const int
 __global__ void __launch_bounds__(kThreads, 1)
 build_tables_kernel(Problem p, int S, int stride, int32_t* __restrict__ expert_offsets,
                     int32_t* __restrict__ block_expert, int32_t* __restrict__ slots, int32_t* __restrict__ row_token,
-                    int32_t* __restrict__ pull_order, int32_t* __restrict__ job_order, int32_t* __restrict__ slack) {
+                    int32_t* __restrict__ pull_order, int32_t* __restrict__ job_order) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int E = p.E, keys = E + 1;                                 // experts, plus E = "padding token"
   uint16_t* table = reinterpret_cast<uint16_t*>(smem_raw);         // [32][stride] per-warp counters
@@ -278,7 +278,7 @@ build_tables_kernel(Problem p, int S, int stride, int32_t* __restrict__ expert_o
   const int used_rows = off[E];
   for (int b = threadIdx.x; b < blocks; b += kThreads) {
     const int row0 = b * kBlockRows;
-    int e = E, real = 0;
+    int e = E;
     if (row0 < used_rows) {
       int lo = 0, hi = E - 1;  // last e with off[e] <= row0 (empty experts share offsets: take the last)
       while (lo < hi) {
@@ -286,11 +286,9 @@ build_tables_kernel(Problem p, int S, int stride, int32_t* __restrict__ expert_o
         if (off[mid] <= row0) lo = mid; else hi = mid - 1;
       }
       e = lo;
-      real = min(max(off[e] + hits_of[e] - row0, 0), kBlockRows);
       used_expert[b] = static_cast<uint16_t>(e);
     }
     block_expert[b] = e;
-    slack[b] = kBlockRows - real;
   }
   sort_place<kHitBatch>(hit_seg, row, off, hit_key, [&](int h, int key, int pos) {
     slots[h] = pos;  // -1 for hits of padding tokens
@@ -353,7 +351,7 @@ size_t build_tables_smem_bytes(int E, int hits) {
 
 int build_tables_launch(const int32_t* ids, const int32_t* counts, int R, int C, int K, int E, int S,
                         int32_t* expert_offsets, int32_t* block_expert, int32_t* slots, int32_t* row_token,
-                        int32_t* pull_order, int32_t* job_order, int32_t* slack, void* stream) {
+                        int32_t* pull_order, int32_t* job_order, void* stream) {
   const int T = R * C, hits = T * K;
   const size_t smem = build_tables_smem_bytes(E, hits);
   if (smem > 48 * 1024) {  // above the default: opt in (no stream work, fine during graph capture)
@@ -373,7 +371,7 @@ int build_tables_launch(const int32_t* ids, const int32_t* counts, int R, int C,
   p.divC = make_fastdiv(C);
   p.vec4 = K % 4 == 0 && reinterpret_cast<uintptr_t>(ids) % 16 == 0;
   build_tables_kernel<<<1, kThreads, smem, static_cast<cudaStream_t>(stream)>>>(
-      p, S, row_stride(E), expert_offsets, block_expert, slots, row_token, pull_order, job_order, slack);
+      p, S, row_stride(E), expert_offsets, block_expert, slots, row_token, pull_order, job_order);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -1,5 +1,5 @@
-"""The fused layer's kernels: exchange, AllGather (+) GEMM1 (+) SwiGLU, GEMM2 (+) top-k reduce (+) push,
-final reduce. The algorithm, buffers and sequence numbers are described in service/moe/fused.py;
+"""The fused layer's kernels: stage, exchange, AllGather (+) GEMM1 (+) SwiGLU, GEMM2 (+) top-k reduce
+(+) push, final reduce. The algorithm, buffers and sequence numbers are described in service/moe/fused.py;
 service/moe/simulate.py is its CPU dataflow model.
 
 Dimension letters: R ranks, C capacity per rank, N = R*C global tokens, K top-k, H hidden,
@@ -29,7 +29,7 @@ never keep a producer off the machine.
 
 Bounded waits record the first failure in error[0] (atomic CAS from 0, so the first one stays):
     ERR_BARRIER + peer, ERR_GATE + block, ERR_JOB + token, ERR_WATERMARK (see the constants).
-Every kernel does nothing when error[0] is set at its start: after a failure the step is void,
+Every kernel but the stage copy does nothing when error[0] is set at its start: after a failure the step is void,
 the host raises and the group restarts.
 
 SYNC=False (benchmarks only: `bench/fused_layer.py`'s compute-only run) removes every wait: the
@@ -71,6 +71,39 @@ def region_of(region_ptr, region_off, r, DT: tl.constexpr):
     int64 address (which the compiler cannot see is aligned), peer rows move in 16-byte vectors
     instead of one element per instruction."""
     return region_ptr.to(tl.pointer_type(DT)) + tl.load(region_off + r) * (16 // (DT.primitive_bitwidth // 8))
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage: this step's inputs into the parity-(seq & 1) token and routing buffers.
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _stage_kernel(x_in_ptr, ids_in_ptr, w_in_ptr, region_ptr, ctl_ptr,  # x [C, H], ids [C, K] int32, w [C, K] fp32
+                  C, H, L, tok_off, rt_off,
+                  K: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BRK: tl.constexpr):
+    """Rows [pid*BR, pid*BR + BR) of the first n = ctl[1] rows: tokens -> tokens[seq & 1], ids and
+    weights (as int32 bits) -> routing[seq & 1]. Inside the step's CUDA graph, so the host issues
+    no copies per step; the META words are the exchange's."""
+    pid = tl.program_id(0)
+    seq = tl.load(ctl_ptr)
+    n = tl.load(ctl_ptr + 1)
+    parity = (seq & 1).to(tl.int64)
+    rows = (pid * BR + tl.arange(0, BR)).to(tl.int64)  # [BR]
+    rm = rows < n
+    src = x_in_ptr + rows[:, None] * H  # [BR, 1]
+    dst = region_ptr.to(tl.pointer_type(x_in_ptr.dtype.element_ty)) + tok_off + (parity * C + rows[:, None]) * H
+    hh = tl.arange(0, BH)
+    for h0 in range(0, H, BH):
+        cols = h0 + hh
+        m = rm[:, None] & (cols < H)[None, :]  # [BR, BH]
+        tl.store(dst + cols[None, :], tl.load(src + cols[None, :], mask=m), mask=m)
+    q = tl.arange(0, BRK)  # [BRK] this program's ids / weights, flattened
+    e = pid * BR * K + q
+    em = (q < BR * K) & (e < n * K)
+    rt = region_ptr.to(tl.pointer_type(tl.int32)) + rt_off + parity * L + META
+    tl.store(rt + e, tl.load(ids_in_ptr + e, mask=em), mask=em)
+    tl.store(rt + C * K + e, tl.load(w_in_ptr + e, mask=em).to(tl.int32, bitcast=True), mask=em)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,6 +394,21 @@ def _p2(x: int) -> int:
 
 def _interpreting() -> bool:
     return triton.knobs.runtime.interpret
+
+
+STAGE_ROWS = 4  # rows per stage program
+
+
+def stage(*, x, ids, w, region, ctl, C, L, tok_off, rt_off):
+    """tokens[seq & 1][:n] <- x[:n], routing[seq & 1] ids / weights <- ids[:n], w[:n] (n = ctl[1]).
+    x [C, H], ids [C, K] int32, w [C, K] fp32: this rank's input buffers."""
+    H = x.shape[1]
+    K = ids.shape[1]
+    assert x.shape[0] == C and ids.shape == (C, K) and w.shape == (C, K) and x.is_contiguous()
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32 and ids.is_contiguous() and w.is_contiguous()
+    _stage_kernel[(triton.cdiv(C, STAGE_ROWS),)](x, ids, w, region, ctl, C, H, L, tok_off, rt_off,
+                                                 K=K, BR=STAGE_ROWS, BH=min(_p2(H), 1024),
+                                                 BRK=_p2(STAGE_ROWS * K), num_warps=4)
 
 
 def exchange(*, region, region_off, routing_g, ctl, error, stats, rank, R, L, rt_off, bar_off, max_spins, use_ptx, sync=True):

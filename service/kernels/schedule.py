@@ -37,7 +37,7 @@ LIBRARY_PATH = BUILD_DIR / f"{LIBRARY_NAME}.so"
 MAX_EXPERTS = 1023  # csrc/schedule/schedule_kernel.h kMaxExperts
 MAX_HITS = 65536    # csrc/schedule/schedule_kernel.h kMaxHits
 # The op's outputs, in the order of its schema and of the contract's Tables record.
-FIELDS = ("expert_offsets", "block_expert", "slots", "row_token", "pull_order", "job_order", "slack")
+FIELDS = ("expert_offsets", "block_expert", "slots", "row_token", "pull_order", "job_order")
 
 _loaded: bool | None = None
 _reason = ""
@@ -87,8 +87,8 @@ def use_cuda_op(ids: torch.Tensor, E: int) -> bool:
 
 def build_tables_cuda(ids: torch.Tensor, counts: torch.Tensor, E: int, C: int, S: int, *,
                       out: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
-    """The CUDA op. ids [R*C, K], counts [R] on one CUDA device -> the seven int32 tables in FIELDS
-    order. With `out` (seven preallocated int32 tensors in FIELDS order, written in place and
+    """The CUDA op. ids [R*C, K], counts [R] on one CUDA device -> the six int32 tables in FIELDS
+    order. With `out` (six preallocated int32 tensors in FIELDS order, written in place and
     returned) nothing is allocated, which is what a captured graph wants."""
     available, reason = load()
     if not available:

@@ -6,8 +6,10 @@ Ir = I / R, E experts, S gathered rows, NB = S / BM row blocks, L = META + 2*C*K
 
 One step on rank r (service/moe/simulate.py is the CPU model of exactly this dataflow):
 
-    host     x, ids, w -> this rank's symmetric token and routing buffers of parity p = seq & 1;
-             ctl = (seq, n, batch seq) -> the device. Then one CUDA graph replay of:
+    host     x, ids, w in this rank's input buffers (`FusedLayer.inputs`: the rank writes its
+             rows there; other tensors are copied in); ctl = (seq, n, batch seq) -> the device
+             (one copy from pinned memory). Then one CUDA graph replay of:
+    stage    rows < n of the inputs -> the symmetric token and routing buffers of parity seq & 1.
     exchange one CTA: write META, store seq into bar[r] of every peer (release), wait until all R
              of our bar slots reach seq (the device barrier), copy the R routing blocks -> routing_g.
     tables   service.moe.serial.build_tables (CUDA op or torch builder): identical on every rank.
@@ -160,6 +162,11 @@ class RankBuffers:
         self.rt_off, self.stage_off = lay.rt_bytes // 4, lay.stage_bytes // 4
         self.wm_off, self.bar_off = lay.wm_bytes // 4, lay.bar_bytes // 4
         z = lambda *shape, dtype=torch.int32: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
+        # This step's inputs, written by the caller (the rank copies its slot rows straight in)
+        # and staged into the parity buffers inside the graph.
+        self.x_in = z(C, H, dtype=cfg.dtype)           # [C, H]
+        self.ids_in = z(C, K)                          # [C, K] int32
+        self.w_in = z(C, K, dtype=torch.float32)       # [C, K]
         self.routing_g = z(R, L)                       # [R, L] every rank's routing block
         self.act = z(S, cfg.Ir, dtype=cfg.dtype)       # [S, Ir]
         self.D = z(S, H, dtype=cfg.dtype)              # [S, H]
@@ -172,15 +179,13 @@ class RankBuffers:
         self.error = z(1)
         self.stats = z(4, dtype=torch.int64)           # ns, see fused_kernels
 
-    def stage(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, seq: int) -> None:
-        """Copy this step's inputs into the parity-(seq & 1) buffers (no allocation)."""
-        C, K = self.cfg.C, self.cfg.K
+    def take_inputs(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> None:
+        """Make x_in[:n], ids_in[:n], w_in[:n] this step's inputs: nothing to do for a tensor that
+        is already a view of them (the rank writes there), else one copy each."""
         n = x.shape[0]
-        p = seq & 1
-        self.tokens[p, :n].copy_(x)
-        if n:
-            self.routing[p, META:META + n * K].view(n, K).copy_(ids)
-            self.routing[p, META + C * K:META + C * K + n * K].view(torch.float32).view(n, K).copy_(w)
+        for buf, src in ((self.x_in, x), (self.ids_in, ids), (self.w_in, w)):
+            if src.data_ptr() != buf.data_ptr():
+                buf[:n].copy_(src)
 
     def routing_views(self):
         """counts [R], ids_g [R*C, K], w_g [R*C, K] fp32 views of routing_g."""
@@ -215,6 +220,13 @@ class Plan:
     # Tokens a kernel-1 puller moves per iteration. H200, seed share, R=1, when kernel 1 still
     # wrote K rows per token (bench/RESULTS.md): 4 -> 1.17x serial, 8 -> 1.13x, 16 -> 1.21x.
     pull_tokens: int = 8
+
+
+def run_stage(b: RankBuffers) -> None:
+    from service.kernels import fused_kernels as fk
+
+    fk.stage(x=b.x_in, ids=b.ids_in, w=b.w_in, region=b.region, ctl=b.ctl, C=b.cfg.C, L=b.lay.L,
+             tok_off=b.tok_off, rt_off=b.rt_off)
 
 
 def run_exchange(b: RankBuffers, plan: Plan) -> None:
@@ -378,6 +390,7 @@ class FusedLayer:
             dist.barrier(group=group)  # every region is zero before anyone signals into it
         self.bufs = RankBuffers(cfg, rank, region, ptrs)
         self._ctl_host = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+        self._ctl_np = self._ctl_host.numpy()
         self._ctl_copied = torch.cuda.Event()
         self.step = 0  # the flags' sequence number: counts every step, the warm-up included
         self._tables = None
@@ -407,6 +420,8 @@ class FusedLayer:
     def _device_step(self, timer: StageTimer | None, plan: Plan | None = None) -> None:
         b, plan = self.bufs, plan or self.plan
         mark = timer.mark if timer else (lambda _: None)
+        run_stage(b)
+        mark("stage")
         run_exchange(b, plan)
         mark("exchange")
         self._tables = build_step_tables(b)
@@ -421,10 +436,9 @@ class FusedLayer:
     def _run(self, x, ids, w, seq: int, timer: StageTimer | None, plan: Plan | None = None) -> torch.Tensor:
         n = x.shape[0]
         self.step += 1
-        self.bufs.stage(x, ids, w, self.step)
+        self.bufs.take_inputs(x, ids, w)
         self._ctl_copied.synchronize()  # the previous step's copy has read the pinned words
-        for i, v in enumerate((_seq32(self.step), n, seq & 0x7FFFFFFF, seq >> 31)):
-            self._ctl_host[i] = v
+        self._ctl_np[:] = (_seq32(self.step), n, seq & 0x7FFFFFFF, seq >> 31)  # no torch op per word
         self.bufs.ctl.copy_(self._ctl_host, non_blocking=True)
         self._ctl_copied.record()
         if timer:
@@ -437,10 +451,17 @@ class FusedLayer:
             self._device_step(timer, plan)
         return self.bufs.out[:n]
 
+    @property
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [C, H], ids [C, K] int32, w [C, K] fp32 on the device: write a step's rows here and
+        pass the [:n] views to `forward`, which then copies nothing."""
+        b = self.bufs
+        return b.x_in, b.ids_in, b.w_in
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, seq: int,
                 timer: StageTimer | None = None) -> torch.Tensor:
-        """x [n, H], ids [n, K], w [n, K] on this rank's device -> this rank's output [n, H] fp32
-        (a view of a buffer the next step overwrites)."""
+        """x [n, H], ids [n, K], w [n, K] on this rank's device (ideally views of `inputs`) ->
+        this rank's output [n, H] fp32 (a view of a buffer the next step overwrites)."""
         cfg = self.cfg
         n = x.shape[0]
         assert n <= cfg.C, f"rank {self.rank} got {n} tokens, capacity is {cfg.C}"

@@ -18,7 +18,6 @@ the tables are
     slots[g, k]    = off[e] + j                  (-1 for padding tokens)
     row_token[s]   = g for the hit on row s      (-1 for the p[e] - n[e] padding rows, the tail of each run)
     block_expert[b]= e with off[e] <= b*BM < off[e+1], E past off[E]
-    slack[b]       = BM - #{real rows in block b}  (BM for blocks past off[E])
     pull_order     = real tokens by min_k slots[g, k], then padding tokens by g
     job_order      = real tokens by max_k slots[g, k], then padding tokens by g
 
@@ -26,8 +25,7 @@ Slots are distinct, so both orders are total (no ties among real tokens). Pullin
 pull_order completes row blocks in block order: every token with a row in block b has its smallest
 slot below (b+1)*BM, hence comes before any token whose smallest slot is past block b. Taking jobs
 in job_order makes job m wait only on blocks up to the block of its largest slot, i.e. jobs become
-ready in the order GEMM2 finishes blocks. A block's arrival counter is seeded with slack[b], so the
-real arrivals bring it exactly to BM.
+ready in the order GEMM2 finishes blocks.
 
 ids and counts may be int32 or int64; every table is int32 on ids' device.
 S must hold the worst case (LayerConfig.S: N*K hits plus E*(BM-1) padding rows, rounded to BM);
@@ -61,12 +59,11 @@ class Tables:
     row_token: Tensor       # [S] int32 global token whose hit sits on the row; -1 for padding rows
     pull_order: Tensor      # [R*C] int32 tokens by smallest slot; padding tokens last, by index
     job_order: Tensor       # [R*C] int32 tokens by largest slot; padding tokens last, by index
-    slack: Tensor           # [S/BM] int32 padding rows per row block (BM for unused blocks)
 
     @property
     def num_blocks(self) -> int:
         """Row blocks of the layout, S / BM (static: used or not)."""
-        return self.slack.shape[0]
+        return self.block_expert.shape[0]
 
     @property
     def S(self) -> int:
@@ -137,7 +134,6 @@ def build_tables(ids: Tensor, counts: Tensor, E: int, C: int, S: int) -> Tables:
     # Experts whose run ends at or before the block's first row precede it: their count is the
     # block's expert (empty runs end where they start, so they are skipped); E past off[E].
     block_expert = torch.searchsorted(off[1:], block_start, right=True)  # [NB]
-    slack = BM - (row_token >= 0).view(NB, BM).sum(1)                   # [NB]
 
     # Order keys: real tokens by their smallest / largest slot (< S, distinct), padding by S + g.
     pad_key = S + g                                                     # [N]
@@ -149,7 +145,7 @@ def build_tables(ids: Tensor, counts: Tensor, E: int, C: int, S: int) -> Tables:
     i32 = torch.int32
     return Tables(expert_offsets=off.to(i32), block_expert=block_expert.to(i32), slots=slots.to(i32),
                   row_token=row_token.to(i32), pull_order=pull_order.to(i32),
-                  job_order=job_order.to(i32), slack=slack.to(i32))
+                  job_order=job_order.to(i32))
 
 
 def build_tables_golden(ids: Tensor, counts: Tensor, E: int, C: int, S: int) -> Tables:
@@ -180,7 +176,7 @@ def build_tables_golden(ids: Tensor, counts: Tensor, E: int, C: int, S: int) -> 
             slots[g][k] = off[e] + j
             row_token[off[e] + j] = g
 
-    block_expert, slack = [], []
+    block_expert = []
     for b in range(S // BM):
         first = b * BM
         owner = E
@@ -188,7 +184,6 @@ def build_tables_golden(ids: Tensor, counts: Tensor, E: int, C: int, S: int) -> 
             if off[e] <= first < off[e + 1]:
                 owner = e
         block_expert.append(owner)
-        slack.append(sum(1 for s in range(first, first + BM) if row_token[s] < 0))
 
     real_tokens = [g for g in range(N) if real[g]]
     padding_tokens = [g for g in range(N) if not real[g]]
@@ -199,8 +194,7 @@ def build_tables_golden(ids: Tensor, counts: Tensor, E: int, C: int, S: int) -> 
         return torch.tensor(values, dtype=torch.int32).reshape(-1)
 
     return Tables(expert_offsets=t(off), block_expert=t(block_expert), slots=t(slots).view(N, K),
-                  row_token=t(row_token), pull_order=t(pull_order), job_order=t(job_order),
-                  slack=t(slack))
+                  row_token=t(row_token), pull_order=t(pull_order), job_order=t(job_order))
 
 
 def check_invariants(tables: Tables, ids: Tensor, counts: Tensor, E: int, C: int) -> None:
@@ -216,7 +210,7 @@ def check_invariants(tables: Tables, ids: Tensor, counts: Tensor, E: int, C: int
         assert getattr(t, f.name).dtype == torch.int32, f"{f.name} must be int32"
     assert S % BM == 0, f"S = {S} is not a multiple of BM"
     shapes = dict(expert_offsets=(E + 1,), block_expert=(NB,), slots=(N, K), row_token=(S,),
-                  pull_order=(N,), job_order=(N,), slack=(NB,))
+                  pull_order=(N,), job_order=(N,))
     for name, shape in shapes.items():
         assert tuple(getattr(t, name).shape) == shape, f"{name} has shape {tuple(getattr(t, name).shape)}, want {shape}"
 
@@ -260,13 +254,11 @@ def check_invariants(tables: Tables, ids: Tensor, counts: Tensor, E: int, C: int
         order = [seen[s] for s in rows]
         assert order == sorted(order), f"hits of expert {e} are not ordered by (token, k)"
 
-    # Blocks: expert consistent with the offsets, real + slack == BM.
+    # Blocks: expert consistent with the offsets.
     for b in range(NB):
         first = b * BM
         want = next((e for e in range(E) if off[e] <= first < off[e + 1]), E)
         assert t.block_expert[b] == want, f"block_expert[{b}] = {int(t.block_expert[b])}, want {want}"
-        real_rows_b = sum(1 for s in range(first, first + BM) if row_token[s] >= 0)
-        assert real_rows_b + int(t.slack[b]) == BM, f"block {b}: {real_rows_b} real rows + slack {int(t.slack[b])} != BM"
 
     # Orders: permutations, real tokens by min / max slot, padding tokens last by index.
     padding = [g for g in range(N) if not real[g]]

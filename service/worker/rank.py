@@ -107,12 +107,14 @@ def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
     del weights
     slots = [Slot.open(cfg, i, p) for i, p in enumerate(opts.slot_paths)]
     timer = StageTimer(device)
-    # This rank's rows of a step, on its device, allocated once at capacity (on the CPU the
+    # This rank's rows of a step, on its device, allocated once at capacity: the fused layer's
+    # own input buffers (its step graph stages them), else buffers of our own (on the CPU the
     # slot views are used directly).
     if device.type == "cuda":
-        inputs = (torch.empty(cfg.C, cfg.H, dtype=cfg.dtype, device=device),    # [C, H]
-                  torch.empty(cfg.C, cfg.K, dtype=torch.int32, device=device),  # [C, K]
-                  torch.empty(cfg.C, cfg.K, dtype=torch.float32, device=device))  # [C, K]
+        inputs = getattr(layer, "inputs", None) or (
+            torch.empty(cfg.C, cfg.H, dtype=cfg.dtype, device=device),    # [C, H]
+            torch.empty(cfg.C, cfg.K, dtype=torch.int32, device=device),  # [C, K]
+            torch.empty(cfg.C, cfg.K, dtype=torch.float32, device=device))  # [C, K]
     conn.send(("ready", rank, {"pid": os.getpid(), "device": str(device), "backend": layer.name}))
 
     last_seq = 0

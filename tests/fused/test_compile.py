@@ -17,7 +17,7 @@ import triton
 
 ROOT = Path(__file__).resolve().parents[2]
 SMEM_LIMIT = {90: 232448, 120: 101376}
-DIVISIBLE = ("stride_am", "stride_we", "stride_wk", "stride_om", "H", "Ir", "C", "tok_off", "pull_off", "stage_off")
+DIVISIBLE = ("stride_am", "stride_we", "stride_wk", "stride_om", "H", "Ir", "C", "tok_off", "pull_off", "stage_off", "rt_off")
 
 interpreting = pytest.mark.skipif(triton.knobs.runtime.interpret, reason="compile-only needs the compiler")
 
@@ -25,7 +25,7 @@ interpreting = pytest.mark.skipif(triton.knobs.runtime.interpret, reason="compil
 POINTERS = {
     "region_ptr": "*u8", "region_off": "*i64", "stats_ptr": "*i64",
     "a_ptr": "*{dt}", "w_ptr": "*{dt}", "act_ptr": "*{dt}", "d_ptr": "*{dt}",
-    "stage_ptr": "*fp32", "out_ptr": "*fp32",
+    "stage_ptr": "*fp32", "out_ptr": "*fp32", "x_in_ptr": "*{dt}", "w_in_ptr": "*fp32",
 }
 
 
@@ -42,7 +42,7 @@ def compile_kernel(name: str, arch: int, *, config=None, dtype: str = "bf16", us
     if config is not None:
         constexprs.update(BM=BM, BN=config.BN, BK=config.BK, IEEE=False, EVEN_K=True, EVEN_N=True,
                           NUM_PROGRAMS=132, NUM_COMM=8, NUM_COMPUTE=124, JOIN=True, BH=512)
-    constexprs.update({"BL": 1024, "BR": 4, "BH": constexprs.get("BH", 1024)})
+    constexprs.update({"BL": 1024, "BR": 4, "BH": constexprs.get("BH", 1024), "BRK": 32})
     sig, attrs, cx = {}, {}, {}
     for i, n in enumerate(names):
         if n in constexprs:
@@ -112,6 +112,14 @@ def test_small_kernels_compile(arch):
             at = ptx.find("st.release.sys.global.b32")
             assert at > 0 and "bar.sync" in ptx[:at], "barrier signal without a preceding CTA barrier"
             assert "fence.acq_rel.sys" in ptx
+
+
+@interpreting
+@pytest.mark.parametrize("arch", [90, 120])
+def test_stage_kernel_moves_vectors(arch):
+    ptx = compile_kernel("_stage_kernel", arch).asm["ptx"]
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx, "token rows not copied in 16-byte vectors"
+    assert "ld.global.b16" not in ptx
 
 
 @interpreting

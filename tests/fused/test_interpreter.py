@@ -76,6 +76,7 @@ def _run_case(name: str) -> dict:
         b.wm.fill_(_wrap32(seq0 - 1))
         b.bar.fill_(_wrap32(seq0 - 1))
         b.pulled.fill_(float("nan"))  # nothing unwritten may be read as data
+        b.tokens.fill_(float("nan"))  # rows past n are never staged
         b.D.fill_(float("nan"))
         b.staging.fill_(float("nan"))
 
@@ -90,8 +91,13 @@ def _run_case(name: str) -> dict:
             ids.append(i)
             ws.append(w)
         for r, b in enumerate(bufs):
-            b.stage(xs[r], ids[r], ws[r], seq)
+            # Inputs as a caller leaves them: this step's rows, then stale rows (NaN) past n.
+            for buf in (b.x_in, b.w_in):
+                buf.fill_(float("nan"))
+            b.ids_in.fill_(-7)
+            b.take_inputs(xs[r], ids[r].int(), ws[r])
             b.ctl.copy_(torch.tensor([_wrap32(seq), counts[r], seq & 0x7FFFFFFF, seq >> 31], dtype=torch.int32))
+            fused.run_stage(b)
         # The peers' barrier signals, pre-satisfied (the interpreter cannot run ranks concurrently);
         # "withhold": rank R-1 never signals rank 0.
         for b in bufs:
@@ -144,7 +150,7 @@ def _run_case(name: str) -> dict:
             finite=all(bool(torch.isfinite(o).all()) for o in outs),
             routing_same=routing_same,
             tables_same=all(torch.equal(getattr(t, f), getattr(tables[0], f)) for t in tables
-                            for f in ("slots", "pull_order", "job_order", "slack", "block_expert")),
+                            for f in ("slots", "pull_order", "job_order", "row_token", "block_expert")),
             tables_match_torch=torch.equal(tables[0].slots, build_tables(ids_g, counts_t, E, C, cfg.S).slots),
             arrived_ok=all(b.arrived[:R * C].tolist() == want for b, want in zip(bufs, arrived_want)),
             tiles_ok=all(torch.equal(b.tiles, torch.full((NB,), _wrap32(seq * n_tiles2), dtype=torch.int32)) for b in bufs),

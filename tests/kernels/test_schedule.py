@@ -119,19 +119,17 @@ def emulate_kernel(ids: torch.Tensor, counts: torch.Tensor, E: int, C: int, S: i
     off = _exclusive([(hist[e] + BM - 1) // BM * BM for e in range(E)])
 
     # Phase 3: blocks (binary search: last e with off[e] <= row0), slots, real rows.
-    block_expert, slack, used_expert = [], [], {}
+    block_expert, used_expert = [], {}
     for b in range(blocks):
         row0 = b * BM
-        e, real_rows = E, 0
+        e = E
         if row0 < off[E]:
             lo, hi = 0, E - 1
             while lo < hi:
                 mid = (lo + hi + 1) >> 1
                 lo, hi = (mid, hi) if off[mid] <= row0 else (lo, mid - 1)
             e = used_expert[b] = lo
-            real_rows = min(max(off[e] + hist[e] - row0, 0), BM)
         block_expert.append(e)
-        slack.append(BM - real_rows)
     row_token = [None] * S
     slots = [-1] * hits
     for h, p in enumerate(place_hits(off)):
@@ -157,7 +155,7 @@ def emulate_kernel(ids: torch.Tensor, counts: torch.Tensor, E: int, C: int, S: i
         orders.append(order)
     t = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     return Tables(expert_offsets=t(off), block_expert=t(block_expert), slots=t(slots).view(T, K),
-                  row_token=t(row_token), pull_order=t(orders[0]), job_order=t(orders[1]), slack=t(slack))
+                  row_token=t(row_token), pull_order=t(orders[0]), job_order=t(orders[1]))
 
 
 def _problem(E, K, R, C, count_kind, routing_kind):
@@ -292,8 +290,7 @@ def _empty_tables(E, K, R, C, S, dev) -> Tables:
     i32 = dict(dtype=torch.int32, device=dev)
     return Tables(expert_offsets=torch.full((E + 1,), -7, **i32), block_expert=torch.full((S // BM,), -7, **i32),
                   slots=torch.full((R * C, K), -7, **i32), row_token=torch.full((S,), -7, **i32),
-                  pull_order=torch.full((R * C,), -7, **i32), job_order=torch.full((R * C,), -7, **i32),
-                  slack=torch.full((S // BM,), -7, **i32))
+                  pull_order=torch.full((R * C,), -7, **i32), job_order=torch.full((R * C,), -7, **i32))
 
 
 @pytest.mark.gpu
@@ -354,7 +351,7 @@ ids, counts, S = _problem(E, K, R, C, "full", "balanced")
 ids, counts = ids.to(dev, torch.int32), counts.to(dev, torch.int32)
 op, out_op = torch.ops.moe.build_tables, torch.ops.moe.build_tables_out
 good = _empty_tables(E, K, R, C, S, dev)
-bufs = lambda t: (t.expert_offsets, t.block_expert, t.slots, t.row_token, t.pull_order, t.job_order, t.slack)
+bufs = lambda t: (t.expert_offsets, t.block_expert, t.slots, t.row_token, t.pull_order, t.job_order)
 cases = [
     ("cannot hold the worst case", lambda: op(ids, counts, E, C, BM)),
     ("E must be in", lambda: op(ids, counts, 5000, C, 5000 * BM)),
@@ -373,7 +370,7 @@ cases = [
     ("slots must have", lambda: out_op(ids, counts, E, C, *bufs(good)[:2], good.slots[:-1], *bufs(good)[3:])),
     ("row_token must be", lambda: out_op(ids, counts, E, C, *bufs(good)[:3], good.row_token.view(-1, BM),
                                           *bufs(good)[4:])),
-    ("slack must be int32", lambda: out_op(ids, counts, E, C, *bufs(good)[:6], good.slack.long())),
+    ("job_order must be int32", lambda: out_op(ids, counts, E, C, *bufs(good)[:5], good.job_order.long())),
 ]
 import re
 for pattern, call in cases:

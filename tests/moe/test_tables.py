@@ -78,7 +78,7 @@ def test_larger_layout_than_needed():
     assert_same(tables, build_tables_golden(ids, counts, E, C, S))
     check_invariants(tables, ids, counts, E, C)
     assert tables.num_blocks == S // BM and tables.S == S
-    assert (tables.block_expert[-3:] == E).all() and (tables.slack[-3:] == BM).all()
+    assert (tables.block_expert[-3:] == E).all()
 
 
 def test_known_small_case():
@@ -92,7 +92,6 @@ def test_known_small_case():
     assert t.slots.tolist() == [[2 * BM, 0], [1, 2 * BM + 1], [BM, 2 * BM + 2], [-1, -1]]
     assert t.pull_order.tolist() == [0, 1, 2, 3]
     assert t.job_order.tolist() == [0, 1, 2, 3]
-    assert t.slack[:3].tolist() == [BM - 2, BM - 1, BM - 3]
     assert t.block_expert[:3].tolist() == [0, 1, 2] and (t.block_expert[3:] == 3).all()
     assert t.row_token[[0, 1, 2, BM, 2 * BM, 2 * BM + 2]].tolist() == [0, 1, -1, 2, 0, 2]
 
@@ -112,7 +111,7 @@ def test_orders_differ_when_tokens_interleave():
     assert t.slots.tolist() == [[0, BM], [BM + 1, 1], [2, BM + 2]]
 
 
-@pytest.mark.parametrize("corrupt", ["swap_slots", "slack", "order", "block_expert", "row_token", "offsets"])
+@pytest.mark.parametrize("corrupt", ["swap_slots", "order", "block_expert", "row_token", "offsets"])
 def test_invariants_catch_corruption(corrupt):
     gen = torch.Generator().manual_seed(7)
     E, K, R, C = 8, 2, 2, 40
@@ -122,8 +121,6 @@ def test_invariants_catch_corruption(corrupt):
     check_invariants(t, ids, counts, E, C)
     if corrupt == "swap_slots":
         t.slots[[0, 1]] = t.slots[[1, 0]]
-    elif corrupt == "slack":
-        t.slack[0] += 1
     elif corrupt == "order":
         t.job_order[[0, 1]] = t.job_order[[1, 0]]
     elif corrupt == "block_expert":
