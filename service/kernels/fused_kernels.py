@@ -54,7 +54,7 @@ META = tl.constexpr(4)  # int32 words in front of a routing block: n, seq low, s
 
 ERR_BARRIER = 1 << 24     # + peer rank whose barrier signal never came
 ERR_GATE = 2 << 24        # + row block whose counter never filled (kernel 1)
-ERR_JOB = 3 << 24         # + global token whose rows never completed (kernel 2)
+ERR_JOB = 3 << 24         # + first global token of a job whose rows never completed (kernel 2)
 ERR_WATERMARK = 4 << 24   # final reduce: some source never published
 ERR_NAMES = {1: "barrier", 2: "kernel-1 gate", 3: "kernel-2 job", 4: "final-reduce watermark"}
 
@@ -256,9 +256,9 @@ def _gemm2_push_kernel(
     tiles_ptr,                            # [NB] int32 finished column tiles per block, monotonic
     disp_ptr, pushed_ptr,                 # [1], [R] int32 local scratch, zeroed by the final reduce
     ctl_ptr, error_ptr, stats_ptr,
-    rank, R, N, C, H, NB, Ir, E, L, stage_off, wm_off, max_spins,
+    rank, R, C, H, NB, Ir, E, L, stage_off, wm_off, max_spins,
     stride_am, stride_we, stride_wk, stride_om,
-    K: tl.constexpr, KP: tl.constexpr, BH: tl.constexpr,
+    K: tl.constexpr, KP: tl.constexpr, BH: tl.constexpr, JT: tl.constexpr,
     NUM_COMPUTE: tl.constexpr, NUM_PROGRAMS: tl.constexpr, JOIN: tl.constexpr, USE_PTX: tl.constexpr,
     SYNC: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -289,50 +289,58 @@ def _gemm2_push_kernel(
                 signal_add(tiles_ptr + block, 1, USE_PTX)  # CTA barrier, release (local flag)
             t_join = now_ns(USE_PTX)
         if (pid >= NUM_COMPUTE) | JOIN:
-            # -- jobs: one per global token, taken in job_order from the dispenser -------------
-            kk = tl.arange(0, KP)  # [KP]
-            kmask = kk < K
+            # -- jobs: JT tokens per grab from the dispenser, in job_order ---------------------
+            # A grab pays the fixed costs once (dispenser atomic, table loads, the wait, the CTA
+            # barrier, the push counts) for JT tokens, and their K rows load in one go.
+            tt = tl.arange(0, JT)  # [JT] tokens of the grab
+            qq = tl.arange(0, JT * KP)  # [JT*KP] (token, k) lanes
+            q_t, q_k = qq // KP, qq % KP
             hh = tl.arange(0, BH)  # [BH]
+            n_real = tl.load(routing_g_ptr)  # real tokens: they come first in job_order
+            for o in range(1, R):
+                n_real += tl.load(routing_g_ptr + o * L)
             target = seq * n_tiles
-            j = tl.atomic_add(disp_ptr, 1, sem="relaxed", scope="gpu")
-            go = j < N
+            j0 = tl.atomic_add(disp_ptr, JT, sem="relaxed", scope="gpu")
+            go = j0 < n_real
             while go:
-                g = tl.load(job_ptr + j)
-                s0 = tl.load(slots_ptr + g * K)
-                if s0 >= 0:  # padding tokens come last in job_order: the first one ends the queue
-                    srow = tl.load(slots_ptr + g * K + kk, mask=kmask, other=s0)  # [KP], masked lanes repeat k=0
-                    ok = s0 * 0 + 1
-                    if SYNC:
-                        ok = wait_all_geq(tiles_ptr + srow // BM, kmask, target, max_spins, USE_PTX)
-                    if ok == 0:
-                        tl.atomic_cas(error_ptr, 0, (3 << 24) + g)
-                        go = ok != 0
-                    else:
-                        owner = g // C
-                        i = g - owner * C
-                        wbits = tl.load(routing_g_ptr + owner * L + META + C * K + i * K + kk, mask=kmask, other=0)
-                        wk = wbits.to(tl.float32, bitcast=True)  # [KP] routing weights
-                        dst = (region_of(region_ptr, region_off, owner, tl.float32)
-                               + stage_off + (rank * C + i).to(tl.int64) * H)  # owner's plane for this source
-                        rows = d_ptr + srow.to(tl.int64)[:, None] * stride_om  # [KP, 1]
-                        for h0 in range(0, H, BH):
-                            cols = h0 + hh
-                            cm = cols < H
-                            dv = tl.load(rows + cols[None, :], mask=kmask[:, None] & cm[None, :], other=0.0)
-                            part = tl.sum(dv.to(tl.float32) * wk[:, None], axis=0)  # [BH] fp32 pre-reduce over k
-                            tl.store(dst + cols, part, mask=cm)  # peer store
-                        # Count locally and elect the last writer for this owner: all threads'
-                        # stores, barrier, acq_rel count (chains every job's pushes), then one
-                        # release store to the owner (no remote read-modify-write).
-                        tl.debug_barrier()
-                        old = tl.atomic_add(pushed_ptr + owner, 1, sem="acq_rel", scope="sys")
-                        if old + 1 == tl.load(routing_g_ptr + owner * L):
-                            wm = region_of(region_ptr, region_off, owner, tl.int32) + wm_off + rank
-                            store_release(wm, seq, USE_PTX)
-                        j = tl.atomic_add(disp_ptr, 1, sem="relaxed", scope="gpu")
-                        go = j < N
+                live = (j0 + tt) < n_real  # [JT]
+                g = tl.load(job_ptr + j0 + tt, mask=live, other=0)  # [JT]
+                lq = ((j0 + q_t) < n_real) & (q_k < K)  # [JT*KP]
+                gq = tl.load(job_ptr + j0 + q_t, mask=lq, other=0)  # [JT*KP] the token of each lane
+                srow = tl.load(slots_ptr + gq * K + q_k, mask=lq, other=0)  # [JT*KP] its rows of D
+                ok = j0 * 0 + 1
+                if SYNC:
+                    ok = wait_all_geq(tiles_ptr + srow // BM, lq, target, max_spins, USE_PTX)
+                if ok == 0:
+                    tl.atomic_cas(error_ptr, 0, (3 << 24) + tl.load(job_ptr + j0))
+                    go = ok != 0
                 else:
-                    go = s0 >= 0
+                    oq = gq // C
+                    wbits = tl.load(routing_g_ptr + oq * L + META + C * K + (gq - oq * C) * K + q_k, mask=lq, other=0)
+                    wq = wbits.to(tl.float32, bitcast=True)  # [JT*KP] routing weights (0 on dead lanes)
+                    owner = g // C  # [JT]
+                    dst = (region_of(region_ptr, region_off, owner, tl.float32)
+                           + stage_off + (rank * C + g - owner * C).to(tl.int64) * H)  # [JT] owners' planes for this source
+                    rows = d_ptr + srow.to(tl.int64)[:, None] * stride_om  # [JT*KP, 1]
+                    for h0 in range(0, H, BH):
+                        cols = h0 + hh
+                        cm = cols < H
+                        dv = tl.load(rows + cols[None, :], mask=lq[:, None] & cm[None, :], other=0.0)  # [JT*KP, BH]
+                        prod = tl.reshape(dv.to(tl.float32) * wq[:, None], (JT, KP, BH))
+                        part = tl.sum(prod, axis=1)  # [JT, BH] fp32 pre-reduce over k
+                        tl.store(dst[:, None] + cols[None, :], part, mask=live[:, None] & cm[None, :])  # peer stores
+                    # Count locally and elect the last writer per owner: all threads' stores,
+                    # barrier, acq_rel counts (they chain every job's pushes), then one release
+                    # store to each owner whose last token this was (no remote read-modify-write).
+                    tl.debug_barrier()
+                    old = tl.atomic_add(pushed_ptr + owner, 1, mask=live, sem="acq_rel", scope="sys")  # [JT]
+                    last = live & (old + 1 == tl.load(routing_g_ptr + owner * L, mask=live, other=-1))
+                    for t in tl.static_range(JT):
+                        if tl.max(tl.where((tt == t) & last, 1, 0), axis=0) > 0:
+                            o_t = tl.max(tl.where(tt == t, owner, 0), axis=0)
+                            store_release(region_of(region_ptr, region_off, o_t, tl.int32) + wm_off + rank, seq, USE_PTX)
+                    j0 = tl.atomic_add(disp_ptr, JT, sem="relaxed", scope="gpu")
+                    go = j0 < n_real
             if pid < NUM_COMPUTE:
                 tl.atomic_add(stats_ptr + 2, now_ns(USE_PTX) - t_join, sem="relaxed")
 
@@ -444,21 +452,22 @@ def ag_gemm1(*, region, region_off, pulled, w13, act, tables, arrived, ctl, erro
 
 
 def gemm2_push(*, region, region_off, act, w2, D, tables, routing_g, tiles, disp, pushed, ctl, error, stats,
-               rank, R, C, L, stage_off, wm_off, config, num_programs, num_compute, join, max_spins, use_ptx, sync=True,
-               job_cols=512):
+               rank, R, C, L, stage_off, wm_off, config, num_programs, num_compute, join, max_spins, use_ptx,
+               job_cols, job_tokens, sync=True):
     """Kernel 2: D [S, H] = act @ W2, then every global token's top-k sum pushed to its owner."""
     S, Ir = act.shape
     E, _, H = w2.shape
-    N, K = tables.slots.shape
+    K = tables.slots.shape[1]
     NB = S // BM
     assert D.shape == (S, H) and act.stride(1) == 1 and w2.stride(2) == 1 and D.stride(1) == 1
     assert 0 < num_compute <= num_programs and (join or num_compute < num_programs), "nobody takes jobs"
+    assert job_tokens >= 1 and job_tokens & (job_tokens - 1) == 0, f"job_tokens must be a power of two, got {job_tokens}"
     _gemm2_push_kernel[(num_programs,)](
         region, region_off, act, w2, D, tables.block_expert, tables.slots, tables.job_order, routing_g,
         tiles, disp, pushed, ctl, error, stats,
-        rank, R, N, C, H, NB, Ir, E, L, stage_off, wm_off, max_spins,
+        rank, R, C, H, NB, Ir, E, L, stage_off, wm_off, max_spins,
         act.stride(0), w2.stride(0), w2.stride(1), D.stride(0),
-        K=K, KP=_p2(K), BH=min(_p2(H), job_cols), NUM_COMPUTE=num_compute, NUM_PROGRAMS=num_programs,
+        K=K, KP=_p2(K), BH=min(_p2(H), job_cols), JT=job_tokens, NUM_COMPUTE=num_compute, NUM_PROGRAMS=num_programs,
         JOIN=join, USE_PTX=use_ptx, SYNC=sync,
         IEEE=act.dtype == torch.float32, EVEN_K=Ir % config.BK == 0, EVEN_N=H % config.BN == 0,
         BM=BM, BN=config.BN, BK=config.BK, num_warps=config.num_warps, num_stages=config.num_stages,

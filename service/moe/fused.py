@@ -217,6 +217,11 @@ class Plan:
     # Columns a kernel-2 job loads per step (K rows of them at once). Swept on an H200 at the seed
     # share, R=1 (bench/RESULTS.md): 512 -> job tail 360 us, 1024 -> 134, 2048 -> 66, 4096 -> 61.
     job_cols: int = 2048
+    # Tokens a kernel-2 job takes per dispenser grab (their K rows load together; the fixed
+    # costs of a job are paid once per grab). H200, seed share, R=1, job_cols 2048
+    # (bench/RESULTS.md): 1 -> job tail 72 us, 2 -> 52, 4 -> 39 (fused 978 -> 919 us); narrower
+    # columns lose (4 x 1024: 102, 8 x 512: 316).
+    job_tokens: int = 4
     # Tokens a kernel-1 puller moves per iteration. H200, seed share, R=1, when kernel 1 still
     # wrote K rows per token (bench/RESULTS.md): 4 -> 1.17x serial, 8 -> 1.13x, 16 -> 1.21x.
     pull_tokens: int = 8
@@ -262,7 +267,7 @@ def run_kernel2(b: RankBuffers, plan: Plan, tables, w2: torch.Tensor) -> None:
                   rank=b.rank, R=b.cfg.R, C=b.cfg.C, L=b.lay.L, stage_off=b.stage_off, wm_off=b.wm_off,
                   config=plan.config2, num_programs=plan.num_programs, num_compute=plan.num_compute2,
                   join=plan.join, max_spins=plan.max_spins, use_ptx=plan.use_ptx, sync=plan.sync,
-                  job_cols=plan.job_cols)
+                  job_cols=plan.job_cols, job_tokens=plan.job_tokens)
 
 
 def run_reduce(b: RankBuffers, plan: Plan) -> None:
