@@ -20,9 +20,9 @@ One step on rank r (service/moe/simulate.py is the CPU model of exactly this dat
              `pulled`: the K copies of a token are re-reads of one row, no scattered A [S, H]),
              each tile gated on arrived[g] >= seq for the remote tokens of its row block.
     kernel 2 compute programs run grouped GEMM2, marking tiles[block] (+1 per column tile, for
-             used and unused blocks, so the target is seq * n_tiles); jobs (one per token, from an
-             atomic dispenser in job_order) wait for their K rows, sum them in fp32 with the
-             routing weights, store the row into the owner's staging plane for source r; the
+             used and unused blocks, so the target is seq * n_tiles); jobs (job_tokens tokens per
+             grab from an atomic dispenser in job_order) wait for their K rows, sum them in fp32
+             with the routing weights, store the rows into the owners' staging planes for source r; the
              last writer per owner (local count, elected) stores seq into the owner's wm[r]
              (release, no remote read-modify-write). Owners with no tokens are published at the
              kernel's start. GEMM programs join the dispenser after their tiles.
