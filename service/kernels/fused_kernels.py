@@ -28,7 +28,7 @@ never keep a producer off the machine.
               JOIN the GEMM programs take jobs too once their tiles are done (all-hands tail).
 
 Bounded waits record the first failure in error[0] (atomic CAS from 0, so the first one stays):
-    ERR_BARRIER + peer, ERR_GATE + block, ERR_JOB + token, ERR_WATERMARK (see the constants).
+    ERR_BARRIER + peer, ERR_GATE + block, ERR_JOB + first token of the grab, ERR_WATERMARK.
 Every kernel but the stage copy does nothing when error[0] is set at its start: after a failure the step is void,
 the host raises and the group restarts.
 
@@ -53,7 +53,7 @@ from service.kernels.sync import now_ns, signal_add, store_release, wait_all_geq
 META = tl.constexpr(4)  # int32 words in front of a routing block: n, seq low, seq high, unused (as serial.py)
 
 ERR_BARRIER = 1 << 24     # + peer rank whose barrier signal never came
-ERR_GATE = 2 << 24        # + row block whose counter never filled (kernel 1)
+ERR_GATE = 2 << 24        # + row block whose remote tokens never all arrived (kernel 1)
 ERR_JOB = 3 << 24         # + first global token of a job whose rows never completed (kernel 2)
 ERR_WATERMARK = 4 << 24   # final reduce: some source never published
 ERR_NAMES = {1: "barrier", 2: "kernel-1 gate", 3: "kernel-2 job", 4: "final-reduce watermark"}
@@ -351,7 +351,7 @@ def _gemm2_push_kernel(
 
 
 @triton.jit
-def _final_reduce_kernel(stage_ptr, wm_ptr, out_ptr, routing_g_ptr, disp_ptr, pushed_ptr,
+def _final_reduce_kernel(stage_ptr, wm_ptr, out_ptr, routing_g_ptr, disp_ptr, pushed_ptr, arrived_ptr,
                          ctl_ptr, error_ptr, stats_ptr,
                          rank, R, C, H, L, max_spins,
                          RP: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, USE_PTX: tl.constexpr,
@@ -365,6 +365,12 @@ def _final_reduce_kernel(stage_ptr, wm_ptr, out_ptr, routing_g_ptr, disp_ptr, pu
         tl.store(disp_ptr, 0)
         rr0 = tl.arange(0, RP)
         tl.store(pushed_ptr + rr0, tl.zeros((RP,), dtype=tl.int32), mask=rr0 < R)
+    # Kernel 1 is over too: every token's arrival flag := seq, pulled or not, so no flag ever lags
+    # its next target by more than one step (a token left unpulled for 2**31 steps would otherwise
+    # read as arrived: the comparisons are wrap-safe only for lags below 2**31).
+    tok = pid * (BR * R) + tl.arange(0, BR * RP)
+    tl.store(arrived_ptr + tok, tl.zeros((BR * RP,), dtype=tl.int32) + seq,
+             mask=(tl.arange(0, BR * RP) < BR * R) & (tok < R * C))
     n = tl.load(routing_g_ptr + rank * L)
     row0 = pid * BR
     if (tl.load(error_ptr) == 0) & ((row0 < n) | (pid == 0)):  # program 0 always checks the peers
@@ -477,13 +483,13 @@ def gemm2_push(*, region, region_off, act, w2, D, tables, routing_g, tiles, disp
 REDUCE_ROWS = 4  # rows per final-reduce program
 
 
-def final_reduce(*, staging, wm, out, routing_g, disp, pushed, ctl, error, stats, rank, R, C, L, max_spins, use_ptx,
-                 sync=True):
+def final_reduce(*, staging, wm, out, routing_g, disp, pushed, arrived, ctl, error, stats, rank, R, C, L, max_spins,
+                 use_ptx, sync=True):
     """out [C, H] fp32 (rows < n) = sum of this rank's R staging planes, after the watermarks."""
     H = out.shape[1]
     assert staging.shape == (R, C, H) and staging.dtype == torch.float32 and staging.is_contiguous()
     assert out.shape == (C, H) and out.is_contiguous()
     _final_reduce_kernel[(triton.cdiv(C, REDUCE_ROWS),)](
-        staging, wm, out, routing_g, disp, pushed, ctl, error, stats, rank, R, C, H, L, max_spins,
+        staging, wm, out, routing_g, disp, pushed, arrived, ctl, error, stats, rank, R, C, H, L, max_spins,
         RP=_p2(R), BR=REDUCE_ROWS, BH=min(_p2(H), 1024), USE_PTX=use_ptx, SYNC=sync, num_warps=4,
     )

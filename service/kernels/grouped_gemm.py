@@ -33,8 +33,9 @@ without loading anything: the grid is sized at capacity and needs no host sync.
 
 Row gather (compile-time GATHER): with `row_token [S]`, output row s reads row row_token[s] of A
 (A is then the token matrix [N, H], not the gathered layout; -1 marks a padding row, whose output
-nobody uses: it reads row s mod N, spread so that padding rows do not all hit one cache line). GEMM1 then needs no scattered copy of the tokens: the
-K copies of a token are the same row of a small matrix that stays in L2.
+nobody uses: it reads row s mod N, spread so that padding rows do not all hit one cache line).
+GEMM1 then needs no scattered copy of the tokens: the K copies of a token are the same row of a
+small matrix that stays in L2. Entries must lie in [-1, N): not checked (that would cost a sync).
 
 Hooks (compile-time, ThunderKittens style; the GEMM does not know where its data comes from):
     GATE      before a tile's loads, wait until `counters[block]` reaches `target[0]` (acquire,
@@ -180,7 +181,7 @@ def gemm_tile(a_ptr, a_rows, w_ptr, out_ptr, block, expert, pn, ready, N, K, up_
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr,            # A [S, K], W [E, K, n_w], out [S, N]
     block_expert_ptr,                 # [S/BM] int32, E = unused block
-    row_token_ptr,                    # GATHER: [S] int32 row of A for output row s (-1: padding, reads row 0)
+    row_token_ptr,                    # GATHER: [S] int32 row of A for output row s (-1: padding)
     counters_ptr, target_ptr,         # GATE: [S/BM] int32, [1] int32
     tile_counters_ptr,                # EPILOGUE: [S/BM] int32
     error_ptr,                        # [1] int32: block + 1 of a timed-out wait, else untouched
@@ -270,6 +271,8 @@ def _launch(a, w, out, block_expert, *, n, up_col, swiglu, config, gate, epilogu
     if row_token is not None:
         if row_token.dtype != torch.int32 or row_token.dim() != 1:
             raise ValueError(f"row_token must be int32 [S], got {row_token.dtype} {list(row_token.shape)}")
+        if a.shape[0] == 0:
+            raise ValueError("a gathered launch needs at least one row of A (padding rows read one)")
         tensors.append(row_token)
     if gate is not None:
         if gate.counters.shape != (S // BM,) or gate.counters.dtype != torch.int32:

@@ -9,9 +9,11 @@ Every helper takes `USE_PTX: tl.constexpr`:
            has no inline asm. Timers read 0 there.
 
 Flags are int32 and monotonic (never reset, ARCHITECTURE.md 5.4); targets are functions of the
-batch sequence number (`seq * BM`, `seq * n_tiles`, `seq`). Comparisons are wrap-safe: a flag has
-reached a target when `(flag - target)` as int32 is >= 0, so counters may wrap past 2**31 (after
-16.7 M batches for `seq * BM`) as long as a flag never lags its target by 2**31.
+batch sequence number (`seq * n_tiles`, `seq`). Comparisons are wrap-safe: a flag has reached a
+target when `(flag - target)` as int32 is >= 0, so flags may wrap past 2**31 as long as a flag
+never lags its target by 2**31. Every flag therefore moves every step: counters gain a fixed
+amount per step, and flags that only some steps would set (the fused kernel 1's per-token
+arrivals) are refreshed to seq at the end of every step.
 
 Memory-ordering recipe (ARCHITECTURE.md 5.3): signal = all threads' stores, CTA barrier, one
 release at system scope; wait = acquire at system scope in a loop, then a CTA barrier (inside the

@@ -1,5 +1,6 @@
-"""The fused backend: the layer in three launches (plus a one-CTA exchange), peers' memory through
-PyTorch symmetric memory, communication overlapped with the GEMMs (ARCHITECTURE.md section 3).
+"""The fused backend: the layer in three launches (plus the input stage, a one-CTA exchange and the
+schedule tables), peers' memory through PyTorch symmetric memory, communication overlapped with
+the GEMMs (ARCHITECTURE.md section 3; docs/CONTRACTS.md lists where the code departs from it).
 
 Dimension letters: R ranks, C capacity per rank, N = R*C global tokens, K top-k, H hidden,
 Ir = I / R, E experts, S gathered rows, NB = S / BM row blocks, L = META + 2*C*K.
@@ -26,14 +27,17 @@ One step on rank r (service/moe/simulate.py is the CPU model of exactly this dat
              last writer per owner (local count, elected) stores seq into the owner's wm[r]
              (release, no remote read-modify-write). Owners with no tokens are published at the
              kernel's start. GEMM programs join the dispenser after their tiles.
-    reduce   wait until wm[s] >= seq for all s, out_r = sum over the R planes.
+    reduce   wait until wm[s] >= seq for all s, out_r = sum over the R planes; reset kernel 2's
+             local scratch and refresh every arrival flag to seq (see "Sequence numbers").
 
 Sequence numbers. Every flag is compared against a function of the step number `seq` (the
 layer's own counter, ctl[0], which also runs the warm-up step) and never reset: token arrivals,
 watermarks and barrier slots target seq, tile counters seq*n_tiles (int32, wrap-safe
-comparisons, service/kernels/sync.py). Only the dispenser and the per-owner push counts are
-zeroed, by the final reduce: they are local, read by no peer, and the dispenser overshoots by the
-number of programs that find it empty, so no seq target could describe it.
+comparisons, service/kernels/sync.py). A token's arrival flag is set only when it is pulled, so
+the final reduce refreshes all of them to seq every step: a token left unpulled for 2**31 steps
+would otherwise read as arrived. Only the dispenser and the per-owner push counts are zeroed, by
+the final reduce: they are local, read by no peer, and the dispenser overshoots by the number of
+programs that find it empty, so no seq target could describe it.
 
 Why one barrier per step is enough: the token and routing buffers are double buffered by parity.
 Rank o overwrites parity p at step seq+2 only after its exchange of step seq+1, which waited for
@@ -274,7 +278,7 @@ def run_reduce(b: RankBuffers, plan: Plan) -> None:
     from service.kernels import fused_kernels as fk
 
     fk.final_reduce(staging=b.staging, wm=b.wm, out=b.out, routing_g=b.routing_g, disp=b.disp, pushed=b.pushed,
-                    ctl=b.ctl, error=b.error, stats=b.stats, rank=b.rank, R=b.cfg.R, C=b.cfg.C, L=b.lay.L,
+                    arrived=b.arrived, ctl=b.ctl, error=b.error, stats=b.stats, rank=b.rank, R=b.cfg.R, C=b.cfg.C, L=b.lay.L,
                     max_spins=plan.max_spins, use_ptx=plan.use_ptx, sync=plan.sync)
 
 

@@ -8,10 +8,13 @@ or ordering mistake shows up as a wrong answer or a failed wait rather than in a
               (here: pulls until) every remote token of the block arrived, then GEMM1 + SwiGLU
               -> act [S, Ir], reading row s as token row_token[s] in place (own tokens from the
               token buffer, remote ones from `pulled`).
-    kernel 2  GEMM2 per row block -> D [S, H], marking the block done. Jobs (one per global token)
-              are taken in job_order as soon as all K slot rows are done: fp32 sum over k of
+    kernel 2  GEMM2 per row block -> D [S, H], marking the block done. Jobs are taken in
+              job_order as soon as all K slot rows are done: fp32 sum over k of
               w[g, k] * D[slots[g, k]], pushed into the owner's staging plane for this source rank
               ([R, C, H] per owner). The last job for an owner publishes this rank's watermark.
+              (The kernel hands out grabs of job_tokens tokens, so a ready token may wait for the
+              unready ones of its grab: a matter of time only; results and watermarks are the same.
+              The model takes one token at a time.)
     reduce    each owner waits for all R watermarks to reach seq, sums its R planes -> out_r.
 
 Besides the numbers, it asserts the orders' purpose at row-block granularity: when block b's
@@ -138,7 +141,7 @@ def _kernel2(r: int, tables: Tables, act: Tensor, w2: Tensor, w_g: Tensor, count
         rows = slice(b * BM, (b + 1) * BM)
         D[rows] = act[rows] @ w2[e].float()                          # [BM, H]
         done[b] = True
-        # Comm programs drain the dispenser while the next job's rows are all done.
+        # Job programs drain the dispenser while the next job's rows are all done.
         while next_job < len(jobs) and (slots[jobs[next_job]][0] < 0 or ready(jobs[next_job])):
             g = jobs[next_job]
             next_job += 1

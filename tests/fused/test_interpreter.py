@@ -5,10 +5,11 @@ peer loads and stores, flags and watermarks go through the same code as on a GPU
 the tl.atomic_* path). The interpreter runs programs one after another, so each phase runs for
 every rank before the next (producers before consumers) and the barrier's peer signals are
 pre-satisfied. What it checks, against the fp32 reference and service/moe/simulate.py:
-the pull/scatter, gates, GEMMs, the job dispenser, reduce + push into the owners' planes, the
+the input stage, the pulls of remote tokens and GEMM1's in-place row reads, the gates, GEMM2,
+the job dispenser with 1-, 2- and 4-token grabs, reduce + push into the owners' planes, the
 last-writer watermarks (empty owners included), the final reduce, the flags' sequence targets
-over consecutive batches (including int32 wrap-around of seq * BM), and that timed-out waits end
-in the error flag.
+over consecutive batches (including seq crossing 2**31, where the int32 flags wrap), the arrival
+flags' refresh to seq every step, and that timed-out waits end in the error flag.
 
 TRITON_INTERPRET is read when `@triton.jit` decorates, so the cases run in a subprocess (this
 file as a script, tests/interp.py).
@@ -29,7 +30,7 @@ CASES = {
     "r3_fp32": ("float32", 4, 32, 16, 2, 6, [[6, 0, 3], [1, 6, 6], [0, 0, 1]], "balanced", 4, 2, 2, False, 1, None),
     "r2_fp16_skewed": ("float16", 5, 48, 24, 3, 5, [[5, 4], [2, 5]], "skewed", 4, 1, 2, False, 1, None),
     "r1_join": ("float32", 3, 32, 16, 3, 7, [[7], [1]], "balanced", 2, 1, 1, True, 1, None),
-    "r2_wrap": ("float32", 4, 32, 16, 2, 4, [[4, 3], [2, 4], [3, 1]], "balanced", 3, 1, 2, False, (1 << 24) - 1, None),
+    "r2_wrap": ("float32", 4, 32, 16, 2, 4, [[4, 3], [2, 4], [3, 1]], "balanced", 3, 1, 2, False, (1 << 31) - 2, None),
     "barrier_timeout": ("float32", 4, 32, 16, 2, 4, [[4, 3]], "balanced", 3, 1, 2, False, 1, "withhold"),
     "gate_timeout": ("float32", 4, 32, 16, 2, 4, [[4, 3]], "balanced", 3, 1, 2, False, 1, "gate"),
 }
@@ -84,7 +85,6 @@ def _run_case(name: str) -> dict:
         b.D.fill_(float("nan"))
         b.staging.fill_(float("nan"))
 
-    arrived_want = [[_wrap32(seq0 - 1)] * (R * C) for _ in range(R)]  # per rank: arrived[g] after each step
     record: dict = {"dtype": dtype_name, "errors": [], "steps": []}
     for step, counts in enumerate(batches):
         seq = seq0 + step
@@ -139,10 +139,6 @@ def _run_case(name: str) -> dict:
             if fault == "gate":
                 record["gate_blocks"] = gate_blocks
             break
-        for r, want in enumerate(arrived_want):  # pulled this step: the remote real tokens
-            for g in range(R * C):
-                if g // C != r and g % C < counts[g // C]:
-                    want[g] = _wrap32(seq)
         refs = [moe_reference(x.float(), i, w, *full) for x, i, w in zip(xs, ids, ws)]
         sims = simulate_fused([x.float() for x in xs], ids, ws, [(a.float(), c.float()) for a, c in zip(w13, w2)],
                               cfg.replace(dtype=torch.float32), seq=seq)
@@ -156,7 +152,7 @@ def _run_case(name: str) -> dict:
             tables_same=all(torch.equal(getattr(t, f), getattr(tables[0], f)) for t in tables
                             for f in ("slots", "pull_order", "job_order", "row_token", "block_expert")),
             tables_match_torch=torch.equal(tables[0].slots, build_tables(ids_g, counts_t, E, C, cfg.S).slots),
-            arrived_ok=all(b.arrived[:R * C].tolist() == want for b, want in zip(bufs, arrived_want)),
+            arrived_ok=all(b.arrived[:R * C].tolist() == [_wrap32(seq)] * (R * C) for b in bufs),
             tiles_ok=all(torch.equal(b.tiles, torch.full((NB,), _wrap32(seq * n_tiles2), dtype=torch.int32)) for b in bufs),
             wm_ok=all(torch.equal(b.wm, torch.full((R,), _wrap32(seq), dtype=torch.int32)) for b in bufs),
             bar_ok=all(torch.equal(b.bar, torch.full((R,), _wrap32(seq), dtype=torch.int32)) for b in bufs),
@@ -185,7 +181,7 @@ def test_fused_pipeline_matches_reference(results, name):
         for rank, (e, es) in enumerate(zip(s["err"], s["err_sim"])):
             assert e <= tol, f"{where} rank {rank}: error vs reference {e:.2e}"
             assert es <= tol, f"{where} rank {rank}: error vs simulation {es:.2e}"
-        assert s["arrived_ok"], f"{where}: arrivals are not at seq for exactly the pulled (remote, real) tokens"
+        assert s["arrived_ok"], f"{where}: arrival flags not refreshed to seq (pulled or not)"
         assert s["tiles_ok"], f"{where}: tile counters are not at seq * n_tiles"
         assert s["wm_ok"], f"{where}: a watermark (empty owners included) is not at seq"
         assert s["bar_ok"], f"{where}: barrier slots are not at seq"
