@@ -14,10 +14,11 @@ Shape: the seed preset (E=64, H=4096, I=3072, Ir=768, K=8, R=4, bf16) at each ca
 rank holding C tokens (full steps), random weights, the same inputs for every layer. Per rank:
   serial        SerialLayer: NCCL all-gather, CUDA schedule op, Triton grouped GEMMs, combine,
                 NCCL reduce-scatter. Eager: it is not graph-captured (it stages a host tensor per step).
-  fused         FusedLayer: one CUDA-graph replay per step (after the staging copies of `forward`).
+  fused         FusedLayer: one CUDA-graph replay per step (the rows written once into its input buffers,
+                as the rank writes them; the stage kernel inside the graph moves them).
   compute-only  FusedLayer(sync=False), graph: the same programs moving the same bytes with every
                 wait removed (output discarded).
-  fused eager   FusedLayer(graph=False) with stage marks (exchange, tables, kernel1, kernel2, reduce).
+  fused eager   FusedLayer(graph=False) with stage marks (stage, exchange, tables, kernel1, kernel2, reduce).
   tables        the schedule builder alone on the step's global routing (isolated, eager).
 A step's time is CUDA events around `forward` on each rank; the layer's time for the step is the
 maximum over the ranks (its output is complete when the slowest rank is); tables print the p50 of
@@ -115,6 +116,8 @@ class _Runner:
     def steps(self, x, ids, w, n: int, warmup: int = WARMUP, timer=None, after=None):
         import torch.distributed as dist
 
+        if hasattr(self.layer, "inputs"):  # as the rank does: the rows written where the fused layer takes them
+            x, ids, w = (buf[:t.shape[0]].copy_(t) for buf, t in zip(self.layer.inputs, (x, ids, w)))
         times, extra = [], []
         for i in range(warmup + n):
             dist.barrier(group=self.host)
