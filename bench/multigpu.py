@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench import loadstats  # noqa: E402
+from bench.fused_layer import own_inputs  # noqa: E402
 from service.config import LayerConfig, preset  # noqa: E402
 
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -116,8 +117,7 @@ class _Runner:
     def steps(self, x, ids, w, n: int, warmup: int = WARMUP, timer=None, after=None):
         import torch.distributed as dist
 
-        if hasattr(self.layer, "inputs"):  # as the rank does: the rows written where the fused layer takes them
-            x, ids, w = (buf[:t.shape[0]].copy_(t) for buf, t in zip(self.layer.inputs, (x, ids, w)))
+        x, ids, w = own_inputs(self.layer, x, ids, w)
         times, extra = [], []
         for i in range(warmup + n):
             dist.barrier(group=self.host)
@@ -321,13 +321,17 @@ def _report(gathered: list[list[dict]], base: LayerConfig, args, dev: torch.devi
 
 
 def _dry_run(args) -> None:
+    from service.moe.fused import Layout
+
     base = _layer_shape(args)
     how = "gloo, CPU" if args.cpu_smoke else "NCCL + symmetric memory, one GPU each"
     print(f"plan: {args.ranks} spawned ranks ({how}), {base.describe()}; env {ENV}")
     for C in (int(c) for c in args.capacities.split(",")):
         cfg = base.replace(C=C)
         flops = 2 * cfg.R * C * cfg.K * cfg.H * 3 * cfg.Ir
-        layer_bytes = 2 * cfg.S * cfg.H * 2 + cfg.S * cfg.Ir * 2 + cfg.R * C * cfg.H * 4
+        item = cfg.dtype.itemsize  # symmetric region (tokens, pulled, routing, staging, flags) + D, act, inputs
+        layer_bytes = (Layout(cfg.R, C, cfg.H, cfg.K, item).nbytes
+                       + cfg.S * (cfg.H + cfg.Ir) * item + C * cfg.H * item)
         print(f"  C={C}: N={cfg.R * C} tokens, S={cfg.S} gathered rows, {flops / 1e9:.0f} GFLOP per rank, "
               f"~{layer_bytes / 2**30:.2f} GiB of buffers per fused layer; routings {args.routings}: "
               f"serial {args.steps} steps, fused {args.steps} replays, compute-only {args.steps}, "
