@@ -25,6 +25,37 @@ BM = 128  # rows per block of the gathered layout; every expert's run is padded 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
+ACT_KINDS = ("silu", "gelu_tanh", "gpt_oss")
+GPT_OSS_ALPHA = 1.702  # gpt-oss's default swiglu_alpha
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """The gated activation between the two GEMMs, a compile-time choice of GEMM1's epilogue.
+
+    With g = x @ gate^T (+ gate bias) and u = x @ up^T (+ up bias), and with `limit` set,
+    g <- min(g, limit) and u <- clamp(u, -limit, limit) first (DeepSeek-V4's and gpt-oss's
+    swiglu_limit; transformers clamps exactly this way):
+        silu       silu(g) * u
+        gelu_tanh  gelu(g, approximate="tanh") * u
+        gpt_oss    (u + 1) * g * sigmoid(alpha * g)
+    """
+
+    kind: str = "silu"
+    limit: float | None = None  # clamp bound; None: no clamp
+    alpha: float = GPT_OSS_ALPHA  # gpt_oss only
+
+    def __post_init__(self) -> None:
+        if self.kind not in ACT_KINDS:
+            raise ConfigError(f"activation must be one of {list(ACT_KINDS)}, got {self.kind!r}")
+        if self.limit is not None and not self.limit > 0:
+            raise ConfigError(f"activation clamp limit must be positive, got {self.limit!r}")
+
+    def describe(self) -> str:
+        parts = [self.kind] + ([f"limit={self.limit:g}"] if self.limit is not None else []) + (
+            [f"alpha={self.alpha:g}"] if self.kind == "gpt_oss" else [])
+        return " ".join(parts)
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerConfig:
@@ -37,6 +68,8 @@ class LayerConfig:
     R: int  # ranks
     C: int  # token capacity per rank and step
     dtype: torch.dtype = Field(torch.bfloat16, description="compute dtype; default the preset's")
+    act: Activation = Activation()  # the experts' gated activation (from the checkpoint's config.json)
+    bias: bool = False  # per-expert biases (gpt-oss): gate/up before the activation, down after GEMM2
 
     def __post_init__(self) -> None:
         for name in ("E", "H", "I", "K", "R", "C"):
@@ -70,7 +103,7 @@ class LayerConfig:
 
     def describe(self) -> str:
         return (f"E={self.E} H={self.H} I={self.I} K={self.K} R={self.R} C={self.C} "
-                f"dtype={DTYPE_NAMES[self.dtype]}")
+                f"dtype={DTYPE_NAMES[self.dtype]} act={self.act.describe()}{' bias' if self.bias else ''}")
 
 
 PRESETS: dict[str, LayerConfig] = {
@@ -109,8 +142,10 @@ class Settings(BaseSettings):
     world_size: int | None = Field(None, ge=1, description="ranks R; default the preset's (capped by GPUs)")
     capacity: int | None = Field(None, ge=1, description="tokens per rank and step C; default the preset's")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="compute dtype; default the preset's")
-    weights: str | None = Field(None, description="safetensors checkpoint; synthetic weights when unset")
-    weights_prefix: str = Field("", description="key prefix in the checkpoint, e.g. `model.layers.0.mlp.`")
+    weights: str | None = Field(None, description="a safetensors file, a `*.safetensors.index.json` or a Hugging Face model directory (config.json + shards); synthetic weights when unset")
+    weights_prefix: str = Field("", description="key prefix of the experts in a file without config.json, e.g. `model.layers.0.mlp.`")
+    layer: int | None = Field(None, ge=0, description="decoder layer to serve from a model directory; default the first with routed experts")
+    top_k: int | None = Field(None, ge=1, description="experts per token K for weights without config.json (default the preset's); a model directory's config.json gives it")
     seed: int = Field(0, description="seed of the synthetic weights")
     backend: Literal["auto", "serial", "fused"] = Field("auto", description="layer backend; `auto`: fused where it can run, else serial (the reason is logged at start)")
 

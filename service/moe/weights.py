@@ -2,16 +2,14 @@
 
 Dimension letters: E experts, H hidden, I total intermediate, R ranks, Ir = I / R.
 
-Checkpoint layout (Hugging Face per-expert naming, `nn.Linear` convention `[out, in]`):
-
-    {prefix}experts.{e}.gate_proj.weight  [I, H]     Mixtral alias: {prefix}experts.{e}.w1.weight
-    {prefix}experts.{e}.up_proj.weight    [I, H]                    {prefix}experts.{e}.w3.weight
-    {prefix}experts.{e}.down_proj.weight  [H, I]                    {prefix}experts.{e}.w2.weight
-
+Checkpoints (service.moe.checkpoint reads the file, index or model directory and detects the
+layout: per-expert HF / Mixtral tensors or fused 3-D ones, in `nn.Linear` convention `[out, in]`).
 Rank r of R holds, for every expert e (gate columns first, then up columns):
 
     w13[e] = cat(gate[r*Ir:(r+1)*Ir, :].T, up[r*Ir:(r+1)*Ir, :].T, dim=1)   # [H, 2*Ir]
     w2[e]  = down[:, r*Ir:(r+1)*Ir].T                                      # [Ir, H]
+    b13[e] = cat(gate_bias[r*Ir:(r+1)*Ir], up_bias[r*Ir:(r+1)*Ir])        # [2*Ir]  (biased layouts)
+    b2[e]  = down_bias on rank 0, absent elsewhere                         # [H]
 
 Loading reads only that slice: every tensor goes through `safe_open(...).get_slice(key)[...]`
 (the file is memory-mapped, so a rank touches about 1/R of the bytes); `get_tensor` is never
@@ -30,20 +28,18 @@ are reproducible for a given torch version (write_synthetic_checkpoint pins them
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import math
 import os
-import re
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from service.config import LayerConfig
 from service.errors import ConfigError, WeightsError
+from service.moe.checkpoint import NAMINGS, Shards, expert_key, inspect_layer, read_rank_slice, read_spec
 
 Tensor = torch.Tensor
 
@@ -51,20 +47,8 @@ Tensor = torch.Tensor
 # overhead vanishes, small enough that a rank's slice overshoots its range by at most 2 blocks.
 SYNTH_ROW_BLOCK = 64
 
-# Role -> tensor name in each naming. Roles are also the synthetic matrix ids (0, 1, 2).
+# Roles are also the synthetic matrix ids (0, 1, 2).
 ROLES = ("gate", "up", "down")
-NAMINGS: dict[str, dict[str, str]] = {
-    "hf": {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
-    "mixtral": {"gate": "w1", "up": "w3", "down": "w2"},
-}
-_NAME_TO_NAMING = {name: naming for naming, names in NAMINGS.items() for name in names.values()}
-
-# safetensors dtype strings this loader accepts (cast to cfg.dtype on load). Quantized formats
-# (F8_*, integers) need scales and are refused rather than silently cast.
-_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
-
-_EXPERT_KEY = re.compile(r"^(?P<prefix>.*?)experts\.(?P<e>\d+)\.(?P<name>[^.]+)\.weight$")
-_EXAMPLES = 5  # keys quoted in an error message
 
 
 @dataclass
@@ -73,108 +57,17 @@ class RankWeights:
 
     w13: Tensor  # [E, H, 2*Ir] columns [:Ir] = gate rows r*Ir..(r+1)*Ir transposed, [Ir:] = up rows
     w2: Tensor  # [E, Ir, H]    down_proj[:, r*Ir:(r+1)*Ir] transposed
+    b13: Tensor | None = None  # [E, 2*Ir] gate bias slice, then up bias slice (layouts with biases)
+    b2: Tensor | None = None  # [E, H] down bias: rank 0 only (the ranks' partial sums add up to one copy)
 
 
 # --------------------------------------------------------------------------- checkpoint reading
 
 
-def expert_key(prefix: str, e: int, role: str, naming: str = "hf") -> str:
-    return f"{prefix}experts.{e}.{NAMINGS[naming][role]}.weight"
-
-
-def _expected_shape(role: str, H: int, I: int) -> tuple[int, int]:  # noqa: E741
-    return (H, I) if role == "down" else (I, H)
-
-
-def _open(path: str | os.PathLike):
-    """Open a safetensors file lazily (header only); every failure becomes a WeightsError."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise WeightsError(f"checkpoint {path!r} does not exist or is not a file")
-    try:
-        return safe_open(path, framework="pt", device="cpu")
-    except (OSError, SafetensorError) as exc:
-        raise WeightsError(f"checkpoint {path!r} is not a readable safetensors file: {exc}") from exc
-
-
-def _suggest_prefixes(keys: list[str]) -> list[str]:
-    # Sorted, so that among equally common prefixes (one per layer) the first layer comes first.
-    found = collections.Counter(m["prefix"] for k in sorted(keys)
-                                if (m := _EXPERT_KEY.match(k)) and m["name"] in _NAME_TO_NAMING)
-    return [p for p, _ in found.most_common(3)]
-
-
-def _detect_naming(path: str, keys: list[str], prefix: str) -> tuple[str, dict[int, dict[str, str]]]:
-    """Naming of the expert keys under `prefix` and, per expert, role -> key."""
-    under = [k for k in keys if k.startswith(prefix + "experts.")]
-    experts: dict[int, dict[str, str]] = collections.defaultdict(dict)
-    namings: dict[str, str] = {}  # naming -> one key that uses it
-    unknown: list[str] = []
-    for key in under:
-        m = _EXPERT_KEY.match(key[len(prefix):])
-        naming = _NAME_TO_NAMING.get(m["name"]) if m and not m["prefix"] else None
-        if naming is None:
-            unknown.append(key)
-            continue
-        namings.setdefault(naming, key)
-        role = next(r for r, n in NAMINGS[naming].items() if n == m["name"])
-        experts[int(m["e"])][role] = key
-    if not namings:
-        hint = ""
-        suggestions = [p for p in _suggest_prefixes(keys) if p != prefix]
-        if suggestions:
-            hint = f"; did you mean prefix={suggestions[0]!r}?" + (
-                f" (other candidates: {suggestions[1:]})" if len(suggestions) > 1 else "")
-        # Quote expert-looking keys first: a whole-model file starts with embeddings and norms.
-        examples = sorted(k for k in keys if _EXPERT_KEY.match(k)) or sorted(keys)
-        what = (f"unknown expert tensor names under it (e.g. {unknown[:_EXAMPLES]})" if unknown
-                else f"no '{prefix}experts.<e>.<name>.weight' keys")
-        raise WeightsError(
-            f"checkpoint {path!r} has {what} for prefix={prefix!r}; expected HF names "
-            f"{sorted(NAMINGS['hf'].values())} or Mixtral names {sorted(NAMINGS['mixtral'].values())}. "
-            f"Keys found: {examples[:_EXAMPLES]}{' ...' if len(examples) > _EXAMPLES else ''}{hint}")
-    if len(namings) > 1:
-        raise WeightsError(
-            f"checkpoint {path!r} mixes expert namings under prefix={prefix!r}: "
-            + ", ".join(f"{n} (e.g. {k!r})" for n, k in sorted(namings.items())))
-    return next(iter(namings)), experts
-
-
-def _inspect(f, path: str, prefix: str) -> tuple[str, int, int, int]:
-    """(naming, E, H, I) of an open checkpoint; checks every expert key, shape and dtype."""
-    naming, experts = _detect_naming(path, list(f.keys()), prefix)
-    E = max(experts) + 1
-    gate0 = expert_key(prefix, 0, "gate", naming)
-    if "gate" not in experts.get(0, {}):
-        raise WeightsError(f"checkpoint {path!r} is missing key {gate0!r} (shape [I, H]); "
-                           f"E, H and I are read from it")
-    shape0 = tuple(f.get_slice(gate0).get_shape())
-    if len(shape0) != 2:
-        raise WeightsError(f"key {gate0!r} in {path!r} has shape {list(shape0)}, expected a 2-D [I, H]")
-    I, H = shape0  # noqa: E741
-    for e in range(E):
-        for role in ROLES:
-            key = expert_key(prefix, e, role, naming)
-            want = list(_expected_shape(role, H, I))
-            if role not in experts.get(e, {}):
-                raise WeightsError(f"checkpoint {path!r} is missing key {key!r} (expected shape {want}; "
-                                   f"E={E} from the highest expert index, H={H}, I={I} from {gate0!r})")
-            sl = f.get_slice(key)
-            shape, dtype = list(sl.get_shape()), sl.get_dtype()
-            if shape != want:
-                raise WeightsError(f"key {key!r} in {path!r} has shape {shape}, expected {want} "
-                                   f"(H={H}, I={I} from {gate0!r})")
-            if dtype not in _FLOAT_DTYPES:
-                raise WeightsError(f"key {key!r} in {path!r} has dtype {dtype}, expected a float dtype "
-                                   f"({', '.join(_FLOAT_DTYPES)})")
-    return naming, E, H, I
-
-
 def inspect_checkpoint(path: str | os.PathLike, prefix: str = "") -> tuple[int, int, int]:
     """(E, H, I) of a checkpoint, read from its header only; raises WeightsError if malformed."""
-    with _open(path) as f:
-        _, E, H, I = _inspect(f, os.fspath(path), prefix)  # noqa: E741
-    return E, H, I
+    spec = inspect_layer(path, prefix)
+    return spec.E, spec.H, spec.I
 
 
 def _check_rank(cfg: LayerConfig, rank: int) -> None:
@@ -184,27 +77,32 @@ def _check_rank(cfg: LayerConfig, rank: int) -> None:
 
 def load_rank_weights(path: str | os.PathLike, cfg: LayerConfig, rank: int, prefix: str = "",
                       device: str | torch.device = "cpu") -> RankWeights:
-    """Rank `rank`'s slice of every expert, read slice by slice, cast to cfg.dtype on `device`."""
+    """Rank `rank`'s slice of every expert of the block at `prefix` (a file, an index or a model
+    directory: service.moe.checkpoint), read slice by slice, cast to cfg.dtype on `device`."""
     _check_rank(cfg, rank)
-    path = os.fspath(path)
     Ir, r0 = cfg.Ir, rank * cfg.Ir
-    w13 = torch.empty(cfg.E, cfg.H, 2 * Ir, dtype=cfg.dtype, device=device)  # [E, H, 2*Ir]
-    w2 = torch.empty(cfg.E, Ir, cfg.H, dtype=cfg.dtype, device=device)  # [E, Ir, H]
-    with _open(path) as f:
-        naming, E, H, I = _inspect(f, path, prefix)  # noqa: E741
-        for field, have, want in (("E", E, cfg.E), ("H", H, cfg.H), ("I", I, cfg.I)):
+    with Shards(path) as sh:
+        spec = read_spec(sh, prefix)
+        for field, have, want in (("E", spec.E, cfg.E), ("H", spec.H, cfg.H), ("I", spec.I, cfg.I),
+                                  ("biases", spec.bias, cfg.bias), ("activation", spec.act, cfg.act)):
             if have != want:
-                raise WeightsError(f"checkpoint {path!r} (prefix={prefix!r}) has {field}={have}, "
+                raise WeightsError(f"checkpoint {spec.path!r} (prefix={spec.prefix!r}) has {field}={have}, "
                                    f"but the layer config has {field}={want}")
-        for e in range(E):
-            # Slices arrive in the file's dtype on the CPU; cast and transpose happen on `device`.
-            gate = f.get_slice(expert_key(prefix, e, "gate", naming))[r0:r0 + Ir].to(device)  # [Ir, H]
-            up = f.get_slice(expert_key(prefix, e, "up", naming))[r0:r0 + Ir].to(device)  # [Ir, H]
-            down = f.get_slice(expert_key(prefix, e, "down", naming))[:, r0:r0 + Ir].to(device)  # [H, Ir]
-            w13[e, :, :Ir].copy_(gate.T)
-            w13[e, :, Ir:].copy_(up.T)
-            w2[e].copy_(down.T)
-    return RankWeights(w13=w13, w2=w2)
+        w13 = torch.empty(cfg.E, cfg.H, 2 * Ir, dtype=cfg.dtype, device=device)  # [E, H, 2*Ir]
+        w2 = torch.empty(cfg.E, Ir, cfg.H, dtype=cfg.dtype, device=device)  # [E, Ir, H]
+        b13 = torch.zeros(cfg.E, 2 * Ir, dtype=cfg.dtype, device=device) if cfg.bias else None  # [E, 2*Ir]
+        b2 = torch.zeros(cfg.E, cfg.H, dtype=cfg.dtype, device=device) if cfg.bias and rank == 0 else None  # [E, H]
+        for es, gate, up, down_t, bias13, bias2 in read_rank_slice(sh, spec, r0, Ir):
+            # Slices arrive in the file's dtype on the CPU (FP8 already dequantized to fp32);
+            # cast and transpose happen on `device`.
+            w13[es, :, :Ir].copy_(gate.to(device).transpose(1, 2))  # [n, H, Ir]
+            w13[es, :, Ir:].copy_(up.to(device).transpose(1, 2))
+            w2[es].copy_(down_t.to(device))  # [n, Ir, H]
+            if b13 is not None:
+                b13[es].copy_(bias13.to(device))
+            if b2 is not None:
+                b2[es].copy_(bias2.to(device))
+    return RankWeights(w13=w13, w2=w2, b13=b13, b2=b2)
 
 
 # --------------------------------------------------------------------------- synthetic weights

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from service.config import LayerConfig
 from service.errors import ConfigError, WeightsError
+from service.moe import checkpoint
 from service.moe import weights as W
 from service.moe.weights import (
     RankWeights,
@@ -191,8 +192,8 @@ def test_load_reads_only_the_rank_slice(tmp_path, monkeypatch, naming):
     path = tmp_path / "ckpt.safetensors"
     write_synthetic_checkpoint(path, cfg, SEED, prefix=PREFIX, naming=naming)
     reads: list[tuple[str, tuple[int, ...]]] = []
-    real_open = W.safe_open
-    monkeypatch.setattr(W, "safe_open", lambda *a, **k: _HandleSpy(real_open(*a, **k), reads))
+    real_open = checkpoint.safe_open
+    monkeypatch.setattr(checkpoint, "safe_open", lambda *a, **k: _HandleSpy(real_open(*a, **k), reads))
     rw = load_rank_weights(path, cfg, 2, prefix=PREFIX)
     assert isinstance(rw, RankWeights)
     assert len(reads) == 3 * E  # exactly one slice read per expert tensor
@@ -257,7 +258,7 @@ def test_wrong_shape_names_key_expected_and_actual(tmp_path, role, bad):
     msg = str(err.value)
     assert key in msg and str(list(bad)) in msg
     if role != "gate":
-        assert str(list(W._expected_shape(role, H, I))) in msg
+        assert str([H, I] if role == "down" else [I, H]) in msg
 
 
 def test_wrong_prefix_suggests_the_right_one(tmp_path):
