@@ -147,7 +147,7 @@ def main() -> None:
     args, serve_flags = p.parse_known_args()
     sizes = [int(s) for s in args.sizes.split(",")]
 
-    from service.server import parse_settings
+    from service.cli import parse_settings
 
     settings: Settings = parse_settings(serve_flags)
     device, why = settings.resolve_device()

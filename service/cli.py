@@ -2,6 +2,7 @@
 
     moe-serve [serve flags]                      start the HTTP + gRPC service (service.server)
     moe-serve forward --input IN --output OUT    one batch through the rank group, offline
+                      [--weights PATH --layer N --top-k K ...]   the service's weight and layer flags
     moe-serve write-checkpoint OUT               a synthetic checkpoint in Hugging Face naming
 """
 
@@ -11,6 +12,9 @@ import argparse
 import logging
 import sys
 import time
+import typing
+
+import pydantic
 
 from service.config import PRESETS, Settings, preset
 from service.errors import MoEError
@@ -20,23 +24,67 @@ log = logging.getLogger("moe-serve")
 OFFLINE_COMMANDS = ("forward", "write-checkpoint")
 
 
-def _parser() -> argparse.ArgumentParser:
+# Settings that `moe-serve forward` shares with the service: the layer, its weights, the group.
+FORWARD_SETTINGS = ("weights", "weights_prefix", "layer", "top_k", "preset", "device", "world_size", "capacity",
+                    "dtype", "seed", "backend", "start_timeout_s", "step_timeout_s")
+
+
+def add_settings_flags(p: argparse.ArgumentParser, names=None) -> None:
+    """One flag per Settings field (--http-port for http_port, ...), all of them or `names`; a flag
+    left out keeps the MOE_* variable or the default.
+
+    Values are checked by Settings alone, flags and variables alike (a Literal's choices are only
+    shown): argparse's `choices` would refuse what a Settings validator normalises, such as
+    `--log-level debug`."""
+    for name, field in Settings.model_fields.items():
+        if names is not None and name not in names:
+            continue
+        metavar = None
+        for arg in (field.annotation, *typing.get_args(field.annotation)):
+            if typing.get_origin(arg) is typing.Literal:
+                metavar = "{" + ",".join(map(str, typing.get_args(arg))) + "}"
+        help_text = (field.description or name.replace("_", " ")) + f" (default: {field.default})"
+        p.add_argument("--" + name.replace("_", "-"), dest=name, default=argparse.SUPPRESS,
+                       metavar=metavar, help=help_text)
+
+
+def settings_from(parser: argparse.ArgumentParser, flags: dict) -> Settings:
+    """Settings from flags over MOE_* variables; a bad value exits 2 naming its flag."""
+    try:
+        return Settings(**flags)
+    except pydantic.ValidationError as err:
+        parser.error("; ".join(f"--{'-'.join(str(x) for x in e['loc']).replace('_', '-')}: {e['msg']}"
+                               if e["loc"] else e["msg"] for e in err.errors()))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The service's flags: one per Settings field."""
+    p = argparse.ArgumentParser(prog="moe-serve", description="Serve the MoE layer over HTTP and gRPC. "
+                                "Every flag can also be set as MOE_<NAME> in the environment.",
+                                epilog="Offline commands: `moe-serve forward` (one batch from a safetensors "
+                                "file through the rank group) and `moe-serve write-checkpoint` (a synthetic "
+                                "checkpoint); see `moe-serve forward --help`.")
+    add_settings_flags(p)
+    return p
+
+
+def parse_settings(argv: list[str] | None) -> Settings:
+    parser = build_parser()
+    return settings_from(parser, vars(parser.parse_args(argv)))
+
+
+def _offline_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
-    f = sub.add_parser("forward", help="run one batch (a safetensors file) through the rank group")
+    f = sub.add_parser("forward", help="run one batch (a safetensors file) through the rank group",
+                       description="Run one batch through the rank group. The weight and layer flags are the "
+                       "service's (and read the same MOE_* variables).")
     f.add_argument("--input", required=True, help="safetensors with hidden_states [T,H], topk_ids [T,K], topk_weights [T,K]")
     f.add_argument("--output", required=True, help="safetensors to write: output [T,H] in the dtype of hidden_states")
-    f.add_argument("--weights", help="safetensors checkpoint (HF or Mixtral per-expert naming); synthetic if omitted")
-    f.add_argument("--weights-prefix", default="", help="key prefix, e.g. model.layers.0.mlp.")
-    f.add_argument("--preset", choices=sorted(PRESETS), help="layer preset (default: seed on GPU, cpu otherwise)")
-    f.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    f.add_argument("--world-size", type=int, help="ranks R (default: the preset's)")
-    f.add_argument("--capacity", type=int, help="tokens per rank and step C (default: the preset's)")
-    f.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights")
-    f.add_argument("--backend", choices=("auto", "serial", "fused"), default="auto",
-                   help="layer backend; auto: fused where it can run (GPU), else serial")
+    add_settings_flags(f, FORWARD_SETTINGS)
+    f.set_defaults(parser=f)
 
     w = sub.add_parser("write-checkpoint", help="write a synthetic checkpoint in HF per-expert naming")
     w.add_argument("output")
@@ -53,11 +101,10 @@ def _forward(args: argparse.Namespace) -> None:
     from safetensors.torch import load_file, save_file
 
     from service.errors import InvalidInput
-    from service.moe.weights import inspect_checkpoint
+    from service.moe.weights import checkpoint_layer
     from service.worker.group import WorkerGroup
 
-    settings = Settings(device=args.device, preset=args.preset, world_size=args.world_size,
-                        capacity=args.capacity)
+    settings = settings_from(args.parser, {k: v for k, v in vars(args).items() if k in FORWARD_SETTINGS})
     device, why = settings.resolve_device()
     try:
         tensors = load_file(args.input)
@@ -74,13 +121,18 @@ def _forward(args: argparse.Namespace) -> None:
                            f"got {x.dtype}, {ids.dtype}, {w.dtype}")
 
     cfg = settings.layer_config(device)
-    shape = {"H": x.shape[1], "K": ids.shape[1]}
-    if args.weights:
-        E, H, I = inspect_checkpoint(args.weights, args.weights_prefix)
-        shape.update(E=E, I=I)
-        if H != x.shape[1]:
-            raise InvalidInput(f"hidden_states has H={x.shape[1]} but the checkpoint has H={H}")
-    cfg = cfg.replace(**shape)
+    prefix = settings.weights_prefix
+    if settings.weights:
+        cfg, spec = checkpoint_layer(cfg, settings.weights, prefix=prefix, layer=settings.layer,
+                                     top_k=settings.top_k, default_k=ids.shape[1])
+        prefix = spec.prefix
+    else:  # synthetic weights take the batch's shape
+        if settings.top_k is not None and settings.top_k != ids.shape[1]:
+            raise InvalidInput(f"--top-k {settings.top_k} but topk_ids is {list(ids.shape)}")
+        cfg = cfg.replace(H=x.shape[1], K=ids.shape[1])
+    if (x.shape[1], ids.shape[1]) != (cfg.H, cfg.K):
+        raise InvalidInput(f"hidden_states {list(x.shape)} and topk_ids {list(ids.shape)} do not fit the layer "
+                           f"(H={cfg.H}, K={cfg.K})")
     log.info("device %s (%s); layer %s; %d tokens", device, why, cfg.describe(), x.shape[0])
 
     started = time.monotonic()
@@ -89,8 +141,8 @@ def _forward(args: argparse.Namespace) -> None:
         if total > cfg.tokens_per_step:
             log.info("%d/%d tokens (%.0f%%), %.1f s", done, total, 100 * done / total, time.monotonic() - started)
 
-    with WorkerGroup(cfg, device=device, weights=args.weights, weights_prefix=args.weights_prefix,
-                     seed=args.seed, backend=args.backend, start_timeout_s=settings.start_timeout_s,
+    with WorkerGroup(cfg, device=device, weights=settings.weights, weights_prefix=prefix,
+                     seed=settings.seed, backend=settings.backend, start_timeout_s=settings.start_timeout_s,
                      step_timeout_s=settings.step_timeout_s) as group:
         out = group.forward(x, ids.to(torch.int32), w.float(), progress=progress)
     save_file({"output": out.contiguous()}, args.output, metadata={"format": "pt"})
@@ -110,11 +162,12 @@ def _write_checkpoint(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in OFFLINE_COMMANDS:
-        from service.server import main as serve
+        settings = parse_settings(argv)
+        from service.server import serve
 
-        return serve(argv)
+        return serve(settings)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = _parser().parse_args(argv)
+    args = _offline_parser().parse_args(argv)
     try:
         {"forward": _forward, "write-checkpoint": _write_checkpoint}[args.command](args)
     except MoEError as err:

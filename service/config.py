@@ -206,5 +206,5 @@ class Settings(BaseSettings):
                 R = max(r for r in range(1, gpus + 1) if PRESETS[name].I % r == 0)
                 log.warning("preset %s wants R=%d ranks, %d GPU(s) found: running R=%d", name,
                             PRESETS[name].R, gpus, R)
-        overrides = dict(R=R, C=self.capacity, dtype=DTYPES[self.dtype] if self.dtype else None)
+        overrides = dict(R=R, C=self.capacity, K=self.top_k, dtype=DTYPES[self.dtype] if self.dtype else None)
         return preset(name, **overrides)

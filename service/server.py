@@ -16,7 +16,6 @@ problem, not a transient one.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -24,9 +23,7 @@ import os
 import signal
 import sys
 import time
-import typing
 
-import pydantic
 import torch
 import uvicorn
 
@@ -62,11 +59,13 @@ class Server:
         self.settings = settings
         self.device, why = settings.resolve_device()
         cfg = settings.layer_config(self.device)
+        self.weights_prefix = settings.weights_prefix
         if settings.weights:
-            from service.moe.weights import inspect_checkpoint
+            from service.moe.weights import checkpoint_layer
 
-            E, H, I = inspect_checkpoint(settings.weights, settings.weights_prefix)  # noqa: E741
-            cfg = cfg.replace(E=E, H=H, I=I)
+            cfg, spec = checkpoint_layer(cfg, settings.weights, prefix=settings.weights_prefix, layer=settings.layer,
+                                         top_k=settings.top_k)
+            self.weights_prefix = spec.prefix
         self.cfg = cfg
         log.info("device %s (%s); layer %s; backend %s; weights %s", self.device, why, cfg.describe(),
                  settings.backend, settings.weights or f"synthetic (seed {settings.seed})")
@@ -94,7 +93,7 @@ class Server:
         from service.worker.group import WorkerGroup
 
         s = self.settings
-        return WorkerGroup(self.cfg, device=self.device, weights=s.weights, weights_prefix=s.weights_prefix,
+        return WorkerGroup(self.cfg, device=self.device, weights=s.weights, weights_prefix=self.weights_prefix,
                            seed=s.seed, backend=s.backend, slots=s.slots, step_timeout_s=s.step_timeout_s,
                            start_timeout_s=s.start_timeout_s, log_level=s.log_level.upper())
 
@@ -258,43 +257,11 @@ class Server:
         log.info("warm-up batch of %d tokens in %.1f ms", T, (time.perf_counter() - t0) * 1e3)
 
 
-# ---- command line ----------------------------------------------------------------------------
+# ---- entry point (flags: service.cli) ------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """One flag per Settings field (--http-port for http_port, ...); flags override MOE_* variables.
-
-    Values are checked by Settings alone, flags and variables alike (a Literal's choices are only
-    shown): argparse's `choices` would refuse what a Settings validator normalises, such as
-    `--log-level debug`."""
-    p = argparse.ArgumentParser(prog="moe-serve", description="Serve the MoE layer over HTTP and gRPC. "
-                                "Every flag can also be set as MOE_<NAME> in the environment.",
-                                epilog="Offline commands: `moe-serve forward` (one batch from a safetensors "
-                                "file through the rank group) and `moe-serve write-checkpoint` (a synthetic "
-                                "checkpoint); see `moe-serve forward --help`.")
-    for name, field in Settings.model_fields.items():
-        metavar = None
-        for arg in (field.annotation, *typing.get_args(field.annotation)):
-            if typing.get_origin(arg) is typing.Literal:
-                metavar = "{" + ",".join(map(str, typing.get_args(arg))) + "}"
-        help_text = (field.description or name.replace("_", " ")) + f" (default: {field.default})"
-        p.add_argument("--" + name.replace("_", "-"), dest=name, default=argparse.SUPPRESS,
-                       metavar=metavar, help=help_text)
-    return p
-
-
-def parse_settings(argv: list[str] | None) -> Settings:
-    parser = build_parser()
-    flags = vars(parser.parse_args(argv))
-    try:
-        return Settings(**flags)
-    except pydantic.ValidationError as err:
-        parser.error("; ".join(f"--{'-'.join(str(x) for x in e['loc']).replace('_', '-')}: {e['msg']}"
-                               if e["loc"] else e["msg"] for e in err.errors()))
-
-
-def main(argv: list[str] | None = None) -> int:
-    settings = parse_settings(sys.argv[1:] if argv is None else list(argv))
+def serve(settings: Settings) -> int:
+    """Run the service with these settings until SIGTERM; the exit status of the process."""
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -303,6 +270,12 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", err)
         return 2
     return asyncio.run(server.serve())
+
+
+def main(argv: list[str] | None = None) -> int:
+    from service.cli import parse_settings
+
+    return serve(parse_settings(sys.argv[1:] if argv is None else list(argv)))
 
 
 if __name__ == "__main__":

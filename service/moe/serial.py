@@ -35,9 +35,9 @@ import logging
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from service.config import LayerConfig
+from service.config import BM, LayerConfig
+from service.moe.activation import gated
 from service.moe.grouped import grouped_mm, prepare_weight
 from service.moe import tables as torch_tables
 from service.moe.timing import StageTimer
@@ -88,6 +88,9 @@ class GroupedGemms:
             self.w13 = prepare_weight(weights.w13.to(device))  # [E, H, 2*Ir]
             self.w2 = prepare_weight(weights.w2.to(device))    # [E, Ir, H]
             self.A = torch.zeros(cfg.S, cfg.H, dtype=cfg.dtype, device=device)  # [S, H] gathered layout
+        self.act = cfg.act
+        self.b13 = None if weights.b13 is None else weights.b13.to(device, cfg.dtype)  # [E, 2*Ir]
+        self.b2 = None if weights.b2 is None else weights.b2.to(device, cfg.dtype)    # [E, H] (rank 0)
 
     def __call__(self, x_g: torch.Tensor, tables, timer: StageTimer) -> torch.Tensor:
         """Global tokens x_g [R*C, H] -> D [S, H] over the gathered layout; marks the stages
@@ -106,10 +109,17 @@ class GroupedGemms:
         A = torch.index_select(x_g, 0, tables.row_token.clamp(min=0), out=self.A)  # [S, H]
         timer.mark("scatter")
         h = grouped_mm(A, self.w13, tables.expert_offsets)   # [S, 2*Ir]
+        if self.b13 is not None or self.b2 is not None:
+            # Expert of every row (blocks past the last expert carry E: clamped, their rows are unused).
+            row_expert = tables.block_expert.long().clamp(max=self.w13.shape[0] - 1).repeat_interleave(BM)  # [S]
+        if self.b13 is not None:
+            h += self.b13[row_expert]
         timer.mark("gemm1")
-        act = F.silu(h[:, :Ir]) * h[:, Ir:]                  # [S, Ir]
+        act = gated(h[:, :Ir], h[:, Ir:], self.act)          # [S, Ir]
         timer.mark("swiglu")
         d = grouped_mm(act, self.w2, tables.expert_offsets)  # [S, H]
+        if self.b2 is not None:
+            d += self.b2[row_expert]
         timer.mark("gemm2")
         return d
 

@@ -29,6 +29,7 @@ are reproducible for a given torch version (write_synthetic_checkpoint pins them
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -39,7 +40,17 @@ from safetensors.torch import save_file
 
 from service.config import LayerConfig
 from service.errors import ConfigError, WeightsError
-from service.moe.checkpoint import NAMINGS, Shards, expert_key, inspect_layer, read_rank_slice, read_spec
+from service.moe.checkpoint import (
+    NAMINGS,
+    LayerSpec,
+    Shards,
+    expert_key,
+    inspect_layer,
+    read_rank_slice,
+    read_spec,
+)
+
+log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
 
@@ -68,6 +79,28 @@ def inspect_checkpoint(path: str | os.PathLike, prefix: str = "") -> tuple[int, 
     """(E, H, I) of a checkpoint, read from its header only; raises WeightsError if malformed."""
     spec = inspect_layer(path, prefix)
     return spec.E, spec.H, spec.I
+
+
+def checkpoint_layer(cfg: LayerConfig, path: str | os.PathLike, *, prefix: str = "", layer: int | None = None,
+                     top_k: int | None = None, default_k: int | None = None) -> tuple[LayerConfig, LayerSpec]:
+    """The layer config that serves the checkpoint's experts block: E, H, I, the activation and
+    biases from the checkpoint; K from its config.json, else `top_k`, else `default_k`, else cfg's
+    (the preset's).
+    A `top_k` that contradicts config.json is an error naming both. Logs what stays with the client."""
+    spec = inspect_layer(path, prefix, layer)
+    if top_k is not None and spec.K is not None and top_k != spec.K:
+        raise ConfigError(f"--top-k/MOE_TOP_K={top_k} contradicts num_experts_per_tok={spec.K} in the config.json "
+                          f"of {spec.path!r}; leave --top-k unset for a model directory")
+    K = spec.K or top_k or default_k or cfg.K
+    if K > spec.E:
+        raise ConfigError(f"K (top-k = {K}{'' if spec.K or top_k or default_k else ', the preset default'}) exceeds the "
+                          f"checkpoint's {spec.E} experts; set --top-k")
+    where = f"layer {spec.layer}" if spec.layer is not None else "the file"
+    log.info("weights %s: %s experts at prefix %r (%s, %s, %s), K=%d%s", spec.path, where, spec.prefix, spec.layout,
+             spec.dtype, spec.act.describe(), K, " from config.json" if spec.K else "")
+    for note in spec.notes:
+        log.warning("%s", note)
+    return cfg.replace(E=spec.E, H=spec.H, I=spec.I, K=K, act=spec.act, bias=spec.bias), spec
 
 
 def _check_rank(cfg: LayerConfig, rank: int) -> None:
@@ -184,6 +217,6 @@ def write_synthetic_checkpoint(path: str | os.PathLike, cfg: LayerConfig, seed: 
 
 
 __all__ = [
-    "NAMINGS", "RankWeights", "SYNTH_ROW_BLOCK", "expert_key", "inspect_checkpoint",
+    "NAMINGS", "RankWeights", "SYNTH_ROW_BLOCK", "checkpoint_layer", "expert_key", "inspect_checkpoint",
     "load_rank_weights", "synthetic_expert", "synthetic_rank_weights", "write_synthetic_checkpoint",
 ]

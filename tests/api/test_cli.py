@@ -9,7 +9,7 @@ import pytest
 
 from service import server
 from service.config import Settings
-from service.server import build_parser, main, parse_settings
+from service.cli import build_parser, main, parse_settings
 
 
 def test_one_flag_per_setting():
