@@ -76,7 +76,7 @@ _BLOCK_KEYS = (
     re.compile(r"^(?P<prefix>(?:.*\.)?)(?:input_linear|output_linear)\.weight$"),
     re.compile(r"^(?P<prefix>(?:.*\.)?)experts\.mlp\.(?:w1|v1|w2)$"),
 )
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_LAYER = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)\.")  # decoder layer (dbrx: transformer.blocks.N)
 _ATTENTION = re.compile(r"attn|attention")  # JetMoE's mixture of attention heads is not an MLP
 
 # config.json model types whose experts the layer cannot compute exactly.
@@ -221,16 +221,16 @@ def _first(config: dict, *names):
 
 
 def _config_top_k(config: dict) -> int | None:
+    if isinstance(config.get("ffn_config"), dict) and "moe_top_k" in config["ffn_config"]:  # dbrx
+        return int(config["ffn_config"]["moe_top_k"])
     k = _first(config, "num_experts_per_tok", "moe_top_k", "top_k", "num_selected_experts")
-    if k is None and isinstance(config.get("ffn_config"), dict):  # dbrx
-        k = config["ffn_config"].get("moe_top_k")
     return int(k) if k is not None else None
 
 
 def _config_experts(config: dict) -> int | None:
+    if isinstance(config.get("ffn_config"), dict) and "moe_num_experts" in config["ffn_config"]:  # dbrx
+        return int(config["ffn_config"]["moe_num_experts"])
     e = _first(config, "n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts")
-    if e is None and isinstance(config.get("ffn_config"), dict):
-        e = config["ffn_config"].get("moe_num_experts")
     return int(e) if e is not None else None
 
 

@@ -1,0 +1,295 @@
+"""Real Hugging Face MoE architectures: tiny random models built by transformers (from config
+objects, no downloads), saved sharded, one layer served from the directory, compared with the
+model's own experts module on the same (x, ids, w) in fp32.
+
+The layer is run the way the ranks run it: every rank of R = 2 loads its slice
+(load_rank_weights) and computes its partial sum with the serial layer's CPU path; the partial
+sums add up to the answer (the reduce-scatter's sum). tests/test_cli.py and tests/api/test_e2e_hf.py
+run it through the rank group and a live server.
+
+E experts, H hidden, I expert intermediate size, K top-k, T tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from service.config import LayerConfig
+from service.errors import ConfigError, WeightsError
+from service.moe.checkpoint import inspect_layer
+from service.moe.serial import SerialLayer
+from service.moe.weights import checkpoint_layer, load_rank_weights
+from tests.helpers import TOL, one_thread, rel_err, routing  # noqa: F401  (one_thread: fixture)
+
+transformers = pytest.importorskip("transformers")  # a test dependency (pyproject [test])
+
+H, I, E = 40, 30, 5  # noqa: E741  odd slices: Ir = 15 at R = 2
+R = 2
+T = 37
+SEED = 11
+
+# model_type -> config overrides (tiny: 2-3 layers, 4 heads of 10). Names follow each config class.
+COMMON = dict(hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=10,
+              vocab_size=64, max_position_embeddings=64)
+MODELS = {
+    "mixtral": dict(num_local_experts=E, num_experts_per_tok=2, intermediate_size=I),
+    "qwen3_moe": dict(num_experts=E, num_experts_per_tok=3, moe_intermediate_size=I, intermediate_size=48,
+                      mlp_only_layers=[0], num_hidden_layers=3),  # layer 0 dense
+    "deepseek_v3": dict(n_routed_experts=E, num_experts_per_tok=2, moe_intermediate_size=I, intermediate_size=48,
+                        first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1, kv_lora_rank=16,
+                        q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=10),
+    "olmoe": dict(num_experts=E, num_experts_per_tok=2, intermediate_size=I),
+    "granitemoe": dict(num_local_experts=E, num_experts_per_tok=2, intermediate_size=I),  # input_linear
+    "granitemoe_swa": dict(num_local_experts=E, num_experts_per_tok=2, intermediate_size=I),  # native fused
+    "gpt_oss": dict(num_local_experts=E, num_experts_per_tok=2, intermediate_size=I, swiglu_limit=7.0,
+                    layer_types=["sliding_attention", "full_attention"], sliding_window=16),
+    "deepseek_v4": dict(n_routed_experts=E, num_experts_per_tok=2, moe_intermediate_size=I, n_shared_experts=1,
+                        swiglu_limit=10.0, num_hash_layers=0),
+    "dbrx": dict(d_model=H, n_heads=4, n_layers=2, max_seq_len=64, attn_config={"kv_n_heads": 2, "rope_theta": 1e4},
+                 ffn_config={"moe_num_experts": E, "moe_top_k": 2, "ffn_hidden_size": I}),
+}
+# Inputs scaled so that clamped activations clamp (checked in the test): the limit's activations.
+X_SCALE = {"gpt_oss": 6.0, "deepseek_v4": 12.0}
+
+
+def build(model_type: str, directory, **overrides):
+    """A tiny random model of `model_type`, every parameter redrawn (biases too), saved sharded."""
+    cfg = transformers.AutoConfig.for_model(model_type, **{**COMMON, **MODELS.get(model_type, {}), **overrides})
+    torch.manual_seed(SEED)
+    # eager: the module's own loop over experts (the grouped_mm backend wants 16-byte strides).
+    model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager").float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    # Small shards: a layer's experts straddle several files, found through the index.
+    model.save_pretrained(directory, max_shard_size="20KB")
+    assert os.path.exists(os.path.join(directory, "model.safetensors.index.json"))
+    return model
+
+
+def experts_module(model, layer: int):
+    """The experts module of decoder layer `layer`: forward(x [T, H], ids [T, K], w [T, K])."""
+    pattern = re.compile(rf"(?:layers|blocks)\.{layer}\.[^.]+\.experts$")
+    found = [m for n, m in model.named_modules() if pattern.search(n)]
+    assert len(found) == 1, [n for n, _ in model.named_modules() if pattern.search(n)]
+    return found[0]
+
+
+def served(path, cfg: LayerConfig, prefix: str, x, ids, w):
+    """The layer's answer as R ranks compute it: each rank's partial sum over its slice, added up."""
+    out = torch.zeros(x.shape[0], cfg.H)
+    for rank in range(cfg.R):
+        rw = load_rank_weights(path, cfg, rank, prefix=prefix)
+        layer = SerialLayer(cfg.replace(R=1, I=cfg.Ir), rw, rank=0, device=torch.device("cpu"))
+        out += layer.forward(x, ids.int(), w, seq=1)
+    return out
+
+
+def base_cfg() -> LayerConfig:
+    return LayerConfig(E=8, H=8, I=8, K=1, R=R, C=64, dtype=torch.float32)
+
+
+def check_model(model, path, layer: int, T: int, x_scale: float = 1.0, routing_kind: str = "empty_expert"):
+    cfg, spec = checkpoint_layer(base_cfg(), path)
+    assert spec.layer == layer and (cfg.E, cfg.H, cfg.I) == (E, H, I)
+    gen = torch.Generator().manual_seed(T)
+    x = torch.randn(T, H, generator=gen) * x_scale
+    ids, w = routing(T, cfg.E, cfg.K, routing_kind, gen)
+    with torch.no_grad():
+        ref = experts_module(model, layer)(x, ids, w).reshape(T, H)
+    out = served(path, cfg, spec.prefix, x, ids, w)
+    assert rel_err(out, ref) <= TOL[torch.float32], (rel_err(out, ref), spec)
+    return cfg, spec, x
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """model_type -> (model, directory), built once per module."""
+    built = {}
+
+    def get(model_type):
+        if model_type not in built:
+            d = str(tmp_path_factory.mktemp(model_type))
+            built[model_type] = build(model_type, d), d
+        return built[model_type]
+
+    return get
+
+
+# --------------------------------------------------------------------------------------- layouts
+
+# model_type -> (layer served by default, layout, K)
+EXPECT = {
+    "mixtral": (0, "mixtral", 2), "qwen3_moe": (1, "hf", 3), "deepseek_v3": (1, "hf", 2), "olmoe": (0, "hf", 2),
+    "granitemoe": (0, "granite", 2), "granitemoe_swa": (0, "fused", 2), "gpt_oss": (0, "gpt_oss", 2),
+    "deepseek_v4": (0, "mixtral", 2), "dbrx": (0, "dbrx", 2),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(EXPECT))
+def test_model_directory_matches_the_models_experts(models, model_type, one_thread):  # noqa: F811
+    model, path = models(model_type)
+    layer, layout, K = EXPECT[model_type]
+    cfg, spec, x = check_model(model, path, layer, T, X_SCALE.get(model_type, 1.0))
+    assert spec.layout == layout and cfg.K == K
+    if model_type in X_SCALE:  # the clamp must be active, or the test would not test it
+        gate = experts_module(model, layer)
+        assert spec.act.limit is not None
+        pre = x @ _gate_weight(gate, model_type).T  # [T, E*I] every expert's gate pre-activation
+        assert (pre > spec.act.limit).float().mean() > 0.05, "inputs too small to reach the clamp"
+    cfg1, _, _ = check_model(model, path, layer, 1)  # T = 1
+    assert cfg1 == cfg
+
+
+def _gate_weight(experts, model_type: str) -> torch.Tensor:
+    gu = experts.gate_up_proj  # [E, H, 2I] (gpt-oss, interleaved) or [E, 2I, H]
+    if model_type == "gpt_oss":
+        return gu[:, :, 0::2].permute(0, 2, 1).reshape(-1, H)
+    return gu[:, :I].reshape(-1, H)
+
+
+def test_dense_layer_is_refused_and_later_layers_served(models):
+    model, path = models("deepseek_v3")
+    with pytest.raises(WeightsError, match=r"layer 0 .* no routed experts.*layers with experts: 1"):
+        inspect_layer(path, layer=0)
+    assert inspect_layer(path, layer=1).prefix == "model.layers.1.mlp."
+    spec = inspect_layer(path)
+    assert spec.notes and "shared experts" in spec.notes[0]
+
+
+def test_gelu_tanh_model(tmp_path, one_thread):  # noqa: F811
+    model = build("qwen3_moe", str(tmp_path), hidden_act="gelu_pytorch_tanh")
+    _, spec, _ = check_model(model, str(tmp_path), 1, T, x_scale=2.0)
+    assert spec.act.kind == "gelu_tanh"
+
+
+def test_bf16_and_fp16_checkpoints_load(tmp_path):
+    model, _ = build("olmoe", str(tmp_path / "fp32")), None
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        model.to(dtype).save_pretrained(tmp_path / name, max_shard_size="20KB")
+        spec = inspect_layer(str(tmp_path / name))
+        assert spec.dtype == name.upper().replace("FP", "F")
+        cfg, _ = checkpoint_layer(base_cfg(), str(tmp_path / name))
+        rw = load_rank_weights(str(tmp_path / name), cfg, 1, prefix=spec.prefix)
+        gate = experts_module(model, 0).gate_up_proj[:, cfg.Ir:I]  # [E, Ir, H] rank 1's gate rows
+        assert torch.equal(rw.w13[:, :, :cfg.Ir], gate.float().transpose(1, 2))
+
+
+def test_transposed_fused_file_without_config(models, tmp_path, one_thread):  # noqa: F811
+    """qwen3-vl hub files: experts.gate_up_proj [E, H, 2I], experts.down_proj [E, I, H]; no config.json,
+    so K comes from --top-k."""
+    model, _ = models("granitemoe_swa")
+    ex = experts_module(model, 1)
+    path = str(tmp_path / "layer.safetensors")
+    save_file({"model.layers.1.mlp.experts.gate_up_proj": ex.gate_up_proj.detach().transpose(1, 2).contiguous(),
+               "model.layers.1.mlp.experts.down_proj": ex.down_proj.detach().transpose(1, 2).contiguous()}, path)
+    prefix = "model.layers.1.mlp."
+    with pytest.raises(WeightsError, match="did you mean prefix='model.layers.1.mlp.'"):
+        inspect_layer(path)
+    cfg, spec = checkpoint_layer(base_cfg(), path, prefix=prefix, top_k=3)
+    assert spec.layout == "fused_t" and cfg.K == 3 and spec.K is None
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(T, H, generator=gen)
+    ids, w = routing(T, E, 3, "skewed", gen)
+    with torch.no_grad():
+        ref = ex(x, ids, w)
+    assert rel_err(served(path, cfg, prefix, x, ids, w), ref) <= TOL[torch.float32]
+
+
+def test_fp8_block_quantized_checkpoint(models, tmp_path, one_thread):  # noqa: F811
+    """DeepSeek-V3's format: F8_E4M3 weights and fp32 `weight_scale_inv` per block (here 16 x 16, so
+    that a rank's 15 rows straddle blocks), dequantized at load time: w = q * scale of its block."""
+    model, src = models("deepseek_v3")
+    block = 16
+    out_dir = tmp_path / "fp8"
+    out_dir.mkdir()
+    index = json.load(open(os.path.join(src, "model.safetensors.index.json")))
+    dequant = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = load_file(os.path.join(src, shard))
+        for key in list(tensors):
+            if re.search(r"layers\.1\.mlp\.experts\.\d+\.\w+\.weight$", key):
+                wt = tensors[key]  # [out, in]
+                o, i = wt.shape
+                scale = torch.zeros(-(-o // block), -(-i // block))
+                for bo in range(scale.shape[0]):
+                    for bi in range(scale.shape[1]):
+                        blk = wt[bo * block:(bo + 1) * block, bi * block:(bi + 1) * block]
+                        scale[bo, bi] = blk.abs().max() / 448.0
+                full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:o, :i]
+                q = (wt / full).to(torch.float8_e4m3fn)
+                tensors[key], tensors[key + "_scale_inv"] = q, scale
+                index["weight_map"][key + "_scale_inv"] = shard
+                dequant[key] = q.float() * full
+        save_file(tensors, str(out_dir / shard), metadata={"format": "pt"})
+    json.dump(index, open(out_dir / "model.safetensors.index.json", "w"))
+    config = json.load(open(os.path.join(src, "config.json")))
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [block, block]}
+    json.dump(config, open(out_dir / "config.json", "w"))
+    assert dequant
+    spec = inspect_layer(str(out_dir))
+    assert spec.dtype == "F8_E4M3" and spec.block == (block, block)
+    # The reference: the model's experts module holding the dequantized weights.
+    ex = experts_module(model, 1)
+    with torch.no_grad():
+        for e in range(E):
+            get = lambda n: dequant[f"model.layers.1.mlp.experts.{e}.{n}_proj.weight"]  # noqa: E731
+            ex.gate_up_proj[e] = torch.cat([get("gate"), get("up")])
+            ex.down_proj[e] = get("down")
+        assert check_model(model, str(out_dir), 1, T)
+
+
+# -------------------------------------------------------------------------------------- refusals
+
+
+def test_router_scaling_the_input_is_refused(tmp_path):
+    build("llama4_text", str(tmp_path), num_local_experts=E, num_experts_per_tok=1, intermediate_size=I,
+          intermediate_size_mlp=48)
+    with pytest.raises(WeightsError, match="router scales the expert input"):
+        inspect_layer(str(tmp_path))
+
+
+def _plain_dir(tmp_path, config: dict, tensors: dict) -> str:
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    json.dump(config, open(tmp_path / "config.json", "w"))
+    return str(tmp_path)
+
+
+def _hf_experts(prefix: str, roles=("gate_proj", "up_proj", "down_proj")) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+    return {f"{prefix}experts.{e}.{r}.weight": torch.randn(*shapes[r], generator=gen) for e in range(E) for r in roles}
+
+
+def test_non_gated_zero_experts_and_unknown_activation_are_refused(tmp_path):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir(), (tmp_path / "c").mkdir()
+    prefix = "model.layers.0.mlp."
+    path = _plain_dir(tmp_path / "a", {"model_type": "nemotron_h", "hidden_act": "relu2"},
+                      _hf_experts(prefix, ("up_proj", "down_proj")))
+    with pytest.raises(WeightsError, match="non-gated"):
+        inspect_layer(path)
+    path = _plain_dir(tmp_path / "b", {"model_type": "longcat_flash", "zero_expert_num": 2},
+                      _hf_experts(prefix))
+    with pytest.raises(WeightsError, match=r"zero \(identity\) experts"):
+        inspect_layer(path)
+    path = _plain_dir(tmp_path / "c", {"model_type": "qwen3_moe", "hidden_act": "gelu", "num_experts": E},
+                      _hf_experts(prefix))
+    with pytest.raises(WeightsError, match="activation 'gelu'"):
+        inspect_layer(path)
+
+
+def test_top_k_contradicting_config_names_both(models, caplog):
+    _, path = models("mixtral")
+    with pytest.raises(ConfigError, match=r"MOE_TOP_K=3 contradicts num_experts_per_tok=2"):
+        checkpoint_layer(base_cfg(), path, top_k=3)
+    with caplog.at_level(logging.INFO):
+        cfg, _ = checkpoint_layer(base_cfg(), path, top_k=2)
+    assert cfg.K == 2 and "K=2 from config.json" in caplog.text
