@@ -27,59 +27,10 @@ from service.moe.checkpoint import inspect_layer
 from service.moe.serial import SerialLayer
 from service.moe.weights import checkpoint_layer, load_rank_weights
 from tests.helpers import TOL, one_thread, rel_err, routing  # noqa: F401  (one_thread: fixture)
+from tests.hf_models import E, H, I, X_SCALE, build, experts_module
 
-transformers = pytest.importorskip("transformers")  # a test dependency (pyproject [test])
-
-H, I, E = 40, 30, 5  # noqa: E741  odd slices: Ir = 15 at R = 2
 R = 2
 T = 37
-SEED = 11
-
-# model_type -> config overrides (tiny: 2-3 layers, 4 heads of 10). Names follow each config class.
-COMMON = dict(hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=10,
-              vocab_size=64, max_position_embeddings=64)
-MODELS = {
-    "mixtral": dict(num_local_experts=E, num_experts_per_tok=2, intermediate_size=I),
-    "qwen3_moe": dict(num_experts=E, num_experts_per_tok=3, moe_intermediate_size=I, intermediate_size=48,
-                      mlp_only_layers=[0], num_hidden_layers=3),  # layer 0 dense
-    "deepseek_v3": dict(n_routed_experts=E, num_experts_per_tok=2, moe_intermediate_size=I, intermediate_size=48,
-                        first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1, kv_lora_rank=16,
-                        q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=10),
-    "olmoe": dict(num_experts=E, num_experts_per_tok=2, intermediate_size=I),
-    "granitemoe": dict(num_local_experts=E, num_experts_per_tok=2, intermediate_size=I),  # input_linear
-    "granitemoe_swa": dict(num_local_experts=E, num_experts_per_tok=2, intermediate_size=I),  # native fused
-    "gpt_oss": dict(num_local_experts=E, num_experts_per_tok=2, intermediate_size=I, swiglu_limit=7.0,
-                    layer_types=["sliding_attention", "full_attention"], sliding_window=16),
-    "deepseek_v4": dict(n_routed_experts=E, num_experts_per_tok=2, moe_intermediate_size=I, n_shared_experts=1,
-                        swiglu_limit=10.0, num_hash_layers=0),
-    "dbrx": dict(d_model=H, n_heads=4, n_layers=2, max_seq_len=64, attn_config={"kv_n_heads": 2, "rope_theta": 1e4},
-                 ffn_config={"moe_num_experts": E, "moe_top_k": 2, "ffn_hidden_size": I}),
-}
-# Inputs scaled so that clamped activations clamp (checked in the test): the limit's activations.
-X_SCALE = {"gpt_oss": 6.0, "deepseek_v4": 12.0}
-
-
-def build(model_type: str, directory, **overrides):
-    """A tiny random model of `model_type`, every parameter redrawn (biases too), saved sharded."""
-    cfg = transformers.AutoConfig.for_model(model_type, **{**COMMON, **MODELS.get(model_type, {}), **overrides})
-    torch.manual_seed(SEED)
-    # eager: the module's own loop over experts (the grouped_mm backend wants 16-byte strides).
-    model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager").float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.3)
-    # Small shards: a layer's experts straddle several files, found through the index.
-    model.save_pretrained(directory, max_shard_size="20KB")
-    assert os.path.exists(os.path.join(directory, "model.safetensors.index.json"))
-    return model
-
-
-def experts_module(model, layer: int):
-    """The experts module of decoder layer `layer`: forward(x [T, H], ids [T, K], w [T, K])."""
-    pattern = re.compile(rf"(?:layers|blocks)\.{layer}\.[^.]+\.experts$")
-    found = [m for n, m in model.named_modules() if pattern.search(n)]
-    assert len(found) == 1, [n for n, _ in model.named_modules() if pattern.search(n)]
-    return found[0]
 
 
 def served(path, cfg: LayerConfig, prefix: str, x, ids, w):
