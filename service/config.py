@@ -51,6 +51,18 @@ class Activation:
         if self.limit is not None and not self.limit > 0:
             raise ConfigError(f"activation clamp limit must be positive, got {self.limit!r}")
 
+    def apply(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """The activation in torch (the CPU path and the fp32 references; the Triton kernels have
+        their own copy in GEMM1's epilogue, service.kernels.grouped_gemm.gated_act)."""
+        if self.limit is not None:
+            g = g.clamp(max=self.limit)
+            u = u.clamp(min=-self.limit, max=self.limit)
+        if self.kind == "silu":
+            return torch.nn.functional.silu(g) * u
+        if self.kind == "gelu_tanh":
+            return torch.nn.functional.gelu(g, approximate="tanh") * u
+        return (u + 1) * (g * torch.sigmoid(self.alpha * g))
+
     def describe(self) -> str:
         parts = [self.kind] + ([f"limit={self.limit:g}"] if self.limit is not None else []) + (
             [f"alpha={self.alpha:g}"] if self.kind == "gpt_oss" else [])

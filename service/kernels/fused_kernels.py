@@ -46,8 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
-from service.config import BM
-from service.kernels.grouped_gemm import gemm_tile
+from service.config import BM, Activation
+from service.kernels.grouped_gemm import epilogue_args, gemm_tile
 from service.kernels.sync import now_ns, signal_add, store_release, wait_all_geq, wait_geq
 
 META = tl.constexpr(4)  # int32 words in front of a routing block: n, seq low, seq high, unused (as serial.py)
@@ -159,18 +159,20 @@ def _exchange_kernel(region_ptr, region_off, routing_g_ptr, ctl_ptr, error_ptr, 
 
 
 # ---------------------------------------------------------------------------------------------
-# Kernel 1: AllGather (+) GEMM1 (+) SwiGLU.
+# Kernel 1: AllGather (+) GEMM1 (+) gated activation (compile-time ACT / CLAMP / BIAS, as the grouped GEMM).
 # ---------------------------------------------------------------------------------------------
 
 
 @triton.jit
 def _ag_gemm1_kernel(
     region_ptr, region_off, w_ptr, act_ptr,  # our region, [R] int64 (16 B units), W13 [E, H, 2*Ir], act [S, Ir]
+    bias_ptr,                             # BIAS: b13 [E, 2*Ir] gate, then up bias
     slots_ptr, pull_ptr, row_token_ptr, block_expert_ptr,  # [N, K], [N], [S], [NB] int32
     arrived_ptr,                          # [N + 1] int32 per pulled token, monotonic; [N] is a dummy
     ctl_ptr, error_ptr, stats_ptr,        # [1] int32 seq, [1] int32, [4] int64
-    rank, N, C, H, NB, Ir, E, tok_off, pull_off, max_spins,
-    stride_we, stride_wk, stride_om,
+    rank, N, C, H, NB, Ir, E, tok_off, pull_off, max_spins, limit, alpha,
+    stride_we, stride_wk, stride_om, stride_be,
+    ACT: tl.constexpr, CLAMP: tl.constexpr, BIAS: tl.constexpr,
     TB: tl.constexpr, BH: tl.constexpr, K: tl.constexpr,
     NUM_COMM: tl.constexpr, NUM_PROGRAMS: tl.constexpr, USE_PTX: tl.constexpr, SYNC: tl.constexpr,
     IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
@@ -238,9 +240,9 @@ def _ag_gemm1_kernel(
                         own_row = tl.where(rt < 0, rows % C, g - owner * C).to(tl.int64)
                         a_rows = tl.where(local, tok_off + (parity * C + own_row) * H,
                                           pull_off + g.to(tl.int64) * H)  # [BM] element offsets in our region
-                        gemm_tile(mine, a_rows, w_ptr, act_ptr, block, expert, pn, ready, Ir, H, Ir,
-                                  1, stride_we, stride_wk, 1, stride_om, 1,
-                                  True, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
+                        gemm_tile(mine, a_rows, w_ptr, act_ptr, bias_ptr, block, expert, pn, ready, Ir, H, Ir,
+                                  limit, alpha, 1, stride_we, stride_wk, 1, stride_om, 1, stride_be,
+                                  ACT, CLAMP, BIAS, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
             tl.atomic_add(stats_ptr + 1, waited, sem="relaxed")
 
 
@@ -252,12 +254,14 @@ def _ag_gemm1_kernel(
 @triton.jit
 def _gemm2_push_kernel(
     region_ptr, region_off, act_ptr, w_ptr, d_ptr,  # our region, [R] int64, act [S, Ir], W2 [E, Ir, H], D [S, H]
+    bias_ptr,                             # BIAS: b2 [E, H] (rank 0 only: the planes add up to one copy)
     block_expert_ptr, slots_ptr, job_ptr, routing_g_ptr,  # [NB], [N, K], [N], [R, L] int32
     tiles_ptr,                            # [NB] int32 finished column tiles per block, monotonic
     disp_ptr, pushed_ptr,                 # [1], [R] int32 local scratch, zeroed by the final reduce
     ctl_ptr, error_ptr, stats_ptr,
     rank, R, C, H, NB, Ir, E, L, stage_off, wm_off, max_spins,
-    stride_am, stride_we, stride_wk, stride_om,
+    stride_am, stride_we, stride_wk, stride_om, stride_be,
+    BIAS: tl.constexpr,
     K: tl.constexpr, KP: tl.constexpr, BH: tl.constexpr, JT: tl.constexpr,
     NUM_COMPUTE: tl.constexpr, NUM_PROGRAMS: tl.constexpr, JOIN: tl.constexpr, USE_PTX: tl.constexpr,
     SYNC: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
@@ -283,9 +287,9 @@ def _gemm2_push_kernel(
                 expert = tl.load(block_expert_ptr + block)
                 if expert < E:
                     rows = block.to(tl.int64) * BM + tl.arange(0, BM)  # [BM]
-                    gemm_tile(act_ptr, rows * stride_am, w_ptr, d_ptr, block, expert, pn, 1, H, Ir, 0,
-                              1, stride_we, stride_wk, 1, stride_om, 1,
-                              False, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
+                    gemm_tile(act_ptr, rows * stride_am, w_ptr, d_ptr, bias_ptr, block, expert, pn, 1, H, Ir, 0,
+                              0.0, 0.0, 1, stride_we, stride_wk, 1, stride_om, 1, stride_be,
+                              0, False, BIAS, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
                 signal_add(tiles_ptr + block, 1, USE_PTX)  # CTA barrier, release (local flag)
             t_join = now_ns(USE_PTX)
         if (pid >= NUM_COMPUTE) | JOIN:
@@ -433,9 +437,10 @@ def exchange(*, region, region_off, routing_g, ctl, error, stats, rank, R, L, rt
 
 
 def ag_gemm1(*, region, region_off, pulled, w13, act, tables, arrived, ctl, error, stats, rank, R, C, tok_off, pull_off,
-             config, num_programs, num_comm, max_spins, use_ptx, pull_tokens, sync=True):
-    """Kernel 1: act [S, Ir] = SwiGLU(A @ W13) with A's rows read from the owners' token buffers
-    (remote tokens pulled once into `pulled` [R*C, H], a view of this rank's region)."""
+             config, num_programs, num_comm, max_spins, use_ptx, pull_tokens, sync=True,
+             activation: Activation = Activation(), b13=None):
+    """Kernel 1: act [S, Ir] = activation(A @ W13 (+ b13)) with A's rows read from the owners' token
+    buffers (remote tokens pulled once into `pulled` [R*C, H], a view of this rank's region)."""
     N, H = pulled.shape
     E, _, two_ir = w13.shape
     Ir = two_ir // 2
@@ -445,11 +450,15 @@ def ag_gemm1(*, region, region_off, pulled, w13, act, tables, arrived, ctl, erro
     assert act.shape == (S, Ir) and pulled.stride(1) == 1 and w13.stride(2) == 1 and act.stride(1) == 1
     assert arrived.shape == (N + 1,) and arrived.dtype == torch.int32
     assert 0 <= num_comm < num_programs and (num_comm > 0 or R == 1), "kernel 1 needs compute programs, and pullers when R > 1"
+    assert b13 is None or (b13.shape == (E, two_ir) and b13.dtype == w13.dtype and b13.stride(1) == 1)
+    epi = epilogue_args(activation)
     _ag_gemm1_kernel[(num_programs,)](
-        region, region_off, w13, act, tables.slots, tables.pull_order, tables.row_token, tables.block_expert,
+        region, region_off, w13, act, b13 if b13 is not None else act,
+        tables.slots, tables.pull_order, tables.row_token, tables.block_expert,
         arrived, ctl, error, stats,
-        rank, N, C, H, NB, Ir, E, tok_off, pull_off, max_spins,
-        w13.stride(0), w13.stride(1), act.stride(0),
+        rank, N, C, H, NB, Ir, E, tok_off, pull_off, max_spins, epi["limit"], epi["alpha"],
+        w13.stride(0), w13.stride(1), act.stride(0), b13.stride(0) if b13 is not None else 0,
+        ACT=epi["ACT"], CLAMP=epi["CLAMP"], BIAS=b13 is not None,
         TB=pull_tokens, BH=min(_p2(H), 1024), K=K, NUM_COMM=num_comm, NUM_PROGRAMS=num_programs,
         USE_PTX=use_ptx, SYNC=sync,
         IEEE=w13.dtype == torch.float32, EVEN_K=H % config.BK == 0, EVEN_N=Ir % config.BN == 0,
@@ -459,8 +468,8 @@ def ag_gemm1(*, region, region_off, pulled, w13, act, tables, arrived, ctl, erro
 
 def gemm2_push(*, region, region_off, act, w2, D, tables, routing_g, tiles, disp, pushed, ctl, error, stats,
                rank, R, C, L, stage_off, wm_off, config, num_programs, num_compute, join, max_spins, use_ptx,
-               job_cols, job_tokens, sync=True):
-    """Kernel 2: D [S, H] = act @ W2, then every global token's top-k sum pushed to its owner."""
+               job_cols, job_tokens, sync=True, b2=None):
+    """Kernel 2: D [S, H] = act @ W2 (+ b2), then every global token's top-k sum pushed to its owner."""
     S, Ir = act.shape
     E, _, H = w2.shape
     K = tables.slots.shape[1]
@@ -468,12 +477,14 @@ def gemm2_push(*, region, region_off, act, w2, D, tables, routing_g, tiles, disp
     assert D.shape == (S, H) and act.stride(1) == 1 and w2.stride(2) == 1 and D.stride(1) == 1
     assert 0 < num_compute <= num_programs and (join or num_compute < num_programs), "nobody takes jobs"
     assert job_tokens >= 1 and job_tokens & (job_tokens - 1) == 0, f"job_tokens must be a power of two, got {job_tokens}"
+    assert b2 is None or (b2.shape == (E, H) and b2.dtype == w2.dtype and b2.stride(1) == 1)
     _gemm2_push_kernel[(num_programs,)](
-        region, region_off, act, w2, D, tables.block_expert, tables.slots, tables.job_order, routing_g,
+        region, region_off, act, w2, D, b2 if b2 is not None else D,
+        tables.block_expert, tables.slots, tables.job_order, routing_g,
         tiles, disp, pushed, ctl, error, stats,
         rank, R, C, H, NB, Ir, E, L, stage_off, wm_off, max_spins,
-        act.stride(0), w2.stride(0), w2.stride(1), D.stride(0),
-        K=K, KP=_p2(K), BH=min(_p2(H), job_cols), JT=job_tokens, NUM_COMPUTE=num_compute, NUM_PROGRAMS=num_programs,
+        act.stride(0), w2.stride(0), w2.stride(1), D.stride(0), b2.stride(0) if b2 is not None else 0,
+        BIAS=b2 is not None, K=K, KP=_p2(K), BH=min(_p2(H), job_cols), JT=job_tokens, NUM_COMPUTE=num_compute, NUM_PROGRAMS=num_programs,
         JOIN=join, USE_PTX=use_ptx, SYNC=sync,
         IEEE=act.dtype == torch.float32, EVEN_K=Ir % config.BK == 0, EVEN_N=H % config.BN == 0,
         BM=BM, BN=config.BN, BK=config.BK, num_warps=config.num_warps, num_stages=config.num_stages,

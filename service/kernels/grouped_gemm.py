@@ -64,12 +64,27 @@ import torch
 import triton
 import triton.language as tl
 
-from service.config import BM
+from service.config import BM, Activation
 from service.kernels.sync import signal_add, wait_geq
 
 # A poll is ~0.2 us on an H200 (system-scope acquire), so 2**24 polls bound a wait at a few
 # seconds: far beyond any honest arrival, short enough that a dead peer becomes an error.
 DEFAULT_MAX_SPINS = 1 << 24
+
+# GEMM1 epilogue variants (the ACT constexpr; 0 = no activation, GEMM2), by Activation.kind.
+ACT_SILU, ACT_GELU_TANH, ACT_GPT_OSS = tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+ACT_CODES = {"silu": 1, "gelu_tanh": 2, "gpt_oss": 3}
+GELU_2C = tl.constexpr(1.5957691216057308)  # 2 * sqrt(2 / pi)
+GELU_A = tl.constexpr(0.044715)
+
+
+def epilogue_args(act: Activation | None) -> dict:
+    """The kernels' activation arguments for `act` (None: no activation, GEMM2): ACT, CLAMP
+    (compile-time) and limit, alpha (runtime floats; unused values are 0)."""
+    if act is None:
+        return dict(ACT=0, CLAMP=False, limit=0.0, alpha=0.0)
+    return dict(ACT=ACT_CODES[act.kind], CLAMP=act.limit is not None, limit=float(act.limit or 0.0),
+                alpha=float(act.alpha) if act.kind == "gpt_oss" else 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,15 +141,37 @@ def _load_dot(a, w_ptrs, w_ok, acc, EVEN: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def gemm_tile(a_ptr, a_rows, w_ptr, out_ptr, block, expert, pn, ready, N, K, up_col,
-              stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on,
-              SWIGLU: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+def gated_act(g, u, limit, alpha, ACT: tl.constexpr, CLAMP: tl.constexpr):
+    """GEMM1's epilogue on fp32 gate / up accumulators (service.config.Activation has the maths):
+    CLAMP first clamps g <= limit and -limit <= u <= limit; ACT 1 silu(g) * u, 2 gelu_tanh(g) * u,
+    3 gpt-oss (u + 1) * g * sigmoid(alpha * g). Compile-time: one variant per kernel, no branch."""
+    if CLAMP:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    if ACT == ACT_SILU:
+        out = g * tl.sigmoid(g) * u
+    elif ACT == ACT_GELU_TANH:
+        # 0.5 * (1 + tanh(z)) == sigmoid(2z): gelu_tanh(g) = g * sigmoid(2 * sqrt(2/pi) * (g + 0.044715 g^3)),
+        # one sigmoid instead of a tanh (which the interpreter lacks).
+        out = g * tl.sigmoid(GELU_2C * (g + GELU_A * g * g * g)) * u
+    else:
+        out = (u + 1.0) * g * tl.sigmoid(alpha * g)
+    return out
+
+
+@triton.jit
+def gemm_tile(a_ptr, a_rows, w_ptr, out_ptr, bias_ptr, block, expert, pn, ready, N, K, up_col, limit, alpha,
+              stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
+              ACT: tl.constexpr, CLAMP: tl.constexpr, BIAS: tl.constexpr,
+              IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """out[rows of row block `block`, column tile `pn`] = A @ W[expert] (SWIGLU: silu(gate) * up,
+    """out[rows of row block `block`, column tile `pn`] = A @ W[expert] (ACT > 0: gated_act(gate, up),
     two accumulators); one BM x BN output tile, the K loop inside. The BM input rows start at
     `a_ptr + a_rows` ([BM] int64 element offsets: `rows * stride_am` for a contiguous A, or any
-    gather of rows, e.g. a token per row); output rows are the block's. `ready` is the gate's
-    verdict, always 1 here (callers skip the tile on 0). Triton inlines it into the caller."""
+    gather of rows, e.g. a token per row); output rows are the block's. BIAS adds
+    bias[expert, cols] (and bias[expert, up_col + cols] to the up half) before the activation.
+    `ready` is the gate's verdict, always 1 here (callers skip the tile on 0). Triton inlines it
+    into the caller."""
     k_steps = tl.cdiv(K, BK)
     # (ready - 1) == 0: a data dependency of the row offsets on the gate's result, insurance
     # against a compiler hoisting the A loads above the wait (times 16, so the offsets keep their
@@ -158,13 +195,18 @@ def gemm_tile(a_ptr, a_rows, w_ptr, out_ptr, block, expert, pn, ready, N, K, up_
             a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
         w_ok = (ks[:, None] < k_left) & col_ok  # [BK, BN], used unless EVEN_K and EVEN_N
         acc = _load_dot(a, g_ptrs, w_ok, acc, EVEN_K and EVEN_N, IEEE)
-        if SWIGLU:
+        if ACT != 0:
             u_ptrs = g_ptrs + up_col * stride_wn  # the matching up columns, Ir to the right
             acc_up = _load_dot(a, u_ptrs, w_ok, acc_up, EVEN_K and EVEN_N, IEEE)
         a_ptrs += BK * stride_ak
         g_ptrs += BK * stride_wk
-    if SWIGLU:
-        acc = acc * tl.sigmoid(acc) * acc_up  # silu(g) * u in fp32
+    if BIAS:
+        b_ptrs = bias_ptr + expert.to(tl.int64) * stride_be + cols  # [BN]
+        acc += tl.load(b_ptrs, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        if ACT != 0:
+            acc_up += tl.load(b_ptrs + up_col, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if ACT != 0:
+        acc = gated_act(acc, acc_up, limit, alpha, ACT, CLAMP)  # in fp32
     o_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on  # [BM, BN]
     if EVEN_N:
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty))
@@ -180,16 +222,19 @@ def gemm_tile(a_ptr, a_rows, w_ptr, out_ptr, block, expert, pn, ready, N, K, up_
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr,            # A [S, K], W [E, K, n_w], out [S, N]
+    bias_ptr,                         # BIAS: [E, n_w] added before the activation (GEMM1) or to out (GEMM2)
     block_expert_ptr,                 # [S/BM] int32, E = unused block
     row_token_ptr,                    # GATHER: [S] int32 row of A for output row s (-1: padding)
     counters_ptr, target_ptr,         # GATE: [S/BM] int32, [1] int32
     tile_counters_ptr,                # EPILOGUE: [S/BM] int32
     error_ptr,                        # [1] int32: block + 1 of a timed-out wait, else untouched
     num_blocks, N, K, num_experts, num_a_rows,
-    up_col,                           # SWIGLU: column of W where the up half starts (Ir)
+    up_col,                           # ACT > 0: column of W where the up half starts (Ir)
+    limit, alpha,                     # fp32: the activation's clamp bound and gpt-oss's alpha
     max_spins,
-    stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on,
-    SWIGLU: tl.constexpr, GATHER: tl.constexpr, GATE: tl.constexpr, EPILOGUE: tl.constexpr,
+    stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
+    ACT: tl.constexpr, CLAMP: tl.constexpr, BIAS: tl.constexpr,
+    GATHER: tl.constexpr, GATE: tl.constexpr, EPILOGUE: tl.constexpr,
     USE_PTX: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
 ):
@@ -220,9 +265,9 @@ def _grouped_gemm_kernel(
                     # a quarter of the layout would hammer one L2 slice (measured: GEMM1 1.4x slower).
                     rt = tl.load(row_token_ptr + rows)
                     rows = tl.where(rt >= 0, rt, rows % num_a_rows).to(tl.int64)  # [BM] rows of A
-                gemm_tile(a_ptr, rows * stride_am, w_ptr, out_ptr, block, expert, pn, ready, N, K, up_col,
-                          stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on,
-                          SWIGLU, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
+                gemm_tile(a_ptr, rows * stride_am, w_ptr, out_ptr, bias_ptr, block, expert, pn, ready, N, K, up_col,
+                          limit, alpha, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
+                          ACT, CLAMP, BIAS, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
                 if EPILOGUE:
                     signal_add(tile_counters_ptr + block, 1, USE_PTX)
 
@@ -250,7 +295,7 @@ def grid_size(num_blocks: int, n: int, config: GemmConfig, device: torch.device,
     return max(1, min(num_programs or _num_sms(device), tiles))
 
 
-def _launch(a, w, out, block_expert, *, n, up_col, swiglu, config, gate, epilogue, error, num_programs, use_ptx,
+def _launch(a, w, out, block_expert, *, n, up_col, act, bias, config, gate, epilogue, error, num_programs, use_ptx,
             row_token=None):
     K = a.shape[1]
     S = a.shape[0] if row_token is None else row_token.shape[0]
@@ -268,6 +313,11 @@ def _launch(a, w, out, block_expert, *, n, up_col, swiglu, config, gate, epilogu
     if block_expert.shape != (S // BM,) or block_expert.dtype != torch.int32:
         raise ValueError(f"block_expert must be int32 [{S // BM}], got {block_expert.dtype} {list(block_expert.shape)}")
     tensors = [a, w, out, block_expert]
+    if bias is not None:
+        if bias.shape != (E, w.shape[2]) or bias.dtype != a.dtype or bias.stride(1) != 1:
+            raise ValueError(f"bias must be [{E}, {w.shape[2]}] {a.dtype} with unit column stride, got "
+                             f"{bias.dtype} {list(bias.shape)}")
+        tensors.append(bias)
     if row_token is not None:
         if row_token.dtype != torch.int32 or row_token.dim() != 1:
             raise ValueError(f"row_token must be int32 [S], got {row_token.dtype} {list(row_token.shape)}")
@@ -301,14 +351,17 @@ def _launch(a, w, out, block_expert, *, n, up_col, swiglu, config, gate, epilogu
 
     dummy = block_expert  # pointer for the hooks that are compiled out
     P = grid_size(S // BM, n, config, a.device, num_programs)
+    epi = epilogue_args(act)
     _grouped_gemm_kernel[(P,)](
-        a, w, out, block_expert, row_token if row_token is not None else dummy,
+        a, w, out, bias if bias is not None else out, block_expert, row_token if row_token is not None else dummy,
         gate.counters if gate else dummy, gate.target if gate else dummy,
         epilogue.tile_counters if epilogue else dummy,
         error if error is not None else dummy,
-        S // BM, n, K, E, a.shape[0], up_col, gate.max_spins if gate else 0,
+        S // BM, n, K, E, a.shape[0], up_col, epi["limit"], epi["alpha"], gate.max_spins if gate else 0,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-        SWIGLU=swiglu, GATHER=row_token is not None, GATE=gate is not None, EPILOGUE=epilogue is not None, USE_PTX=use_ptx,
+        bias.stride(0) if bias is not None else 0,
+        ACT=epi["ACT"], CLAMP=epi["CLAMP"], BIAS=bias is not None,
+        GATHER=row_token is not None, GATE=gate is not None, EPILOGUE=epilogue is not None, USE_PTX=use_ptx,
         IEEE=a.dtype == torch.float32, EVEN_K=K % config.BK == 0, EVEN_N=n % config.BN == 0,
         BM=BM, BN=config.BN, BK=config.BK, NUM_PROGRAMS=P,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -317,11 +370,14 @@ def _launch(a, w, out, block_expert, *, n, up_col, swiglu, config, gate, epilogu
 
 
 def gemm1_swiglu(a, w13, block_expert, *, config: GemmConfig, out=None, gate: Gate | None = None,
-                 epilogue: Epilogue | None = None, error=None, num_programs=None, use_ptx=None, row_token=None):
-    """act [S, Ir] = silu(A @ W13[e][:, :Ir]) * (A @ W13[e][:, Ir:]) per row block (e = block_expert[b]).
+                 epilogue: Epilogue | None = None, error=None, num_programs=None, use_ptx=None, row_token=None,
+                 act: Activation = Activation(), bias=None):
+    """act [S, Ir] = act(A @ W13[e][:, :Ir] (+ b13[e, :Ir]), A @ W13[e][:, Ir:] (+ b13[e, Ir:])) per row
+    block (e = block_expert[b]); `act` defaults to silu(g) * u.
 
-    a [S, H], w13 [E, H, 2*Ir], block_expert [S/BM] int32. Rows of unused blocks are not written.
-    With row_token [S] int32, a is [N, H] and row s of A is a[row_token[s]] (padding rows: -1).
+    a [S, H], w13 [E, H, 2*Ir], block_expert [S/BM] int32, bias b13 [E, 2*Ir] or None. Rows of unused
+    blocks are not written. With row_token [S] int32, a is [N, H] and row s of A is a[row_token[s]]
+    (padding rows: -1).
     """
     if w13.dim() != 3 or w13.shape[2] % 2:
         raise ValueError(f"w13 must be [E, H, 2*Ir], got {list(w13.shape)}")
@@ -329,22 +385,23 @@ def gemm1_swiglu(a, w13, block_expert, *, config: GemmConfig, out=None, gate: Ga
     if out is None:
         S = a.shape[0] if row_token is None else row_token.shape[0]
         out = torch.empty((S, Ir), dtype=a.dtype, device=a.device)
-    return _launch(a, w13, out, block_expert, n=Ir, up_col=Ir, swiglu=True, config=config, gate=gate,
+    return _launch(a, w13, out, block_expert, n=Ir, up_col=Ir, act=act, bias=bias, config=config, gate=gate,
                    epilogue=epilogue, error=error, num_programs=num_programs, use_ptx=use_ptx, row_token=row_token)
 
 
 def gemm2(act, w2, block_expert, *, config: GemmConfig, out=None, gate: Gate | None = None,
-          epilogue: Epilogue | None = None, error=None, num_programs=None, use_ptx=None):
-    """D [S, H] = act @ W2[e] per row block (e = block_expert[b]).
+          epilogue: Epilogue | None = None, error=None, num_programs=None, use_ptx=None, bias=None):
+    """D [S, H] = act @ W2[e] (+ b2[e]) per row block (e = block_expert[b]).
 
-    act [S, Ir], w2 [E, Ir, H], block_expert [S/BM] int32. Rows of unused blocks are not written.
+    act [S, Ir], w2 [E, Ir, H], block_expert [S/BM] int32, bias b2 [E, H] or None. Rows of unused
+    blocks are not written.
     """
     if w2.dim() != 3:
         raise ValueError(f"w2 must be [E, Ir, H], got {list(w2.shape)}")
     H = w2.shape[2]
     if out is None:
         out = torch.empty((act.shape[0], H), dtype=act.dtype, device=act.device)
-    return _launch(act, w2, out, block_expert, n=H, up_col=0, swiglu=False, config=config, gate=gate,
+    return _launch(act, w2, out, block_expert, n=H, up_col=0, act=None, bias=bias, config=config, gate=gate,
                    epilogue=epilogue, error=error, num_programs=num_programs, use_ptx=use_ptx)
 
 
@@ -357,8 +414,9 @@ def _row_experts(block_expert: torch.Tensor) -> torch.Tensor:
     return block_expert.long().repeat_interleave(BM)  # [S]
 
 
-def gemm1_swiglu_ref(a, w13, block_expert) -> torch.Tensor:
+def gemm1_swiglu_ref(a, w13, block_expert, act: Activation = Activation(), bias=None) -> torch.Tensor:
     """fp32 reference of gemm1_swiglu; rows of unused blocks are 0."""
+
     E, _, two_ir = w13.shape
     Ir = two_ir // 2
     experts = _row_experts(block_expert)
@@ -369,11 +427,13 @@ def gemm1_swiglu_ref(a, w13, block_expert) -> torch.Tensor:
             continue
         rows = experts == e
         h = a32[rows] @ w32[e]  # [rows, 2*Ir]
-        out[rows] = torch.nn.functional.silu(h[:, :Ir]) * h[:, Ir:]
+        if bias is not None:
+            h = h + bias[e].float()
+        out[rows] = act.apply(h[:, :Ir], h[:, Ir:])
     return out
 
 
-def gemm2_ref(act, w2, block_expert) -> torch.Tensor:
+def gemm2_ref(act, w2, block_expert, bias=None) -> torch.Tensor:
     """fp32 reference of gemm2; rows of unused blocks are 0."""
     E, _, H = w2.shape
     experts = _row_experts(block_expert)
@@ -383,7 +443,7 @@ def gemm2_ref(act, w2, block_expert) -> torch.Tensor:
         if e >= E:
             continue
         rows = experts == e
-        out[rows] = a32[rows] @ w32[e]
+        out[rows] = a32[rows] @ w32[e] + (bias[e].float() if bias is not None else 0.0)
     return out
 
 

@@ -253,20 +253,22 @@ def build_step_tables(b: RankBuffers):
     return build_tables(ids_g, counts, b.cfg.E, b.cfg.C, b.cfg.S)
 
 
-def run_kernel1(b: RankBuffers, plan: Plan, tables, w13: torch.Tensor) -> None:
+def run_kernel1(b: RankBuffers, plan: Plan, tables, w13: torch.Tensor, b13: torch.Tensor | None = None) -> None:
     from service.kernels import fused_kernels as fk
 
     fk.ag_gemm1(region=b.region, region_off=b.region_off, pulled=b.pulled, w13=w13, act=b.act, tables=tables,
+                activation=b.cfg.act, b13=b13,
                 arrived=b.arrived, ctl=b.ctl, error=b.error, stats=b.stats, rank=b.rank, R=b.cfg.R, C=b.cfg.C,
                 tok_off=b.tok_off, pull_off=b.pull_off, config=plan.config1, num_programs=plan.num_programs,
                 num_comm=plan.num_comm1, max_spins=plan.max_spins, use_ptx=plan.use_ptx, sync=plan.sync,
                 pull_tokens=plan.pull_tokens)
 
 
-def run_kernel2(b: RankBuffers, plan: Plan, tables, w2: torch.Tensor) -> None:
+def run_kernel2(b: RankBuffers, plan: Plan, tables, w2: torch.Tensor, b2: torch.Tensor | None = None) -> None:
     from service.kernels import fused_kernels as fk
 
     fk.gemm2_push(region=b.region, region_off=b.region_off, act=b.act, w2=w2, D=b.D, tables=tables, routing_g=b.routing_g,
+                  b2=b2,
                   tiles=b.tiles, disp=b.disp, pushed=b.pushed, ctl=b.ctl, error=b.error, stats=b.stats,
                   rank=b.rank, R=b.cfg.R, C=b.cfg.C, L=b.lay.L, stage_off=b.stage_off, wm_off=b.wm_off,
                   config=plan.config2, num_programs=plan.num_programs, num_compute=plan.num_compute2,
@@ -376,6 +378,8 @@ class FusedLayer:
         self.plan = default_plan(cfg, device, **plan_overrides)
         self.w13 = weights.w13.to(device, cfg.dtype).contiguous()  # [E, H, 2*Ir]
         self.w2 = weights.w2.to(device, cfg.dtype).contiguous()    # [E, Ir, H]
+        self.b13 = None if weights.b13 is None else weights.b13.to(device, cfg.dtype).contiguous()  # [E, 2*Ir]
+        self.b2 = None if weights.b2 is None else weights.b2.to(device, cfg.dtype).contiguous()     # [E, H] rank 0
         lay = Layout(cfg.R, cfg.C, cfg.H, cfg.K, cfg.dtype.itemsize)
         if cfg.R == 1:
             self._handle = None
@@ -435,9 +439,9 @@ class FusedLayer:
         mark("exchange")
         self._tables = build_step_tables(b)
         mark("tables")
-        run_kernel1(b, plan, self._tables, self.w13)
+        run_kernel1(b, plan, self._tables, self.w13, self.b13)
         mark("kernel1")
-        run_kernel2(b, plan, self._tables, self.w2)
+        run_kernel2(b, plan, self._tables, self.w2, self.b2)
         mark("kernel2")
         run_reduce(b, plan)
         mark("reduce")

@@ -13,7 +13,6 @@ import torch
 from torch import Tensor
 
 from service.config import Activation
-from service.moe.activation import gated
 
 
 def moe_reference(x: Tensor, ids: Tensor, w: Tensor, gate: Tensor, up: Tensor, down: Tensor,
@@ -34,7 +33,7 @@ def moe_reference(x: Tensor, ids: Tensor, w: Tensor, gate: Tensor, up: Tensor, d
         g, u = xe @ gate[e].float().T, xe @ up[e].float().T          # [n_e, I]
         if biases is not None:
             g, u = g + biases[0][e].float(), u + biases[1][e].float()
-        y = gated(g, u, act) @ down[e].float().T                     # [n_e, H]
+        y = act.apply(g, u) @ down[e].float().T                      # [n_e, H]
         if biases is not None:
             y = y + biases[2][e].float()
         out.index_add_(0, t, w[t, k, None] * y)

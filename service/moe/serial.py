@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 
 from service.config import BM, LayerConfig
-from service.moe.activation import gated
 from service.moe.grouped import grouped_mm, prepare_weight
 from service.moe import tables as torch_tables
 from service.moe.timing import StageTimer
@@ -82,7 +81,7 @@ class GroupedGemms:
             self.w13 = weights.w13.to(device).contiguous()  # [E, H, 2*Ir]
             self.w2 = weights.w2.to(device).contiguous()    # [E, Ir, H]
             self.configs = [lookup_for_device(device, mode, cfg.E, cfg.H, cfg.Ir) for mode in ("gemm1", "gemm2")]
-            self.act = torch.empty(cfg.S, cfg.Ir, dtype=cfg.dtype, device=device)  # [S, Ir]
+            self.h = torch.empty(cfg.S, cfg.Ir, dtype=cfg.dtype, device=device)  # [S, Ir] activations
             self.d = torch.empty(cfg.S, cfg.H, dtype=cfg.dtype, device=device)    # [S, H]
         else:
             self.w13 = prepare_weight(weights.w13.to(device))  # [E, H, 2*Ir]
@@ -100,10 +99,10 @@ class GroupedGemms:
         if self.impl == "triton":
             from service.kernels.grouped_gemm import gemm1_swiglu, gemm2
 
-            gemm1_swiglu(x_g, self.w13, tables.block_expert, config=self.configs[0], out=self.act,
-                         row_token=tables.row_token)
+            gemm1_swiglu(x_g, self.w13, tables.block_expert, config=self.configs[0], out=self.h,
+                         row_token=tables.row_token, act=self.act, bias=self.b13)
             timer.mark("gemm1")
-            gemm2(self.act, self.w2, tables.block_expert, config=self.configs[1], out=self.d)
+            gemm2(self.h, self.w2, tables.block_expert, config=self.configs[1], out=self.d, bias=self.b2)
             timer.mark("gemm2")
             return self.d
         A = torch.index_select(x_g, 0, tables.row_token.clamp(min=0), out=self.A)  # [S, H]
@@ -115,7 +114,7 @@ class GroupedGemms:
         if self.b13 is not None:
             h += self.b13[row_expert]
         timer.mark("gemm1")
-        act = gated(h[:, :Ir], h[:, Ir:], self.act)          # [S, Ir]
+        act = self.act.apply(h[:, :Ir], h[:, Ir:])           # [S, Ir]
         timer.mark("swiglu")
         d = grouped_mm(act, self.w2, tables.expert_offsets)  # [S, H]
         if self.b2 is not None:

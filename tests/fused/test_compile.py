@@ -25,11 +25,13 @@ interpreting = pytest.mark.skipif(triton.knobs.runtime.interpret, reason="compil
 POINTERS = {
     "region_ptr": "*u8", "region_off": "*i64", "stats_ptr": "*i64",
     "a_ptr": "*{dt}", "w_ptr": "*{dt}", "act_ptr": "*{dt}", "d_ptr": "*{dt}",
-    "stage_ptr": "*fp32", "out_ptr": "*fp32", "x_in_ptr": "*{dt}", "w_in_ptr": "*fp32",
+    "stage_ptr": "*fp32", "out_ptr": "*fp32", "x_in_ptr": "*{dt}", "w_in_ptr": "*fp32", "bias_ptr": "*{dt}",
+    "limit": "fp32", "alpha": "fp32",
 }
 
 
-def compile_kernel(name: str, arch: int, *, config=None, dtype: str = "bf16", use_ptx: bool = True, K: int = 8):
+def compile_kernel(name: str, arch: int, *, config=None, dtype: str = "bf16", use_ptx: bool = True, K: int = 8,
+                   act: int = 1, clamp: bool = False, bias: bool = False):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -38,7 +40,8 @@ def compile_kernel(name: str, arch: int, *, config=None, dtype: str = "bf16", us
 
     kernel = getattr(fk, name)
     names = list(inspect.signature(kernel.fn).parameters)
-    constexprs = {"USE_PTX": use_ptx, "SYNC": True, "K": K, "KP": triton.next_power_of_2(K), "RP": 4, "TB": 4, "JT": 2}
+    constexprs = {"USE_PTX": use_ptx, "SYNC": True, "K": K, "KP": triton.next_power_of_2(K), "RP": 4, "TB": 4, "JT": 2,
+                  "ACT": act, "CLAMP": clamp, "BIAS": bias}
     if config is not None:
         constexprs.update(BM=BM, BN=config.BN, BK=config.BK, IEEE=False, EVEN_K=True, EVEN_N=True,
                           NUM_PROGRAMS=132, NUM_COMM=8, NUM_COMPUTE=124, JOIN=True, BH=512)
@@ -98,6 +101,27 @@ def test_gemm_kernels_fit_and_order(arch):
             assert "atom.global.sys.acq_rel.add" in ptx, "elected last writer: no acq_rel local count"
             # No remote read-modify-write: the only system-scope RMWs are the local counters.
             assert "atom.global.sys.release" not in ptx and "atom.global.release.sys" not in ptx
+
+
+@interpreting
+@pytest.mark.parametrize("arch", [90, 120])
+@pytest.mark.parametrize("variant", ["silu_clamp", "gelu_tanh", "gpt_oss_bias"])
+def test_epilogue_variants_compile(arch, variant):
+    """Kernel 1 with every activation (clamp, biases) and kernel 2 with the down bias: both targets,
+    within shared memory, tensor cores kept."""
+    from service.kernels.grouped_gemm import ACT_CODES
+
+    c1, c2 = _configs(arch)
+    act = {"silu_clamp": "silu", "gelu_tanh": "gelu_tanh", "gpt_oss_bias": "gpt_oss"}[variant]
+    bias = variant == "gpt_oss_bias"
+    kernels = [compile_kernel("_ag_gemm1_kernel", arch, config=c1, act=ACT_CODES[act], clamp=variant != "gelu_tanh",
+                              bias=bias)]
+    if bias:
+        kernels.append(compile_kernel("_gemm2_push_kernel", arch, config=c2, bias=True))
+    for k in kernels:
+        assert k.metadata.shared <= SMEM_LIMIT[arch]
+        if arch == 90:
+            assert "wgmma" in k.asm["ptx"]
 
 
 @interpreting

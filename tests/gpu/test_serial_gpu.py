@@ -51,7 +51,7 @@ def test_serial_layer_gemm_impls_in_process(gemm):
     for seq, (T, kind) in enumerate([(1, "balanced"), (299, "skewed"), (300, "empty_expert")], start=1):
         layer.x.fill_(float("nan"))  # rows past T and padding rows (which read some token row) are garbage
         if gemm == "triton":
-            layer.gemms.act.fill_(float("nan"))
+            layer.gemms.h.fill_(float("nan"))
             layer.gemms.d.fill_(float("nan"))
         else:
             layer.gemms.A.fill_(float("nan"))

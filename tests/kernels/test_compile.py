@@ -18,7 +18,7 @@ import triton
 
 ROOT = Path(__file__).resolve().parents[2]
 SMEM_LIMIT = {90: 232448, 120: 101376}  # bytes of shared memory per block (opt-in maximum)
-CONSTEXPRS = ("SWIGLU", "GATHER", "GATE", "EPILOGUE", "USE_PTX", "IEEE", "EVEN_K", "EVEN_N", "BM", "BN", "BK", "NUM_PROGRAMS")
+CONSTEXPRS = ("ACT", "CLAMP", "BIAS", "GATHER", "GATE", "EPILOGUE", "USE_PTX", "IEEE", "EVEN_K", "EVEN_N", "BM", "BN", "BK", "NUM_PROGRAMS")
 # What the runtime specialises at launch for the seed shape: 16-byte aligned pointers, strides
 # and sizes divisible by 16, unit inner strides. Without these hints no cp.async pipelining.
 DIVISIBLE = ("stride_am", "stride_we", "stride_wk", "stride_om", "N", "K", "up_col")
@@ -29,8 +29,10 @@ DEVICE_ARCH = {"NVIDIA_H200": 90, "NVIDIA_H100_80GB_HBM3": 90, "NVIDIA_GeForce_R
 interpreting = pytest.mark.skipif(triton.knobs.runtime.interpret, reason="compile-only needs the compiler, not TRITON_INTERPRET")
 
 
-def compile_gemm(arch: int, *, swiglu: bool, config, gate=True, epilogue=True, use_ptx=True, dtype="bf16", gather=False):
-    """triton.compile of the kernel for GPUTarget('cuda', arch, 32), as a launch would specialise it."""
+def compile_gemm(arch: int, *, swiglu: bool, config, gate=True, epilogue=True, use_ptx=True, dtype="bf16", gather=False,
+                 act: int = 1, clamp: bool = False, bias: bool = False):
+    """triton.compile of the kernel for GPUTarget('cuda', arch, 32), as a launch would specialise it.
+    swiglu: GEMM1 with activation `act` (grouped_gemm.ACT_CODES), else GEMM2 (ACT = 0)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -42,13 +44,15 @@ def compile_gemm(arch: int, *, swiglu: bool, config, gate=True, epilogue=True, u
         if name in CONSTEXPRS or name in UNIT:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            sig[name] = f"*{dtype}" if name in ("a_ptr", "w_ptr", "out_ptr") else "*i32"
+            sig[name] = f"*{dtype}" if name in ("a_ptr", "w_ptr", "out_ptr", "bias_ptr") else "*i32"
             attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("limit", "alpha"):
+            sig[name] = "fp32"
         else:
             sig[name] = "i32"
             if name in DIVISIBLE:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    constexprs = dict(SWIGLU=swiglu, GATHER=gather, GATE=gate, EPILOGUE=epilogue, USE_PTX=use_ptx, IEEE=dtype == "fp32",
+    constexprs = dict(ACT=act if swiglu else 0, CLAMP=clamp, BIAS=bias, GATHER=gather, GATE=gate, EPILOGUE=epilogue, USE_PTX=use_ptx, IEEE=dtype == "fp32",
                       EVEN_K=True, EVEN_N=True, BM=BM, BN=config.BN, BK=config.BK, NUM_PROGRAMS=132,
                       **{name: 1 for name in UNIT})
     src = ASTSource(_grouped_gemm_kernel, sig, constexprs, attrs)
@@ -102,6 +106,25 @@ def test_acquire_release_in_ptx(arch, use_ptx):
     # The signal must follow a CTA barrier (Triton 3.6 adds none before a release atomic).
     release_at = max(ptx.find("red.release.sys"), ptx.find("atom.global.sys.release"), ptx.find("red.global.sys.release"))
     assert "bar.sync" in ptx[:release_at], "no CTA barrier before the release"
+
+
+@interpreting
+@pytest.mark.parametrize("arch", [90, 120])
+@pytest.mark.parametrize("variant", ["silu_clamp", "gelu_tanh", "gpt_oss_bias", "gemm2_bias"])
+def test_epilogue_variants_compile(arch, variant):
+    """Every activation of GEMM1's epilogue (with its clamp and biases) and GEMM2's bias compile for
+    both targets, fit the shared memory of the tuned configs, and keep the tensor-core path."""
+    from service.kernels import tuning
+    from service.kernels.grouped_gemm import ACT_CODES
+
+    mode = "gemm2" if variant == "gemm2_bias" else "gemm1"
+    config = tuning._DEFAULTS[("large" if arch == 90 else "small", mode)]
+    act = {"silu_clamp": "silu", "gelu_tanh": "gelu_tanh", "gpt_oss_bias": "gpt_oss"}.get(variant, "silu")
+    kernel = compile_gemm(arch, swiglu=mode == "gemm1", config=config, act=ACT_CODES[act],
+                          clamp=variant in ("silu_clamp", "gpt_oss_bias"), bias="bias" in variant)
+    assert kernel.metadata.shared <= SMEM_LIMIT[arch]
+    if arch == 90:
+        assert "wgmma" in kernel.asm["ptx"], "sm_90 build without wgmma"
 
 
 @interpreting

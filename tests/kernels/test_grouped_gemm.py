@@ -52,23 +52,38 @@ CASES = {
     "fp32_odd_k_n": ("float32", 3, 48, 24, [1, 129, 7], 0, 16, 32, "epilogue"),
     "all_empty": ("float32", 3, 32, 16, [0, 0, 0], 2, 16, 16, "gate+epilogue"),
     "gate_timeout": ("float32", 2, 32, 16, [100, 60], 0, 16, 16, "timeout"),
+    # GEMM1 epilogue variants (EPILOGUES below): clamps active, biases in both GEMMs.
+    "fp32_clamped_silu": ("float32", 3, 48, 24, [129, 0, 60], 1, 16, 32, "none"),
+    "fp32_gelu_tanh": ("float32", 3, 64, 32, [40, 130, 1], 0, 16, 32, "epilogue"),
+    "fp32_gpt_oss_bias": ("float32", 4, 48, 40, [1, 0, 200, 77], 1, 16, 16, "none"),
+}
+# name -> (activation kind, clamp limit, biases, input scale): the scale makes the clamps bite.
+EPILOGUES = {
+    "fp32_clamped_silu": ("silu", 2.0, False, 4.0),
+    "fp32_gelu_tanh": ("gelu_tanh", None, False, 1.5),
+    "fp32_gpt_oss_bias": ("gpt_oss", 1.5, True, 4.0),
 }
 
 
 def _run_case(name: str) -> dict:
+    from service.config import Activation
     from service.kernels.grouped_gemm import (Epilogue, Gate, GemmConfig, gemm1_swiglu, gemm1_swiglu_ref,
                                               gemm2, gemm2_ref)
 
     dtype_name, E, H, Ir, rows, spare, BN, BK, hooks = CASES[name]
+    kind, limit, biased, scale = EPILOGUES.get(name, ("silu", None, False, 1.0))
+    act_fn = Activation(kind, limit=limit)
     dtype = DTYPE_NAMES[dtype_name]
     used_blocks = sum(-(-r // BM) for r in rows)
     num_blocks = used_blocks + spare
     S = num_blocks * BM
     block_expert, _ = make_block_expert(rows, num_blocks)
     g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    a = torch.randn(S, H, generator=g).to(dtype)  # [S, H]
+    a = (torch.randn(S, H, generator=g) * scale).to(dtype)  # [S, H]
     w13 = (torch.randn(E, H, 2 * Ir, generator=g) / math.sqrt(H)).to(dtype)  # [E, H, 2*Ir]
     w2 = (torch.randn(E, Ir, H, generator=g) / math.sqrt(Ir)).to(dtype)  # [E, Ir, H]
+    b13 = (torch.randn(E, 2 * Ir, generator=g) * 0.5).to(dtype) if biased else None  # [E, 2*Ir]
+    b2 = (torch.randn(E, H, generator=g) * 0.5).to(dtype) if biased else None  # [E, H]
     cfg1 = GemmConfig(BN=BN, BK=BK, num_warps=4, num_stages=2)
     cfg2 = GemmConfig(BN=2 * BN, BK=BK // 2 if BK > 16 else 16, num_warps=4, num_stages=2)
     used = (block_expert < E).repeat_interleave(BM)  # [S] rows of used blocks
@@ -86,13 +101,17 @@ def _run_case(name: str) -> dict:
     err = torch.zeros(1, dtype=torch.int32)
 
     act = torch.full((S, Ir), float("nan"), dtype=dtype)  # poisoned: unused rows must stay NaN
-    gemm1_swiglu(a, w13, block_expert, config=cfg1, out=act, gate=gate, epilogue=epi1, error=err, num_programs=3)
+    gemm1_swiglu(a, w13, block_expert, config=cfg1, out=act, gate=gate, epilogue=epi1, error=err, num_programs=3,
+                 act=act_fn, bias=b13)
     record = {"error": int(err.item())}
     if hooks == "timeout":
         record["rows_0_ok"] = bool(torch.isfinite(act[:BM]).all())
         record["block_1_untouched"] = bool(torch.isnan(act[BM:2 * BM]).all())
         return record
-    ref1 = gemm1_swiglu_ref(a, w13, block_expert)
+    ref1 = gemm1_swiglu_ref(a, w13, block_expert, act_fn, b13)
+    if limit is not None:  # the clamp must bite, or this case would not test it
+        h = (a.float() @ w13.float()[0])[:, :Ir]  # [S, Ir] gate pre-activations of expert 0
+        record["clamped_share"] = float((h > limit).float().mean())
     # The same rows through GATHER: A's rows shuffled into a token matrix x, row_token pointing
     # back (padding rows -1). Same data, same tiles: the used rows must come out bit for bit.
     perm = torch.randperm(S, generator=g)
@@ -100,11 +119,13 @@ def _run_case(name: str) -> dict:
     x[perm] = a
     row_token = torch.where(used, perm, -1).to(torch.int32)
     act_g = torch.full((S, Ir), float("nan"), dtype=dtype)
-    gemm1_swiglu(x, w13, block_expert, config=cfg1, out=act_g, row_token=row_token, num_programs=3)
+    gemm1_swiglu(x, w13, block_expert, config=cfg1, out=act_g, row_token=row_token, num_programs=3,
+                 act=act_fn, bias=b13)
     act_clean = torch.where(used[:, None], act, torch.zeros((), dtype=dtype))  # GEMM2 input without the poison
     d = torch.full((S, H), float("nan"), dtype=dtype)
-    gemm2(act_clean, w2, block_expert, config=cfg2, out=d, gate=gate, epilogue=epi2, error=err, num_programs=5)
-    ref2 = gemm2_ref(act_clean, w2, block_expert)
+    gemm2(act_clean, w2, block_expert, config=cfg2, out=d, gate=gate, epilogue=epi2, error=err, num_programs=5,
+          bias=b2)
+    ref2 = gemm2_ref(act_clean, w2, block_expert, b2)
     unused_blocks = block_expert == E
     record.update(
         err1=rel_err(act[used], ref1[used]) if used.any() else 0.0,
@@ -136,6 +157,8 @@ def test_interpreter_matches_reference(interpreter_results, name):
     assert r["unused_untouched"], "rows of unused blocks (expert == E) were written"
     assert r["gather_same"], "GEMM1 with row_token differs from GEMM1 on the same rows laid out"
     assert r["error"] == 0, f"a pre-satisfied gate reported a timeout at block {r['error'] - 1}"
+    if name in EPILOGUES and EPILOGUES[name][1] is not None:
+        assert r["clamped_share"] > 0.05, "inputs too small to reach the clamp"
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if "epilogue" in CASES[n][-1]])
