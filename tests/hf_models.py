@@ -32,6 +32,7 @@ MODELS = {
                     layer_types=["sliding_attention", "full_attention"], sliding_window=16),
     "deepseek_v4": dict(n_routed_experts=E, num_experts_per_tok=2, moe_intermediate_size=I, n_shared_experts=1,
                         swiglu_limit=10.0, num_hash_layers=0),
+    "jetmoe": dict(num_local_experts=E, num_experts_per_tok=2, intermediate_size=I, kv_channels=10),
     "dbrx": dict(d_model=H, n_heads=4, n_layers=2, max_seq_len=64, attn_config={"kv_n_heads": 2, "rope_theta": 1e4},
                  ffn_config={"moe_num_experts": E, "moe_top_k": 2, "ffn_hidden_size": I}),
 }
@@ -62,3 +63,26 @@ def experts_module(model, layer: int):
     return found[0]
 
 
+
+
+def expert_output(model, model_type: str, layer: int, x, ids, w):
+    """The model's own experts on (x [T, H], ids [T, K], w [T, K]) -> [T, H]. JetMoE's MoE block has
+    no separate experts module: its router is replaced by one that returns this routing (in the
+    router's own format), and the block's output bias (the client's) is taken off again."""
+    if model_type != "jetmoe":
+        return experts_module(model, layer)(x, ids, w).reshape(x.shape)
+    block = model.model.layers[layer].mlp
+    router = block.router
+    E, K = router.num_experts, ids.shape[1]
+
+    def route(hidden_states):
+        _, order = ids.flatten().sort(stable=True)  # (token, k) lanes grouped by expert
+        sizes = torch.bincount(ids.flatten(), minlength=E).tolist()
+        return order, order.div(K, rounding_mode="trunc"), w.flatten()[order], sizes, None
+
+    router.forward = route  # an instance attribute shadows the class's forward
+    try:
+        out = block(x[None])  # [1, T, H]
+    finally:
+        del router.forward
+    return out[0] - block.bias

@@ -27,7 +27,7 @@ from service.moe.checkpoint import inspect_layer
 from service.moe.serial import SerialLayer
 from service.moe.weights import checkpoint_layer, load_rank_weights
 from tests.helpers import TOL, one_thread, rel_err, routing  # noqa: F401  (one_thread: fixture)
-from tests.hf_models import E, H, I, X_SCALE, build, experts_module
+from tests.hf_models import E, H, I, X_SCALE, build, expert_output, experts_module
 
 R = 2
 T = 37
@@ -47,14 +47,15 @@ def base_cfg() -> LayerConfig:
     return LayerConfig(E=8, H=8, I=8, K=1, R=R, C=64, dtype=torch.float32)
 
 
-def check_model(model, path, layer: int, T: int, x_scale: float = 1.0, routing_kind: str = "empty_expert"):
+def check_model(model, path, layer: int, T: int, x_scale: float = 1.0, routing_kind: str = "empty_expert",
+                model_type: str = ""):
     cfg, spec = checkpoint_layer(base_cfg(), path)
     assert spec.layer == layer and (cfg.E, cfg.H, cfg.I) == (E, H, I)
     gen = torch.Generator().manual_seed(T)
     x = torch.randn(T, H, generator=gen) * x_scale
     ids, w = routing(T, cfg.E, cfg.K, routing_kind, gen)
     with torch.no_grad():
-        ref = experts_module(model, layer)(x, ids, w).reshape(T, H)
+        ref = expert_output(model, model_type, layer, x, ids, w)
     out = served(path, cfg, spec.prefix, x, ids, w)
     assert rel_err(out, ref) <= TOL[torch.float32], (rel_err(out, ref), spec)
     return cfg, spec, x
@@ -80,7 +81,7 @@ def models(tmp_path_factory):
 EXPECT = {
     "mixtral": (0, "mixtral", 2), "qwen3_moe": (1, "hf", 3), "deepseek_v3": (1, "hf", 2), "olmoe": (0, "hf", 2),
     "granitemoe": (0, "granite", 2), "granitemoe_swa": (0, "fused", 2), "gpt_oss": (0, "gpt_oss", 2),
-    "deepseek_v4": (0, "mixtral", 2), "dbrx": (0, "dbrx", 2),
+    "deepseek_v4": (0, "mixtral", 2), "dbrx": (0, "dbrx", 2), "jetmoe": (0, "granite", 2),
 }
 
 
@@ -88,14 +89,16 @@ EXPECT = {
 def test_model_directory_matches_the_models_experts(models, model_type, one_thread):  # noqa: F811
     model, path = models(model_type)
     layer, layout, K = EXPECT[model_type]
-    cfg, spec, x = check_model(model, path, layer, T, X_SCALE.get(model_type, 1.0))
+    cfg, spec, x = check_model(model, path, layer, T, X_SCALE.get(model_type, 1.0), model_type=model_type)
     assert spec.layout == layout and cfg.K == K
     if model_type in X_SCALE:  # the clamp must be active, or the test would not test it
         gate = experts_module(model, layer)
         assert spec.act.limit is not None
         pre = x @ _gate_weight(gate, model_type).T  # [T, E*I] every expert's gate pre-activation
         assert (pre > spec.act.limit).float().mean() > 0.05, "inputs too small to reach the clamp"
-    cfg1, _, _ = check_model(model, path, layer, 1)  # T = 1
+    if model_type == "jetmoe":  # the block's output bias stays with the client, and the log says so
+        assert any("output bias" in n for n in spec.notes), spec.notes
+    cfg1, _, _ = check_model(model, path, layer, 1, model_type=model_type)  # T = 1
     assert cfg1 == cfg
 
 
