@@ -187,6 +187,12 @@ class Settings(BaseSettings):
         return v
 
     @model_validator(mode="after")
+    def _layer_needs_weights(self) -> "Settings":
+        if self.layer is not None and not self.weights:
+            raise ValueError("layer picks a decoder layer of --weights (a model directory); no weights are set")
+        return self
+
+    @model_validator(mode="after")
     def _ports_differ(self) -> "Settings":
         ports = [p for p in (self.http_port, self.grpc_port, self.metrics_port) if p]
         if len(ports) != len(set(ports)):

@@ -1,6 +1,6 @@
 """The moe-serve process: settings, the supervised rank group, HTTP + gRPC in one event loop.
 
-    main(argv) -> flags over MOE_* variables -> Settings -> Server.serve():
+    service.cli: flags over MOE_* variables -> Settings -> serve(settings) -> Server.serve():
       HTTP (uvicorn, :8000) and gRPC (grpc.aio, :8001) start at once: live, not ready
       supervisor: start the rank group -> one warm-up batch -> ready
                   a rank dies or raises -> not ready, in-flight requests 503, close the group,
@@ -9,7 +9,8 @@
                   drain_timeout_s, servers stop, ranks stop, exit 0
 
 A bad setting or an unreadable weights file (wrong path, missing key, wrong shape) exits with
-status 2 before anything starts, with a message naming the problem. A first start of the rank
+status 2 before anything starts, with a message naming the problem; so does a checkpoint whose
+experts the layer cannot compute exactly (service/moe/checkpoint.py names the feature). A first start of the rank
 group that fails anyway exits with status 1 instead of retrying: that is a configuration
 problem, not a transient one.
 """

@@ -67,3 +67,28 @@ def test_device_resolution_without_gpu():
         Settings(device="cuda").resolve_device()
     assert Settings().layer_config("cpu") == PRESETS["cpu"]
     assert isinstance(Settings(world_size=2).layer_config("cpu"), LayerConfig)
+
+
+def test_top_k_flag_and_environment(monkeypatch):
+    """K of the served layer: --top-k / MOE_TOP_K over the preset's (a model directory's
+    config.json gives it otherwise: tests/moe/test_hf_models.py)."""
+    assert Settings().layer_config("cpu").K == PRESETS["cpu"].K
+    assert Settings(top_k=2).layer_config("cpu").K == 2
+    monkeypatch.setenv("MOE_TOP_K", "3")
+    assert Settings().layer_config("cpu").K == 3
+    with pytest.raises(ConfigError, match="K .top-k = 17. must not exceed E"):
+        Settings(top_k=17).layer_config("cpu")
+    with pytest.raises(ValidationError, match="top_k"):
+        Settings(top_k=0)
+
+
+def test_layer_needs_weights_and_activation_is_checked():
+    from service.config import Activation
+
+    with pytest.raises(ValidationError, match="no weights are set"):
+        Settings(layer=3)
+    with pytest.raises(ConfigError, match="activation must be one of"):
+        Activation("relu2")
+    with pytest.raises(ConfigError, match="clamp limit must be positive"):
+        Activation("silu", limit=0.0)
+    assert "act=gpt_oss limit=7 alpha=1.702" in preset("cpu").replace(act=Activation("gpt_oss", limit=7.0)).describe()

@@ -247,3 +247,30 @@ def test_top_k_contradicting_config_names_both(models, caplog):
     with caplog.at_level(logging.INFO):
         cfg, _ = checkpoint_layer(base_cfg(), path, top_k=2)
     assert cfg.K == 2 and "K=2 from config.json" in caplog.text
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "granitemoe_swa", "gpt_oss"])
+def test_rank_reads_its_slice_from_the_shards_that_hold_the_layer(models, monkeypatch, model_type):
+    """Slices only (get_tensor never called), each [.., Ir, ..] or [.., 2*Ir] wide, and only the
+    shards holding the layer's expert tensors are opened."""
+    from service.moe import checkpoint
+    from tests.moe.test_weights import _HandleSpy
+
+    _, path = models(model_type)
+    cfg, spec = checkpoint_layer(base_cfg(), path)
+    index = json.load(open(os.path.join(path, "model.safetensors.index.json")))["weight_map"]
+    holding = {os.path.join(path, f) for k, f in index.items() if k.startswith(spec.prefix + "experts")}
+    assert len(set(index.values())) > len(holding) >= 1
+    reads, opened = [], []
+    real_open = checkpoint.safe_open
+
+    def spy_open(file, *a, **k):
+        opened.append(file)
+        return _HandleSpy(real_open(file, *a, **k), reads)
+
+    monkeypatch.setattr(checkpoint, "safe_open", spy_open)
+    load_rank_weights(path, cfg, 1, prefix=spec.prefix)
+    assert reads and set(opened) <= holding, sorted(set(opened) - holding)
+    for key, shape in reads:
+        assert not key.endswith("down_proj_bias"), "rank 1 read the down bias, which rank 0 alone adds"
+        assert cfg.Ir in shape or 2 * cfg.Ir in shape, (key, shape)
