@@ -124,9 +124,11 @@ class Shards:
         self._handles: dict[str, object] = {}
         if os.path.isdir(path):
             self.config = _read_config(os.path.join(path, "config.json"), path)
-            indexes = sorted(f for f in os.listdir(path) if f.endswith(".safetensors.index.json"))
+            # transformers' own index first (Mistral repos also ship consolidated.safetensors.index.json)
+            indexes = sorted((f != "model.safetensors.index.json", f) for f in os.listdir(path)
+                             if f.endswith(".safetensors.index.json"))
             if indexes:
-                self.where = _read_index(os.path.join(path, indexes[0]))
+                self.where = _read_index(os.path.join(path, indexes[0][1]))
             else:
                 files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
                 if not files:
@@ -489,6 +491,8 @@ def read_spec(sh: Shards, prefix: str = "", layer: int | None = None) -> LayerSp
                            f"use --weights-prefix for a plain file")
     if not prefix:  # with a config.json: the layer's block; without one: keys at the top level
         prefix = find_layer(keys, layer, path) if config is not None else ""
+    elif layer is not None and _layer_of(prefix) != layer:
+        raise WeightsError(f"--layer {layer} and --weights-prefix {prefix!r} name different layers; give one")
     E_config = _config_experts(config) if config is not None else None
     found = _per_expert(path, keys, prefix)
     if found is not None:
