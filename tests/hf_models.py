@@ -32,6 +32,13 @@ MODELS = {
                     layer_types=["sliding_attention", "full_attention"], sliding_window=16),
     "deepseek_v4": dict(n_routed_experts=E, num_experts_per_tok=2, moe_intermediate_size=I, n_shared_experts=1,
                         swiglu_limit=10.0, num_hash_layers=0),
+    # multimodal: the language model's config nested under text_config, its layers under model.language_model
+    "qwen3_vl_moe": dict(text_config=dict(COMMON, num_experts=E, num_experts_per_tok=2, moe_intermediate_size=I,
+                                          intermediate_size=48, rope_scaling={"rope_type": "default",
+                                                                              "mrope_section": [1, 1, 3]}),
+                         vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
+                                            out_hidden_size=H, num_position_embeddings=16,
+                                            deepstack_visual_indexes=[])),
     "jetmoe": dict(num_local_experts=E, num_experts_per_tok=2, intermediate_size=I, kv_channels=10),
     "dbrx": dict(d_model=H, n_heads=4, n_layers=2, max_seq_len=64, attn_config={"kv_n_heads": 2, "rope_theta": 1e4},
                  ffn_config={"moe_num_experts": E, "moe_top_k": 2, "ffn_hidden_size": I}),
@@ -42,10 +49,13 @@ X_SCALE = {"gpt_oss": 6.0, "deepseek_v4": 12.0}
 
 def build(model_type: str, directory, **overrides):
     """A tiny random model of `model_type`, every parameter redrawn (biases too), saved sharded."""
-    cfg = transformers.AutoConfig.for_model(model_type, **{**COMMON, **MODELS.get(model_type, {}), **overrides})
+    spec = {**MODELS.get(model_type, {}), **overrides}
+    multimodal = "text_config" in spec
+    cfg = transformers.AutoConfig.for_model(model_type, **(spec if multimodal else {**COMMON, **spec}))
     torch.manual_seed(SEED)
     # eager: the module's own loop over experts (the grouped_mm backend wants 16-byte strides).
-    model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager").float().eval()
+    auto = transformers.AutoModelForImageTextToText if multimodal else transformers.AutoModelForCausalLM
+    model = auto.from_config(cfg, experts_implementation="eager").float().eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.3)

@@ -82,6 +82,7 @@ EXPECT = {
     "mixtral": (0, "mixtral", 2), "qwen3_moe": (1, "hf", 3), "deepseek_v3": (1, "hf", 2), "olmoe": (0, "hf", 2),
     "granitemoe": (0, "granite", 2), "granitemoe_swa": (0, "fused", 2), "gpt_oss": (0, "gpt_oss", 2),
     "deepseek_v4": (0, "mixtral", 2), "dbrx": (0, "dbrx", 2), "jetmoe": (0, "granite", 2),
+    "qwen3_vl_moe": (0, "fused", 2),
 }
 
 
