@@ -39,6 +39,7 @@ MODELS = {
                          vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
                                             out_hidden_size=H, num_position_embeddings=16,
                                             deepstack_visual_indexes=[])),
+    "hunyuan_v1_moe": dict(num_experts=E, moe_topk=[3, 2], intermediate_size=I),  # K per layer; shared_mlp
     "jetmoe": dict(num_local_experts=E, num_experts_per_tok=2, intermediate_size=I, kv_channels=10),
     "dbrx": dict(d_model=H, n_heads=4, n_layers=2, max_seq_len=64, attn_config={"kv_n_heads": 2, "rope_theta": 1e4},
                  ffn_config={"moe_num_experts": E, "moe_top_k": 2, "ffn_hidden_size": I}),

@@ -222,11 +222,23 @@ def _first(config: dict, *names):
     return None
 
 
-def _config_top_k(config: dict) -> int | None:
+def _per_layer(value, layer: int | None, name: str, where: str):
+    """A config value that may be given per layer (Hunyuan's `moe_topk: [8, 8, ...]`)."""
+    if not isinstance(value, (list, tuple)):
+        return value
+    if layer is None or not 0 <= layer < len(value):
+        raise WeightsError(f"config.json of {where!r} gives {name} per layer ({value}), but the experts block "
+                           f"is not of a layer it covers (layer {layer})")
+    return value[layer]
+
+
+def _config_top_k(config: dict, layer: int | None, where: str) -> int | None:
     if isinstance(config.get("ffn_config"), dict) and "moe_top_k" in config["ffn_config"]:  # dbrx
         return int(config["ffn_config"]["moe_top_k"])
-    k = _first(config, "num_experts_per_tok", "moe_top_k", "top_k", "num_selected_experts")
-    return int(k) if k is not None else None
+    for name in ("num_experts_per_tok", "moe_topk", "moe_top_k", "top_k", "num_selected_experts"):
+        if config.get(name) is not None:
+            return int(_per_layer(config[name], layer, name, where))
+    return None
 
 
 def _config_experts(config: dict) -> int | None:
@@ -516,8 +528,8 @@ def read_spec(sh: Shards, prefix: str = "", layer: int | None = None) -> LayerSp
     if prefix + "bias" in sh.where:
         notes.append(f"the block's output bias {prefix + 'bias'!r} is the client's (added after the expert sum)")
     return LayerSpec(path=path, prefix=prefix, layout=layout, E=E, H=H, I=I,
-                     K=_config_top_k(config) if config is not None else None, act=act, bias=bias, dtype=dtype,
-                     layer=_layer_of(prefix), notes=tuple(notes),
+                     K=_config_top_k(config, _layer_of(prefix), path) if config is not None else None, act=act,
+                     bias=bias, dtype=dtype, layer=_layer_of(prefix), notes=tuple(notes),
                      block=_fp8_block(sh.config) if sh.config is not None else FP8_BLOCK)
 
 

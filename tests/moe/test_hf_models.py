@@ -82,7 +82,7 @@ EXPECT = {
     "mixtral": (0, "mixtral", 2), "qwen3_moe": (1, "hf", 3), "deepseek_v3": (1, "hf", 2), "olmoe": (0, "hf", 2),
     "granitemoe": (0, "granite", 2), "granitemoe_swa": (0, "fused", 2), "gpt_oss": (0, "gpt_oss", 2),
     "deepseek_v4": (0, "mixtral", 2), "dbrx": (0, "dbrx", 2), "jetmoe": (0, "granite", 2),
-    "qwen3_vl_moe": (0, "fused", 2),
+    "qwen3_vl_moe": (0, "fused", 2), "hunyuan_v1_moe": (0, "hf", 3),
 }
 
 
@@ -117,6 +117,19 @@ def test_dense_layer_is_refused_and_later_layers_served(models):
     assert inspect_layer(path, layer=1).prefix == "model.layers.1.mlp."
     spec = inspect_layer(path)
     assert spec.notes and "shared experts" in spec.notes[0]
+
+
+def test_top_k_given_per_layer(models, one_thread):  # noqa: F811
+    """Hunyuan's moe_topk is a list, one K per layer: --layer 1 serves K = 2."""
+    model, path = models("hunyuan_v1_moe")
+    cfg, spec = checkpoint_layer(base_cfg(), path, layer=1)
+    assert (spec.layer, cfg.K) == (1, 2) and "shared experts" in spec.notes[0]
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(T, H, generator=gen)
+    ids, w = routing(T, E, 2, "skewed", gen)
+    with torch.no_grad():
+        ref = expert_output(model, "hunyuan_v1_moe", 1, x, ids, w)
+    assert rel_err(served(path, cfg, spec.prefix, x, ids, w), ref) <= TOL[torch.float32]
 
 
 def test_gelu_tanh_model(tmp_path, one_thread):  # noqa: F811
