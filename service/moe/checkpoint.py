@@ -241,11 +241,13 @@ def _config_top_k(config: dict, layer: int | None, where: str) -> int | None:
     return None
 
 
-def _config_experts(config: dict) -> int | None:
+def _config_experts(config: dict, layer: int | None, where: str) -> int | None:
     if isinstance(config.get("ffn_config"), dict) and "moe_num_experts" in config["ffn_config"]:  # dbrx
         return int(config["ffn_config"]["moe_num_experts"])
-    e = _first(config, "n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts")
-    return int(e) if e is not None else None
+    for name in ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts"):
+        if config.get(name) is not None:
+            return int(_per_layer(config[name], layer, name, where))
+    return None
 
 
 def _config_activation(config: dict, model_type: str) -> Activation:
@@ -505,7 +507,11 @@ def read_spec(sh: Shards, prefix: str = "", layer: int | None = None) -> LayerSp
         prefix = find_layer(keys, layer, path) if config is not None else ""
     elif layer is not None and _layer_of(prefix) != layer:
         raise WeightsError(f"--layer {layer} and --weights-prefix {prefix!r} name different layers; give one")
-    E_config = _config_experts(config) if config is not None else None
+    try:
+        E_config = _config_experts(config, _layer_of(prefix), path) if config is not None else None
+        K_config = _config_top_k(config, _layer_of(prefix), path) if config is not None else None
+    except (TypeError, ValueError) as exc:  # a value of the wrong type: name it, do not crash
+        raise WeightsError(f"config.json of {path!r}: cannot read the number of experts or top-k ({exc})") from exc
     found = _per_expert(path, keys, prefix)
     if found is not None:
         layout, E, H, I, dtype, bias = _inspect_per_expert(sh, prefix, *found)
@@ -528,8 +534,7 @@ def read_spec(sh: Shards, prefix: str = "", layer: int | None = None) -> LayerSp
     if prefix + "bias" in sh.where:
         notes.append(f"the block's output bias {prefix + 'bias'!r} is the client's (added after the expert sum)")
     return LayerSpec(path=path, prefix=prefix, layout=layout, E=E, H=H, I=I,
-                     K=_config_top_k(config, _layer_of(prefix), path) if config is not None else None, act=act,
-                     bias=bias, dtype=dtype, layer=_layer_of(prefix), notes=tuple(notes),
+                     K=K_config, act=act, bias=bias, dtype=dtype, layer=_layer_of(prefix), notes=tuple(notes),
                      block=_fp8_block(sh.config) if sh.config is not None else FP8_BLOCK)
 
 
