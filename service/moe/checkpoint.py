@@ -272,8 +272,6 @@ def _config_refusal(config: dict, model_type: str) -> str | None:
     zero = _first(config, "zero_expert_num", "num_zero_experts", "n_zero_experts")
     if zero:
         return f"zero (identity) experts ({zero}, as in LongCat-Flash) are not computed by the layer"
-    if _first(config, "moe_input_scaling", "router_scales_input"):
-        return "the router scales the expert input"
     return None
 
 
@@ -527,6 +525,16 @@ def read_spec(sh: Shards, prefix: str = "", layer: int | None = None) -> LayerSp
     if bias and config is None:
         raise WeightsError(f"expert biases at prefix={prefix!r} in {path!r} (gpt-oss) need the model's config.json "
                            f"for their activation; pass the model directory")
+    block = _fp8_block(sh.config) if sh.config is not None else FP8_BLOCK
+    if dtype == FP8:  # the scales must tile the weights in blocks of `block`
+        for role in ("gate", "down"):
+            key = expert_key(prefix, 0, role, layout)
+            out, inn = sh.shape(key)
+            want = [-(-out // block[0]), -(-inn // block[1])]
+            if (got := sh.shape(key + "_scale_inv")) != want:
+                raise WeightsError(f"{key + '_scale_inv'!r} in {path!r} has shape {got}, expected {want} for "
+                                   f"{block[0]}x{block[1]} blocks of {key!r} {[out, inn]} (quantization_config."
+                                   f"weight_block_size)")
     notes = []
     block_keys = [k for k in keys if k.startswith(prefix) and _SHARED.search(k[len(prefix):])]
     if block_keys:
@@ -535,7 +543,7 @@ def read_spec(sh: Shards, prefix: str = "", layer: int | None = None) -> LayerSp
         notes.append(f"the block's output bias {prefix + 'bias'!r} is the client's (added after the expert sum)")
     return LayerSpec(path=path, prefix=prefix, layout=layout, E=E, H=H, I=I,
                      K=K_config, act=act, bias=bias, dtype=dtype, layer=_layer_of(prefix), notes=tuple(notes),
-                     block=_fp8_block(sh.config) if sh.config is not None else FP8_BLOCK)
+                     block=block)
 
 
 def inspect_layer(path: str | os.PathLike, prefix: str = "", layer: int | None = None) -> LayerSpec:

@@ -205,6 +205,12 @@ def test_fp8_block_quantized_checkpoint(models, tmp_path, one_thread):  # noqa: 
     assert dequant
     spec = inspect_layer(str(out_dir))
     assert spec.dtype == "F8_E4M3" and spec.block == (block, block)
+    config["quantization_config"]["weight_block_size"] = [128, 128]  # scales that do not tile the weights
+    json.dump(config, open(out_dir / "config.json", "w"))
+    with pytest.raises(WeightsError, match=r"_scale_inv.*has shape \[2, 3\], expected \[1, 1\]"):
+        inspect_layer(str(out_dir))
+    config["quantization_config"]["weight_block_size"] = [block, block]
+    json.dump(config, open(out_dir / "config.json", "w"))
     # The reference: the model's experts module holding the dequantized weights.
     ex = experts_module(model, 1)
     with torch.no_grad():
