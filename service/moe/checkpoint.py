@@ -72,7 +72,7 @@ _PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?)experts\.(?P<e>\d+)\.(?P<name>[
 # Keys that mark an experts block, whatever the layout: group 1 is the block's prefix.
 _BLOCK_KEYS = (
     _PER_EXPERT,
-    re.compile(r"^(?P<prefix>(?:.*\.)?)experts\.(?:gate_up_proj|down_proj|up_proj)$"),
+    re.compile(r"^(?P<prefix>(?:.*\.)?)experts\.(?:gate_up_proj|down_proj|up_proj)(?:_blocks)?$"),
     re.compile(r"^(?P<prefix>(?:.*\.)?)(?:input_linear|output_linear)\.weight$"),
     re.compile(r"^(?P<prefix>(?:.*\.)?)experts\.mlp\.(?:w1|v1|w2)$"),
 )
@@ -440,6 +440,10 @@ def _inspect_fused(sh: Shards, prefix: str, interleaved: bool, E_config: int | N
         gu_key, down_key, layout = prefix + "input_linear.weight", prefix + "output_linear.weight", "granite"
     elif prefix + "experts.mlp.w1" in keys:
         return _inspect_dbrx(sh, prefix, E_config)
+    elif prefix + "experts.gate_up_proj_blocks" in keys:
+        raise WeightsError(f"the experts under prefix={prefix!r} in {path!r} are MXFP4-quantized (gpt-oss "
+                           f"'gate_up_proj_blocks' / '_scales'), which is not read; serve a bf16 copy (transformers "
+                           f"dequantizes with Mxfp4Config(dequantize=True) and save_pretrained)")
     elif prefix + "experts.up_proj" in keys or prefix + "experts.down_proj" in keys:
         raise WeightsError(f"the experts under prefix={prefix!r} in {path!r} have no gate projection: "
                            f"non-gated experts (e.g. ReLU^2, Nemotron-H) are not computed by the layer")

@@ -243,7 +243,7 @@ def _hf_experts(prefix: str, roles=("gate_proj", "up_proj", "down_proj")) -> dic
     return {f"{prefix}experts.{e}.{r}.weight": torch.randn(*shapes[r], generator=gen) for e in range(E) for r in roles}
 
 
-def test_non_gated_zero_experts_and_unknown_activation_are_refused(tmp_path):
+def test_non_gated_zero_experts_unknown_activation_and_mxfp4_are_refused(tmp_path):
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir(), (tmp_path / "c").mkdir()
     prefix = "model.layers.0.mlp."
     path = _plain_dir(tmp_path / "a", {"model_type": "nemotron_h", "hidden_act": "relu2"},
@@ -257,6 +257,12 @@ def test_non_gated_zero_experts_and_unknown_activation_are_refused(tmp_path):
     path = _plain_dir(tmp_path / "c", {"model_type": "qwen3_moe", "hidden_act": "gelu", "num_experts": E},
                       _hf_experts(prefix))
     with pytest.raises(WeightsError, match="activation 'gelu'"):
+        inspect_layer(path)
+    (tmp_path / "d").mkdir()
+    mxfp4 = {f"{prefix}experts.{n}_{part}": torch.zeros(E, 2 * I, 2, 16, dtype=torch.uint8)
+             for n in ("gate_up_proj", "down_proj") for part in ("blocks", "scales")}
+    path = _plain_dir(tmp_path / "d", {"model_type": "gpt_oss", "num_local_experts": E}, mxfp4)
+    with pytest.raises(WeightsError, match="MXFP4"):
         inspect_layer(path)
 
 
