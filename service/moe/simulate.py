@@ -32,10 +32,9 @@ Dimension letters: N = R*C global tokens, n_r tokens on rank r, NB = S / BM row 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from service.config import BM
+from service.config import BM, Activation
 from service.moe.tables import Tables, build_tables
 
 
@@ -57,8 +56,9 @@ def _unused(tables: Tables) -> int:
     return tables.expert_offsets.shape[0] - 1
 
 
-def _kernel1(r: int, tables: Tables, bufs: list[Tensor], w13: Tensor, C: int) -> Tensor:
-    """AllGather (+) GEMM1 (+) SwiGLU on rank r -> act [S, Ir]."""
+def _kernel1(r: int, tables: Tables, bufs: list[Tensor], w13: Tensor, C: int, act_fn: Activation,
+             b13: Tensor | None) -> Tensor:
+    """AllGather (+) GEMM1 (+) the gated activation (gate / up biases b13 [E, 2*Ir] first) on rank r -> act [S, Ir]."""
     H = bufs[0].shape[1]
     Ir = w13.shape[2] // 2
     slots = tables.slots.tolist()                                    # [N][K]
@@ -97,7 +97,9 @@ def _kernel1(r: int, tables: Tables, bufs: list[Tensor], w13: Tensor, C: int) ->
                          (pulled[row_token[s]] if remote(row_token[s]) else bufs[r][row_token[s] % C])
                          for s in rows])                             # [BM, H]
         h = A @ w13[e].float()                                       # [BM, 2*Ir]
-        act[b * BM:end] = F.silu(h[:, :Ir]) * h[:, Ir:]
+        if b13 is not None:
+            h = h + b13[e].float()
+        act[b * BM:end] = act_fn.apply(h[:, :Ir], h[:, Ir:])
     # Whatever is left of pull_order must be tokens nobody waits for: no remote real token is among them.
     for g in pull[next_pull:]:
         assert slots[g][0] < 0 or not remote(g), f"rank {r}: remote token {g} was never pulled"
@@ -105,8 +107,9 @@ def _kernel1(r: int, tables: Tables, bufs: list[Tensor], w13: Tensor, C: int) ->
 
 
 def _kernel2(r: int, tables: Tables, act: Tensor, w2: Tensor, w_g: Tensor, counts: list[int],
-             staging: list[Tensor], watermarks: list[list[int]], C: int, seq: int) -> None:
-    """GEMM2 (+) top-k reduce (+) push on rank r: fills staging[owner][r] and watermarks[owner][r]."""
+             staging: list[Tensor], watermarks: list[list[int]], C: int, seq: int, b2: Tensor | None) -> None:
+    """GEMM2 (+ down bias b2 [E, H], rank 0's) (+) top-k reduce (+) push on rank r: fills
+    staging[owner][r] and watermarks[owner][r]."""
     S = tables.S
     H = w2.shape[2]
     slots = tables.slots.tolist()                                    # [N][K]
@@ -139,7 +142,7 @@ def _kernel2(r: int, tables: Tables, act: Tensor, w2: Tensor, w_g: Tensor, count
         if e == E:
             continue
         rows = slice(b * BM, (b + 1) * BM)
-        D[rows] = act[rows] @ w2[e].float()                          # [BM, H]
+        D[rows] = act[rows] @ w2[e].float() + (b2[e].float() if b2 is not None else 0.0)  # [BM, H]
         done[b] = True
         # Job programs drain the dispenser while the next job's rows are all done.
         while next_job < len(jobs) and (slots[jobs[next_job]][0] < 0 or ready(jobs[next_job])):
@@ -161,13 +164,14 @@ def simulate_fused(xs: list[Tensor], ids: list[Tensor], ws: list[Tensor], rank_w
     """Run the fused algorithm's dataflow on the CPU; returns out_r [n_r, H] fp32 for every rank.
 
     xs[r] [n_r, H], ids[r] [n_r, K], ws[r] [n_r, K] (n_r <= C, 0 allowed); rank_weights[r] is
-    (w13 [E, H, 2*Ir], w2 [E, Ir, H]) or a RankWeights; cfg a LayerConfig.
+    (w13 [E, H, 2*Ir], w2 [E, Ir, H]) or a RankWeights (with its biases, if any); cfg a LayerConfig
+    (its activation is the one computed).
     """
     R, C, K, S = cfg.R, cfg.C, cfg.K, cfg.S
     assert len(xs) == len(ids) == len(ws) == len(rank_weights) == R, "one x, ids, w and weight slice per rank"
     assert all(x.shape[0] <= C for x in xs), f"a rank holds more than C = {C} tokens"
     H = xs[0].shape[1]
-    weights = [(rw.w13, rw.w2) if hasattr(rw, "w13") else tuple(rw) for rw in rank_weights]
+    weights = [(rw.w13, rw.w2, rw.b13, rw.b2) if hasattr(rw, "w13") else (*rw, None, None) for rw in rank_weights]
 
     ids_g, w_g, counts = _global_routing(ids, ws, C, K)
     tables = build_tables(ids_g, counts, cfg.E, C, S)
@@ -183,9 +187,9 @@ def simulate_fused(xs: list[Tensor], ids: list[Tensor], ws: list[Tensor], rank_w
     watermarks = [[seq - 1] * R for _ in range(R)]                   # watermarks[owner][source]
 
     for r in range(R):
-        w13, w2 = weights[r]
-        act = _kernel1(r, tables, bufs, w13, C)
-        _kernel2(r, tables, act, w2, w_g, counts_l, staging, watermarks, C, seq)
+        w13, w2, b13, b2 = weights[r]
+        act = _kernel1(r, tables, bufs, w13, C, cfg.act, b13)
+        _kernel2(r, tables, act, w2, w_g, counts_l, staging, watermarks, C, seq, b2)
 
     outs = []
     for o in range(R):

@@ -38,8 +38,7 @@ CASES = {
     "r2_gelu_tanh": ("float16", 4, 48, 24, 2, 5, [[4, 5]], "balanced", 4, 1, 2, False, 1, None),
     "r3_gpt_oss_bias": ("float32", 5, 32, 16, 2, 4, [[4, 0, 3], [1, 4, 4]], "empty_expert", 4, 2, 2, False, 1, None),
 }
-# name -> (activation kind, clamp limit, biases, input scale); the scale makes the clamps bite. The
-# CPU dataflow simulation computes SiLU only: these cases are checked against the reference alone.
+# name -> (activation kind, clamp limit, biases, input scale); the scale makes the clamps bite.
 EPILOGUES = {
     "r2_clamped_silu": ("silu", 1.5, False, 4.0),
     "r2_gelu_tanh": ("gelu_tanh", None, False, 1.0),
@@ -64,6 +63,7 @@ def _run_case(name: str) -> dict:
     from service.moe.reference import moe_reference
     from service.moe.simulate import simulate_fused
     from service.moe.tables import build_tables, check_invariants
+    from service.moe.weights import RankWeights
     from tests.helpers import random_experts, rel_err, routing, slice_rank
 
     dtype_name, E, H, Ir, K, C, batches, kind, P, comm1, compute2, join, seq0, fault = CASES[name]
@@ -160,14 +160,15 @@ def _run_case(name: str) -> dict:
                 record["gate_blocks"] = gate_blocks
             break
         refs = [moe_reference(x.float(), i, w, *full, act=cfg.act, biases=biases) for x, i, w in zip(xs, ids, ws)]
-        sims = None if name in EPILOGUES else simulate_fused(
-            [x.float() for x in xs], ids, ws, [(a.float(), c.float()) for a, c in zip(w13, w2)],
-            cfg.replace(dtype=torch.float32), seq=seq)
+        sims = simulate_fused([x.float() for x in xs], ids, ws,
+                              [RankWeights(a.float(), c.float(), None if p is None else p.float(),
+                                           None if q is None else q.float()) for a, c, p, q in zip(w13, w2, b13, b2)],
+                              cfg.replace(dtype=torch.float32), seq=seq)
         outs = [b.out[:n].clone() for b, n in zip(bufs, counts)]
         record["steps"].append(dict(
             seq=seq, counts=counts,
             err=[rel_err(o, ref) if n else 0.0 for o, ref, n in zip(outs, refs, counts)],
-            err_sim=None if sims is None else [rel_err(o, s) if n else 0.0 for o, s, n in zip(outs, sims, counts)],
+            err_sim=[rel_err(o, s) if n else 0.0 for o, s, n in zip(outs, sims, counts)],
             clamped_share=None if limit is None else float(torch.cat(
                 [(x.float() @ full[0][0].T > limit).float().reshape(-1) for x in xs]).mean()),
             finite=all(bool(torch.isfinite(o).all()) for o in outs),
@@ -201,10 +202,9 @@ def test_fused_pipeline_matches_reference(results, name):
         assert s["routing_same"] and s["tables_same"] and s["tables_match_torch"], where
         assert s["finite"], f"{where}: a garbage row reached the output"
         tol = TOL[getattr(torch, r["dtype"])]
-        for rank, e in enumerate(s["err"]):
+        for rank, (e, es) in enumerate(zip(s["err"], s["err_sim"])):
             assert e <= tol, f"{where} rank {rank}: error vs reference {e:.2e}"
-            if s["err_sim"] is not None:
-                assert s["err_sim"][rank] <= tol, f"{where} rank {rank}: error vs simulation {s['err_sim'][rank]:.2e}"
+            assert es <= tol, f"{where} rank {rank}: error vs simulation {es:.2e}"
         if s["clamped_share"] is not None:
             assert s["clamped_share"] > 0.05, f"{where}: inputs too small to reach the clamp"
         assert s["arrived_ok"], f"{where}: arrival flags not refreshed to seq (pulled or not)"
