@@ -22,7 +22,7 @@ import safetensors.torch
 import torch
 
 from service.api.proto import grpc_predict_v2_pb2 as pb
-from service.api.status import ModelNotFound, PayloadTooLarge
+from service.api.error_map import ModelNotFound, PayloadTooLarge
 from service.config import DTYPE_NAMES, LayerConfig
 from service.errors import InvalidInput
 

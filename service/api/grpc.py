@@ -3,7 +3,7 @@ and server reflection, on grpc.aio in the same event loop as HTTP.
 
 ModelInfer answers in `raw_output_contents`. The deadline is the smallest of the client's gRPC
 deadline, the request's `timeout` parameter (microseconds) and the server default. Every error
-leaves through `_abort`, which asks `service.api.status` for the code.
+leaves through `_abort`, which asks `service.api.error_map` for the code.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from service.api import codecs
 from service.api.frontend import Frontend
 from service.api.proto import grpc_predict_v2_pb2 as pb
 from service.api.proto import grpc_predict_v2_pb2_grpc as pb_grpc
-from service.api.status import classify, message
+from service.api.error_map import classify, message
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Bodies are read raw and decoded by `service.api.codecs` (no pydantic models: a [T, H] tensor
 as a pydantic list of lists would cost far more than the layer). Every error leaves through
-`error_response`, which asks `service.api.status` for the code.
+`error_response`, which asks `service.api.error_map` for the code.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.api import codecs
 from service.api.frontend import Frontend
-from service.api.status import RETRY_AFTER_S, PayloadTooLarge, UnsupportedMediaType, classify, message
+from service.api.error_map import RETRY_AFTER_S, PayloadTooLarge, UnsupportedMediaType, classify, message
 
 log = logging.getLogger(__name__)
 
