@@ -3,7 +3,7 @@
     main(argv) -> flags over MOE_* variables -> Settings -> Server.serve():
       HTTP (uvicorn, :8000) and gRPC (grpc.aio, :8001) start at once: live, not ready
       supervisor: start the rank group -> one warm-up batch -> ready
-                  a rank dies or raises -> not ready, in-flight requests 503, close the group,
+                  a rank dies, raises or stops answering -> not ready, in-flight requests 503, close the group,
                   back off (restart_backoff_s, doubling to MAX_BACKOFF_S), start again
       SIGTERM/SIGINT: not ready, new requests 503, in-flight requests finish within
                   drain_timeout_s, servers stop, ranks stop, exit 0
@@ -37,6 +37,7 @@ from service.api.http import create_app
 from service.config import Settings
 from service.errors import GroupUnavailable, MoEError, WorkerError
 from service.metrics import Metrics
+from service.worker.warmup import expert_source, warm_up
 
 log = logging.getLogger("moe-serve")
 
@@ -230,32 +231,25 @@ class Server:
         return min(MAX_BACKOFF_S, self.settings.restart_backoff_s * 2 ** (failures - 1))
 
     async def _watch(self, group) -> None:
-        """Return when the group fails (a step failed, or a rank process is gone) or on stop."""
+        """Return when the group fails (a step failed, a rank process is gone or, while idle, a
+        rank does not answer the heartbeat) or on stop."""
         while not self._stopping:
             if not group.poll():
                 log.error("a rank process of the group has exited")
+                return
+            try:
+                await asyncio.to_thread(group.heartbeat)
+            except (WorkerError, GroupUnavailable) as exc:
+                log.error("the rank group failed its heartbeat: %s", exc)
                 return
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), WATCH_INTERVAL_S)
 
     def _warm_up(self, group) -> None:
-        """One full step on random rows: the group works end to end before it is ready."""
-        cfg = self.cfg
-        T = cfg.tokens_per_step
-        gen = torch.Generator().manual_seed(0)
-        slot = group.acquire_slot(timeout=self.settings.step_timeout_s)
-        try:
-            slot.x[:T].copy_(torch.randn(T, cfg.H, generator=gen).to(cfg.dtype))
-            slot.ids[:T].copy_(torch.randint(0, cfg.E, (T, cfg.K), generator=gen, dtype=torch.int32))
-            slot.w[:T].fill_(1.0 / cfg.K)
-            t0 = time.perf_counter()
-            group.run(slot, T)
-            if not bool(torch.isfinite(slot.out[:T]).all()):
-                raise WorkerError("the warm-up batch produced non-finite values")
-        finally:
-            group.release(slot)
-        log.info("warm-up batch of %d tokens in %.1f ms", T, (time.perf_counter() - t0) * 1e3)
+        """One full step checked against the fp32 reference: the group is right before it is ready."""
+        s = self.settings
+        warm_up(group, self.cfg, expert_source(self.cfg, s.weights, s.weights_prefix, s.seed), s.step_timeout_s)
 
 
 # ---- command line ----------------------------------------------------------------------------

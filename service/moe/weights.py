@@ -207,6 +207,16 @@ def load_rank_weights(path: str | os.PathLike, cfg: LayerConfig, rank: int, pref
     return RankWeights(w13=w13, w2=w2)
 
 
+def load_expert(path: str | os.PathLike, cfg: LayerConfig, e: int, prefix: str = "") -> tuple[Tensor, Tensor, Tensor]:
+    """Expert e's full (gate [I, H], up [I, H], down [H, I]) in fp32, values rounded to cfg.dtype as
+    the ranks hold them: the checkpoint's counterpart of `synthetic_expert` (warm-up check)."""
+    path = os.fspath(path)
+    with _open(path) as f:
+        naming, _, _, _ = _inspect(f, path, prefix)
+        gate, up, down = (f.get_tensor(expert_key(prefix, e, role, naming)).to(cfg.dtype).float() for role in ROLES)
+    return gate, up, down
+
+
 # --------------------------------------------------------------------------- synthetic weights
 
 
