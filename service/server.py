@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -31,9 +32,11 @@ import torch
 import uvicorn
 
 from service.api.batcher import Batcher
+from service.api.connections import BoundedH11
 from service.api.frontend import Frontend
 from service.api.grpc import GrpcServer
 from service.api.http import create_app
+from service import logfilter
 from service.config import Settings
 from service.errors import GroupUnavailable, MoEError, WorkerError
 from service.metrics import Metrics
@@ -123,8 +126,9 @@ class Server:
         await grpc_server.start()
         self.grpc_port = grpc_server.port
         self.fe.on_ready_change.append(lambda ready: loop.create_task(grpc_server.set_serving(ready)))
+        protocol = functools.partial(BoundedH11, idle_timeout_s=s.idle_timeout_s, max_connections=s.max_connections)
         config = uvicorn.Config(create_app(self.fe), host=s.host, port=s.http_port, log_config=None,
-                                access_log=False, lifespan="off",
+                                access_log=False, lifespan="off", http=protocol,
                                 timeout_graceful_shutdown=max(1, int(s.drain_timeout_s)))
         http = _Uvicorn(config)
         http_task = loop.create_task(http.serve())
@@ -291,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = parse_settings(sys.argv[1:] if argv is None else list(argv))
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logfilter.install()
     try:
         server = Server(settings)
     except MoEError as err:  # ConfigError, WeightsError: the message names the problem

@@ -46,6 +46,15 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+LOOPBACK = ("127.0.0.1:", "[::1]:", "[::ffff:127.0.0.1]:")  # how `ss` shows a loopback address
+
+
+def listening(pids: set[int]) -> list[str]:
+    """Local addresses of the TCP sockets that processes `pids` listen on (`ss -ltnp`, iproute2)."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[3] for line in out.splitlines() if any(f"pid={p}," in line for p in pids)]
+
+
 def cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 
 import pytest
@@ -16,6 +15,7 @@ from service.moe.reference import full_weights, moe_reference
 from service.worker.group import WorkerGroup
 from service.worker.rank import rank_range
 from tests.helpers import rel_err, routing, tolerance
+from tests.serverproc import LOOPBACK, listening
 
 SEED = 3
 
@@ -179,16 +179,9 @@ def test_step_deadline_follows_the_measured_steps():
         assert time.monotonic() - t0 < 10
 
 
-def _listening(pids: set[int]) -> list[str]:
-    """Local addresses of the TCP sockets that processes `pids` listen on (`ss -ltnp`)."""
-    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
-    return [line.split()[3] for line in out.splitlines()
-            if any(f"pid={p}," in line for p in pids)]
-
-
 def test_rank_group_listens_on_loopback_only():
     with WorkerGroup(SMALL) as g:
-        addresses = _listening({os.getpid(), *g.pids})
+        addresses = listening({os.getpid(), *g.pids})
         assert addresses, "the group's store should be listening"
-        assert all(a.startswith(("127.0.0.1:", "[::1]:")) for a in addresses), addresses
+        assert all(a.startswith(LOOPBACK) for a in addresses), addresses
         g.forward(*_batch(3, 2))  # the ranks rendezvoused through it
