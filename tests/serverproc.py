@@ -46,6 +46,12 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process `pid`, from /proc."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
 LOOPBACK = ("127.0.0.1:", "[::1]:", "[::ffff:127.0.0.1]:")  # how `ss` shows a loopback address
 
 

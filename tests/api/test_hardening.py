@@ -22,7 +22,7 @@ import torch
 from service.api.proto import grpc_predict_v2_pb2 as pb
 from tests.api import corpus
 from tests.api.common import CFG, check, inputs
-from tests.serverproc import LOOPBACK, ServerProcess, descendants, listening
+from tests.serverproc import LOOPBACK, ServerProcess, descendants, listening, rss_bytes
 
 IDLE_TIMEOUT_S = 2.0
 MAX_CONNECTIONS = 32
@@ -50,11 +50,6 @@ def answers_correctly(server) -> None:
                    timeout=30)
     assert r.status_code == 200, r.text
     check(safetensors.torch.load(r.content)["output"], x, ids, w)
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 def metric(server, protocol: str, status: str) -> float:
