@@ -87,6 +87,18 @@ class ServerProcess:
         return cls([sys.executable, "-m", "service", *flags], log_path,
                    env=cls.loopback_env({**os.environ, **(env or {})}))
 
+    @classmethod
+    @contextlib.contextmanager
+    def serving(cls, log_path: str | Path, *flags: str, env: dict[str, str] | None = None):
+        """`module(...)`, ready; on exit stopped, and its exit code must be 0 (a clean drain)."""
+        proc = cls.module(log_path, *flags, env=env)
+        try:
+            proc.wait_ready()
+            yield proc
+        finally:
+            code = proc.stop()
+            assert code == 0, f"exit code {code}:\n{proc.log()[-3000:]}"
+
     @staticmethod
     def loopback_env(base: dict[str, str]) -> dict[str, str]:
         """`base` with MOE_HOST on loopback and free MOE_HTTP_PORT / MOE_GRPC_PORT."""

@@ -31,16 +31,11 @@ GRPC_MAX_MESSAGE_BYTES = 64 << 20
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc = ServerProcess.module(tmp_path_factory.mktemp("hardening") / "server.log",
-                                "--idle-timeout-s", str(IDLE_TIMEOUT_S), "--max-connections", str(MAX_CONNECTIONS),
-                                "--max-request-bytes", str(4 << 20),
-                                "--grpc-max-message-bytes", str(GRPC_MAX_MESSAGE_BYTES))
-    try:
-        proc.wait_ready()
+    with ServerProcess.serving(tmp_path_factory.mktemp("hardening") / "server.log",
+                               "--idle-timeout-s", str(IDLE_TIMEOUT_S), "--max-connections", str(MAX_CONNECTIONS),
+                               "--max-request-bytes", str(4 << 20),
+                               "--grpc-max-message-bytes", str(GRPC_MAX_MESSAGE_BYTES)) as proc:
         yield proc
-    finally:
-        code = proc.stop()
-        assert code == 0, f"exit code {code}:\n{proc.log()[-3000:]}"
 
 
 def answers_correctly(server) -> None:
