@@ -31,12 +31,12 @@ import pydantic
 import torch
 import uvicorn
 
+from service import logfilter
 from service.api.batcher import Batcher
 from service.api.connections import BoundedH11
 from service.api.frontend import Frontend
 from service.api.grpc import GrpcServer
 from service.api.http import create_app
-from service import logfilter
 from service.config import Settings
 from service.errors import GroupUnavailable, MoEError, WorkerError
 from service.metrics import Metrics

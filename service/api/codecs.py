@@ -21,8 +21,8 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from service.api.proto import grpc_predict_v2_pb2 as pb
 from service.api.error_map import ModelNotFound, PayloadTooLarge
+from service.api.proto import grpc_predict_v2_pb2 as pb
 from service.config import DTYPE_NAMES, LayerConfig
 from service.errors import InvalidInput
 

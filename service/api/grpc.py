@@ -21,10 +21,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from service.api import codecs
+from service.api.error_map import classify, message
 from service.api.frontend import Frontend
 from service.api.proto import grpc_predict_v2_pb2 as pb
 from service.api.proto import grpc_predict_v2_pb2_grpc as pb_grpc
-from service.api.error_map import classify, message
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,6 @@ stopped rank. Each test failed on the code before issue 14 (see bench/RESULTS.md
 
 from __future__ import annotations
 
-import concurrent.futures
-import json
 import os
 import signal
 import socket
@@ -19,7 +17,6 @@ import pytest
 import safetensors.torch
 import torch
 
-from service.api.proto import grpc_predict_v2_pb2 as pb
 from tests.api import corpus
 from tests.api.common import CFG, check, inputs
 from tests.serverproc import LOOPBACK, ServerProcess, descendants, listening, rss_bytes

@@ -82,7 +82,7 @@ def test_a_rank_never_creates_a_slot_file(tmp_path):
 
 
 def test_killed_front_end_leaves_no_slot_files(tmp_path):
-    code = textwrap.dedent(f"""
+    code = textwrap.dedent("""
         import os, signal, torch
         from service.config import LayerConfig
         from service.worker.group import WorkerGroup
