@@ -183,7 +183,7 @@ def test_404_on_model_routes_is_quiet(server):
     log_before = len(server.log().splitlines())
     for path in ("/v2/models/nope", "/v2/models/nope/ready", "/v2/models/moe/versions/2"):
         r = httpx.get(server.url + path, timeout=10)
-        assert r.status_code == 404 and "nope" in r.json()["error"] or "version" in r.json()["error"], r.text
+        assert r.status_code == 404 and ("nope" in r.json()["error"] or "no version" in r.json()["error"]), r.text
     r = httpx.post(server.url + "/v2/models/nope/infer", json={}, timeout=10)
     assert r.status_code == 404
     time.sleep(0.3)
