@@ -164,6 +164,19 @@ def test_idle_and_slow_connections_are_bounded(server):
     answers_correctly(server)
 
 
+def test_a_body_slower_than_the_deadline_gets_408(server):
+    with socket.create_connection(("127.0.0.1", server.http_port), timeout=10) as s:
+        t0 = time.monotonic()
+        s.sendall(b"POST /moe/forward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"X-Request-Timeout: 1\r\nContent-Length: 100000\r\n\r\n{")
+        answer = s.recv(65536)
+        took = time.monotonic() - t0
+        while b"}" not in answer:  # the JSON body may follow the head in a second segment
+            answer += s.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in answer, answer
+    assert took < 3
+
+
 def test_client_gone_mid_body_is_not_a_server_error(server):
     log_before = len(server.log().splitlines())
     gone_before = metric(server, "http_json", "499")
