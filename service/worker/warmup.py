@@ -25,8 +25,10 @@ from service.worker.rank import rank_range
 log = logging.getLogger(__name__)
 
 # Largest relative error ||out - ref|| / ||ref|| of one checked row. Measured single rows reach
-# 1.2e-2 in bf16 (tests/helpers.py); a row from memory the front end never sees is off by ~1.
-ROW_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+# 1.2e-2 in bf16 (tests/helpers.py); fp32 leaves room for TF32 GEMMs on a GPU (~1e-3). What
+# this guards against is far above: a row from memory the front end never sees is off by ~1,
+# one computed with other weights by ~1.4.
+ROW_TOL = {torch.float32: 5e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 Expert = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # e -> gate, up, down fp32
 
