@@ -33,7 +33,7 @@ import uvicorn
 
 from service import logfilter
 from service.api.batcher import Batcher
-from service.api.connections import BoundedH11
+from service.api.connections import BoundedH11, ensure_file_limit
 from service.api.frontend import Frontend
 from service.api.grpc import GrpcServer
 from service.api.http import create_app
@@ -296,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logfilter.install()
+    ensure_file_limit(settings.max_connections)
     try:
         server = Server(settings)
     except MoEError as err:  # ConfigError, WeightsError: the message names the problem

@@ -9,17 +9,35 @@ file limit every accept() failed and was logged). Here:
 - at `max_connections` a new connection closes the longest-idle one to make room; when every one
   has a request in flight, the new one is closed instead.
 uvicorn's `limit_concurrency` is not used: it answers 503 to every request while idle sockets
-fill the limit, health checks included.
+fill the limit, health checks included. `ensure_file_limit` raises the process's descriptor limit
+so that both protocols' caps fit under it: past it every accept() fails (and logs).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger(__name__)
+
+FD_RESERVE = 256  # descriptors besides client connections: slots, rank pipes, the store, logs, grpc
+
+
+def ensure_file_limit(max_connections: int) -> int:
+    """Raise RLIMIT_NOFILE's soft limit towards what two protocols' caps need (up to the hard
+    limit); warn if that is still short. Returns the soft limit now in force."""
+    need = 2 * max_connections + FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < need:
+        soft = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    if soft < need:
+        log.warning("max_connections=%d per protocol needs about %d file descriptors, the limit is %d "
+                    "(ulimit -n): lower max_connections or raise the limit", max_connections, need, soft)
+    return soft
 
 
 class BoundedH11(H11Protocol):
