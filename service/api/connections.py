@@ -50,7 +50,8 @@ class BoundedH11(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:
-            idle = [c for c in self.connections if isinstance(c, BoundedH11) and c is not self and not c.busy]
+            idle = [c for c in self.connections if isinstance(c, BoundedH11) and c is not self and not c.busy
+                    and not c.transport.is_closing()]
             victim = min(idle, key=lambda c: c._idle_since) if idle else self
             log.warning("%d HTTP connections open (max_connections): closing %s", len(self.connections),
                         "the longest-idle one" if idle else "the new one, every other one is busy")
