@@ -166,11 +166,13 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(256 << 20, ge=1024, description="largest HTTP request body; a larger one gets 413")
     grpc_max_message_bytes: int = Field(256 << 20, ge=1024, description="largest gRPC message, received or sent")
     request_timeout_s: float = Field(30.0, gt=0, description="default per-request deadline")
-    step_timeout_s: float = Field(60.0, gt=0, description="a step slower than this fails the group")
+    step_timeout_s: float = Field(60.0, gt=0, description="a step slower than this fails the group (the bound once steps are measured: 10x the slowest recent step, at least 5 s)")
     start_timeout_s: float = Field(300.0, gt=0, description="rank group start-up limit")
     drain_timeout_s: float = Field(20.0, ge=0, description="SIGTERM grace period for in-flight requests")
     restart_backoff_s: float = Field(1.0, ge=0, description="first delay before restarting a failed rank group; doubles on each failure, up to 30 s")
     slots: int = Field(2, ge=1, le=16, description="shared-memory batch slots")
+    max_connections: int = Field(1000, ge=1, description="open connections per protocol; at the limit HTTP closes the longest-idle one, gRPC refuses new ones")
+    idle_timeout_s: float = Field(30.0, gt=0, description="a connection without a request in flight (idle, or still sending its headers) is closed after this")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
         "INFO", description="logging level: DEBUG, INFO, WARNING, ERROR, CRITICAL (any case)")
 

@@ -3,7 +3,7 @@
     service.cli: flags over MOE_* variables -> Settings -> serve(settings) -> Server.serve():
       HTTP (uvicorn, :8000) and gRPC (grpc.aio, :8001) start at once: live, not ready
       supervisor: start the rank group -> one warm-up batch -> ready
-                  a rank dies or raises -> not ready, in-flight requests 503, close the group,
+                  a rank dies, raises or stops answering -> not ready, in-flight requests 503, close the group,
                   back off (restart_backoff_s, doubling to MAX_BACKOFF_S), start again
       SIGTERM/SIGINT: not ready, new requests 503, in-flight requests finish within
                   drain_timeout_s, servers stop, ranks stop, exit 0
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -28,13 +29,16 @@ import time
 import torch
 import uvicorn
 
+from service import logfilter
 from service.api.batcher import Batcher
+from service.api.connections import BoundedH11, ensure_file_limit
 from service.api.frontend import Frontend
 from service.api.grpc import GrpcServer
 from service.api.http import create_app
 from service.config import Settings
 from service.errors import GroupUnavailable, MoEError, WorkerError
 from service.metrics import Metrics
+from service.worker.warmup import expert_source, warm_up
 
 log = logging.getLogger("moe-serve")
 
@@ -122,8 +126,9 @@ class Server:
         await grpc_server.start()
         self.grpc_port = grpc_server.port
         self.fe.on_ready_change.append(lambda ready: loop.create_task(grpc_server.set_serving(ready)))
+        protocol = functools.partial(BoundedH11, idle_timeout_s=s.idle_timeout_s, max_connections=s.max_connections)
         config = uvicorn.Config(create_app(self.fe), host=s.host, port=s.http_port, log_config=None,
-                                access_log=False, lifespan="off",
+                                access_log=False, lifespan="off", http=protocol,
                                 timeout_graceful_shutdown=max(1, int(s.drain_timeout_s)))
         http = _Uvicorn(config)
         http_task = loop.create_task(http.serve())
@@ -230,32 +235,25 @@ class Server:
         return min(MAX_BACKOFF_S, self.settings.restart_backoff_s * 2 ** (failures - 1))
 
     async def _watch(self, group) -> None:
-        """Return when the group fails (a step failed, or a rank process is gone) or on stop."""
+        """Return when the group fails (a step failed, a rank process is gone or, while idle, a
+        rank does not answer the heartbeat) or on stop."""
         while not self._stopping:
             if not group.poll():
                 log.error("a rank process of the group has exited")
+                return
+            try:
+                await asyncio.to_thread(group.heartbeat)
+            except (WorkerError, GroupUnavailable) as exc:
+                log.error("the rank group failed its heartbeat: %s", exc)
                 return
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), WATCH_INTERVAL_S)
 
     def _warm_up(self, group) -> None:
-        """One full step on random rows: the group works end to end before it is ready."""
-        cfg = self.cfg
-        T = cfg.tokens_per_step
-        gen = torch.Generator().manual_seed(0)
-        slot = group.acquire_slot(timeout=self.settings.step_timeout_s)
-        try:
-            slot.x[:T].copy_(torch.randn(T, cfg.H, generator=gen).to(cfg.dtype))
-            slot.ids[:T].copy_(torch.randint(0, cfg.E, (T, cfg.K), generator=gen, dtype=torch.int32))
-            slot.w[:T].fill_(1.0 / cfg.K)
-            t0 = time.perf_counter()
-            group.run(slot, T)
-            if not bool(torch.isfinite(slot.out[:T]).all()):
-                raise WorkerError("the warm-up batch produced non-finite values")
-        finally:
-            group.release(slot)
-        log.info("warm-up batch of %d tokens in %.1f ms", T, (time.perf_counter() - t0) * 1e3)
+        """One full step checked against the fp32 reference: the group is right before it is ready."""
+        s = self.settings
+        warm_up(group, self.cfg, expert_source(self.cfg, s.weights, self.weights_prefix, s.seed), s.step_timeout_s)
 
 
 # ---- entry point (flags: service.cli) ------------------------------------------------------
@@ -265,6 +263,8 @@ def serve(settings: Settings) -> int:
     """Run the service with these settings until SIGTERM; the exit status of the process."""
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logfilter.install()
+    ensure_file_limit(settings.max_connections)
     try:
         server = Server(settings)
     except MoEError as err:  # ConfigError, WeightsError: the message names the problem

@@ -46,6 +46,21 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process `pid`, from /proc."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+LOOPBACK = ("127.0.0.1:", "[::1]:", "[::ffff:127.0.0.1]:")  # how `ss` shows a loopback address
+
+
+def listening(pids: set[int]) -> list[str]:
+    """Local addresses of the TCP sockets that processes `pids` listen on (`ss -ltnp`, iproute2)."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[3] for line in out.splitlines() if any(f"pid={p}," in line for p in pids)]
+
+
 def cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -71,6 +86,18 @@ class ServerProcess:
         """`python -m service` with `flags`, in this environment plus `env`, on free loopback ports."""
         return cls([sys.executable, "-m", "service", *flags], log_path,
                    env=cls.loopback_env({**os.environ, **(env or {})}))
+
+    @classmethod
+    @contextlib.contextmanager
+    def serving(cls, log_path: str | Path, *flags: str, env: dict[str, str] | None = None):
+        """`module(...)`, ready; on exit stopped, and its exit code must be 0 (a clean drain)."""
+        proc = cls.module(log_path, *flags, env=env)
+        try:
+            proc.wait_ready()
+            yield proc
+        finally:
+            code = proc.stop()
+            assert code == 0, f"exit code {code}:\n{proc.log()[-3000:]}"
 
     @staticmethod
     def loopback_env(base: dict[str, str]) -> dict[str, str]:

@@ -21,8 +21,8 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from service.api.error_map import ModelNotFound, PayloadTooLarge
 from service.api.proto import grpc_predict_v2_pb2 as pb
-from service.api.status import ModelNotFound, PayloadTooLarge
 from service.config import DTYPE_NAMES, LayerConfig
 from service.errors import InvalidInput
 
@@ -40,6 +40,7 @@ V2_ACCEPTED = {"hidden_states": ("FP32", "FP16", "BF16"), "topk_ids": ("INT32", 
                "topk_weights": ("FP32", "FP16", "BF16")}
 
 US_PER_S = 1e6  # the v2 `timeout` parameter is in microseconds (Triton's convention)
+MAX_DIM = 2**31 - 1  # a declared dimension past int32 is refused before any size arithmetic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +144,7 @@ def decode_forward_json(body: bytes, spec: ModelSpec) -> Decoded:
 
 
 def encode_forward_json(out: torch.Tensor) -> bytes:
-    return json.dumps({OUTPUT_NAME: out.float().tolist()}).encode()
+    return _json_answer({OUTPUT_NAME: out.float().tolist()})
 
 
 def decode_safetensors(body: bytes, spec: ModelSpec) -> Decoded:
@@ -228,7 +229,7 @@ def encode_v2_http(out: torch.Tensor, req: Decoded, model_name: str) -> tuple[by
         doc["id"] = req.request_id
     if not req.binary_output:
         tensor["data"] = out.float().reshape(-1).tolist()
-        return json.dumps(doc).encode(), None
+        return _json_answer(doc), None
     raw = to_bytes(out)
     tensor["parameters"] = {"binary_data_size": len(raw)}
     header = json.dumps(doc).encode()
@@ -291,6 +292,15 @@ def to_bytes(t: torch.Tensor) -> bytes:
 
 def _name(dtype: torch.dtype) -> str:
     return DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
+
+
+def _json_answer(doc: dict) -> bytes:
+    """Strict JSON (RFC 8259 has no NaN or Infinity): an answer that overflowed is refused."""
+    try:
+        return json.dumps(doc, allow_nan=False).encode()
+    except ValueError:
+        raise InvalidInput("the answer has values beyond the float32 range (the layer overflowed on these "
+                           "inputs); JSON cannot carry them: send smaller values, or use a binary format") from None
 
 
 def _json_object(body: bytes | memoryview) -> dict:
@@ -380,6 +390,8 @@ def _v2_tensor_header(name, datatype, shape, seen) -> tuple[str, torch.dtype, li
     if (not isinstance(shape, list) or len(shape) != 2
             or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
         raise InvalidInput(f"input '{name}' must have a 2-D shape of non-negative integers, got {shape!r}")
+    if any(d > MAX_DIM for d in shape):
+        raise InvalidInput(f"input '{name}' has shape {shape}: a dimension over {MAX_DIM} cannot be a real request")
     return name, V2_DTYPES[datatype], shape
 
 
@@ -408,17 +420,20 @@ def _v2_json_data(data, dtype: torch.dtype, shape: list[int], name: str) -> torc
 
 def _grpc_contents(contents: pb.InferTensorContents, dtype: torch.dtype, shape: list[int], name: str
                    ) -> torch.Tensor:
-    if dtype == torch.float32:
-        values = np.asarray(contents.fp32_contents, dtype=np.float32)
-    elif dtype == torch.int32:
-        values = np.asarray(contents.int_contents, dtype=np.int32)
-    elif dtype == torch.int64:
-        values = np.asarray(contents.int64_contents, dtype=np.int64)
-    else:
+    fields = {torch.float32: ("fp32_contents", np.float32), torch.int32: ("int_contents", np.int32),
+              torch.int64: ("int64_contents", np.int64)}
+    if dtype not in fields:
         raise InvalidInput(f"input '{name}' is {V2_NAMES[dtype]}: it must travel in raw_input_contents")
-    if values.size != shape[0] * shape[1]:
-        raise InvalidInput(f"input '{name}' has {values.size} values; shape {shape} needs {shape[0] * shape[1]}")
-    return torch.from_numpy(values).reshape(shape)
+    field, np_dtype = fields[dtype]
+    others = sorted(f.name for f, _ in contents.ListFields() if f.name != field)
+    if others:
+        raise InvalidInput(f"input '{name}' is {V2_NAMES[dtype]}: its values belong in {field}, not {', '.join(others)}")
+    values = getattr(contents, field)
+    # Count first (len() of a repeated field is O(1)): a request that declares [1, H] but carries
+    # millions of values is refused before they are converted, which holds the event loop.
+    if len(values) != shape[0] * shape[1]:
+        raise InvalidInput(f"input '{name}' has {len(values)} values; shape {shape} needs {shape[0] * shape[1]}")
+    return torch.from_numpy(np.asarray(values, dtype=np_dtype)).reshape(shape)
 
 
 def _v2_timeout(value) -> float | None:

@@ -3,7 +3,11 @@ and server reflection, on grpc.aio in the same event loop as HTTP.
 
 ModelInfer answers in `raw_output_contents`. The deadline is the smallest of the client's gRPC
 deadline, the request's `timeout` parameter (microseconds) and the server default. Every error
-leaves through `_abort`, which asks `service.api.status` for the code.
+is mapped by `_failure`, which asks `service.api.error_map` for the code, and the call fails
+through `_reject`: set code and details, return nothing. Never `context.abort()`: it raises, and
+grpc.aio keeps that exception in a reference cycle with the call's coroutine frames, and so the
+request, until a full gc pass (measured: 12 refused 48 MiB messages held 634 MiB).
+A message that does not parse is INVALID_ARGUMENT (`LenientParsing`), not grpc's UNKNOWN.
 """
 
 from __future__ import annotations
@@ -17,21 +21,62 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from service.api import codecs
+from service.api.error_map import classify, message
 from service.api.frontend import Frontend
 from service.api.proto import grpc_predict_v2_pb2 as pb
 from service.api.proto import grpc_predict_v2_pb2_grpc as pb_grpc
-from service.api.status import classify, message
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+MAX_STREAMS = 64             # concurrent calls per connection (HTTP/2 streams)
+KEEPALIVE_MS = 60_000        # ping a connection that has been silent this long
+KEEPALIVE_TIMEOUT_MS = 20_000  # and close it if the ping is not answered within this
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+def _failure(exc: BaseException) -> tuple[int, grpc.StatusCode, str]:
+    """HTTP-style status, gRPC code and message for an error."""
     status, code = classify(exc)
     if status == 500:  # a bug of ours; 503/504 are expected states, logged where they arise
         log.error("gRPC request failed: %s", exc, exc_info=True)
-    await context.abort(code, message(exc))
+    return status, code, message(exc)
+
+
+def _reject(context: grpc.aio.ServicerContext, code: grpc.StatusCode, text: str) -> None:
+    """Fail the call without raising (see the module docstring); the handler then returns None."""
+    context.set_code(code)
+    context.set_details(text)
+
+
+class _Malformed:
+    """What LenientParsing hands the servicer in place of a message that did not parse."""
+
+    def __init__(self, error: str):
+        self.error = error
+
+
+class LenientParsing(grpc.aio.ServerInterceptor):
+    """Parse unary requests ourselves: bytes that are not the method's message get INVALID_ARGUMENT
+    with the parser's reason (grpc answers a failed deserializer with UNKNOWN and logs it)."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
+            return handler
+        parse, behavior = handler.request_deserializer, handler.unary_unary
+
+        def lenient(data: bytes):
+            try:
+                return parse(data)
+            except Exception as exc:  # noqa: BLE001  protobuf's DecodeError and others
+                return _Malformed(f"malformed {handler_call_details.method} request: {exc}")
+
+        async def checked(request, context):
+            if isinstance(request, _Malformed):
+                return _reject(context, grpc.StatusCode.INVALID_ARGUMENT, request.error)
+            return await behavior(request, context)
+
+        return handler._replace(request_deserializer=lenient, unary_unary=checked)
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -44,21 +89,26 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ServerReady(self, request, context):
         return pb.ServerReadyResponse(ready=self.fe.ready)
 
-    async def ModelReady(self, request, context):
+    def _known_model(self, context, name: str, version: str) -> bool:
+        """True if `name` (without a version) is the served model; else the call is rejected (NOT_FOUND)."""
         try:
-            codecs.check_model(request.name, request.version, self.fe.model_name)
+            codecs.check_model(name, version, self.fe.model_name)
         except Exception as exc:  # noqa: BLE001
-            await _abort(context, exc)
+            _reject(context, *_failure(exc)[1:])
+            return False
+        return True
+
+    async def ModelReady(self, request, context):
+        if not self._known_model(context, request.name, request.version):
+            return None
         return pb.ModelReadyResponse(ready=self.fe.ready)
 
     async def ServerMetadata(self, request, context):
         return pb.ServerMetadataResponse(**self.fe.server_metadata())
 
     async def ModelMetadata(self, request, context):
-        try:
-            codecs.check_model(request.name, request.version, self.fe.model_name)
-        except Exception as exc:  # noqa: BLE001
-            await _abort(context, exc)
+        if not self._known_model(context, request.name, request.version):
+            return None
         meta = self.fe.model_metadata()
         response = pb.ModelMetadataResponse(name=meta["name"], platform=meta["platform"])
         for field in ("inputs", "outputs"):
@@ -75,8 +125,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             out = await fe.infer(req, transport_timeout_s=context.time_remaining())
             response = await fe.offload(out.numel(), codecs.encode_grpc, out, req, fe.model_name)
         except Exception as exc:  # noqa: BLE001  mapped to a code in one place
-            fe.observe("grpc", classify(exc)[0], started)
-            await _abort(context, exc)
+            status, code, text = _failure(exc)
+            fe.observe("grpc", status, started)
+            return _reject(context, code, text)
         fe.observe("grpc", 200, started)
         return response
 
@@ -94,9 +145,24 @@ class GrpcServer:
     """grpc.aio server with the inference service, health (follows readiness) and reflection."""
 
     def __init__(self, fe: Frontend, host: str, port: int):
-        limit = fe.settings.grpc_max_message_bytes
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
-                                               ("grpc.max_send_message_length", limit)])
+        s = fe.settings
+        idle_ms = int(s.idle_timeout_s * 1000)
+        options = [
+            ("grpc.max_receive_message_length", s.grpc_max_message_bytes),
+            ("grpc.max_send_message_length", s.grpc_max_message_bytes),
+            # Bounded connections: a TCP connection that has not finished the HTTP/2 handshake,
+            # or has had no call in flight, for idle_timeout_s is closed; at most
+            # max_connections are accepted; a connection carries at most MAX_STREAMS calls.
+            ("grpc.server_handshake_timeout_ms", idle_ms),
+            ("grpc.max_connection_idle_ms", idle_ms),
+            ("grpc.max_allowed_incoming_connections", s.max_connections),
+            ("grpc.max_concurrent_streams", MAX_STREAMS),
+            # Peers that vanished without a FIN are found by keepalive pings.
+            ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ]
+        self.server = grpc.aio.server(options=options, interceptors=[LenientParsing()],
+                                      maximum_concurrent_rpcs=s.max_connections * MAX_STREAMS)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(fe), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -2,11 +2,13 @@
 
 Bodies are read raw and decoded by `service.api.codecs` (no pydantic models: a [T, H] tensor
 as a pydantic list of lists would cost far more than the layer). Every error leaves through
-`error_response`, which asks `service.api.status` for the code.
+`error_response`, which asks `service.api.error_map` for the code. Bodies must arrive within the
+request's deadline (408 otherwise); a client that disconnects mid-body is a 499, not an error.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -15,10 +17,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from service.api import codecs
+from service.api.error_map import (RETRY_AFTER_S, BodyTimeout, ClientGone, PayloadTooLarge, UnsupportedMediaType,
+                                   classify, message)
 from service.api.frontend import Frontend
-from service.api.status import RETRY_AFTER_S, PayloadTooLarge, UnsupportedMediaType, classify, message
+from service.errors import MoEError
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +38,8 @@ def error_response(exc: BaseException) -> JSONResponse:
     status, _ = classify(exc)
     if status == 500:  # a bug of ours; 503/504 are expected states, logged where they arise
         log.error("request failed: %s", exc, exc_info=True)
+    elif isinstance(exc, ClientGone):
+        log.debug("%s", exc)
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
     return JSONResponse({"error": message(exc)}, status_code=status, headers=headers)
 
@@ -42,8 +49,9 @@ def _media_type(request: Request) -> str | None:
     return value.split(";", 1)[0].strip().lower() if value else None
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refusing (413) anything over `limit` bytes before reading it all."""
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, refusing (413) anything over `limit` bytes before reading it all and (408) a body
+    that takes longer than `timeout_s` to arrive."""
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding != "identity":
         raise UnsupportedMediaType(f"Content-Encoding {encoding!r} is not supported; send the body uncompressed")
@@ -51,10 +59,16 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"the body has {declared} bytes, over the limit of {limit} (max_request_bytes)")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes (max_request_bytes)")
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise PayloadTooLarge(f"the body is over the limit of {limit} bytes (max_request_bytes)")
+    except TimeoutError:
+        raise BodyTimeout(f"the body did not arrive within {timeout_s:g} s ({len(body)} bytes read)") from None
+    except ClientDisconnect:
+        raise ClientGone(f"the client disconnected after {len(body)} bytes of the body") from None
     return bytes(body)
 
 
@@ -70,6 +84,13 @@ def create_app(fe: Frontend) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=400)
+
+    # Our own errors (a 404 on a model route, ...) are answered here. A handler for Exception sits
+    # in Starlette's outermost middleware, which answers and then re-raises (uvicorn logs a
+    # traceback): it is kept only for bugs.
+    @app.exception_handler(MoEError)
+    async def _service_error(request: Request, exc: MoEError) -> JSONResponse:
+        return error_response(exc)
 
     @app.exception_handler(Exception)
     async def _any_error(request: Request, exc: Exception) -> JSONResponse:
@@ -96,7 +117,7 @@ def create_app(fe: Frontend) -> FastAPI:
             if media not in (JSON, SAFETENSORS):
                 raise UnsupportedMediaType(f"Content-Type must be {JSON} or {SAFETENSORS}, got {media!r}")
             timeout = codecs.parse_timeout_s(request.headers.get(TIMEOUT_HEADER), "X-Request-Timeout")
-            body = await read_body(request, limit)
+            body = await read_body(request, limit, timeout or fe.settings.request_timeout_s)
             decode = codecs.decode_safetensors if media == SAFETENSORS else codecs.decode_forward_json
             req = await fe.offload(len(body) // 4, decode, body, fe.spec)
             req.timeout_s = timeout
@@ -146,7 +167,7 @@ def create_app(fe: Frontend) -> FastAPI:
             if media not in (None, JSON, OCTET_STREAM):
                 raise UnsupportedMediaType(f"Content-Type must be {JSON} or {OCTET_STREAM}, got {media!r}")
             timeout = codecs.parse_timeout_s(request.headers.get(TIMEOUT_HEADER), "X-Request-Timeout")
-            body = await read_body(request, limit)
+            body = await read_body(request, limit, timeout or fe.settings.request_timeout_s)
             req = await fe.offload(len(body) // 4, codecs.decode_v2_http, body, header_length, fe.spec)
             req.timeout_s = timeout or req.timeout_s
             out = await fe.infer(req)

@@ -575,13 +575,15 @@ def _read(sh: Shards, spec: LayerSpec, key: str, index: tuple) -> Tensor:
     return part.float() * full[r0 - (r0 // B0) * B0:r1 - (r0 // B0) * B0, c0 - (c0 // B1) * B1:c1 - (c0 // B1) * B1]
 
 
-def read_rank_slice(sh: Shards, spec: LayerSpec, r0: int, Ir: int):
-    """Yield (experts, gate [n, Ir, H], up [n, Ir, H], down^T [n, Ir, H], gate/up bias [n, Ir] or None, down bias
-    [n, H] or None) for rows r0..r0+Ir of I, a few experts at a time; views where the layout allows."""
+def read_rank_slice(sh: Shards, spec: LayerSpec, r0: int, Ir: int, experts: list[int] | None = None):
+    """Yield (experts, gate [n, Ir, H], up [n, Ir, H], down^T [n, Ir, H], gate/up bias [n, 2*Ir] or None, down bias
+    [n, H] or None) for rows r0..r0+Ir of I, a few experts at a time; views where the layout allows.
+    `experts` limits the walk to those experts (default: all, in order)."""
     p, r1, I = spec.prefix, r0 + Ir, spec.I  # noqa: E741
+    walk = range(spec.E) if experts is None else experts
     rows, every = slice(r0, r1), slice(None)
     if spec.layout in NAMINGS:
-        for e in range(spec.E):
+        for e in walk:
             gate = _read(sh, spec, expert_key(p, e, "gate", spec.layout), (rows, every))  # [Ir, H]
             up = _read(sh, spec, expert_key(p, e, "up", spec.layout), (rows, every))  # [Ir, H]
             down = _read(sh, spec, expert_key(p, e, "down", spec.layout), (every, rows))  # [H, Ir]
@@ -590,13 +592,13 @@ def read_rank_slice(sh: Shards, spec: LayerSpec, r0: int, Ir: int):
         gu_key, down_key = ((p + "experts.gate_up_proj", p + "experts.down_proj") if spec.layout == "fused"
                             else (p + "input_linear.weight", p + "output_linear.weight"))
         gu, down = sh.slice(gu_key), sh.slice(down_key)
-        for e in range(spec.E):  # one expert at a time: a rank never holds more than its slice plus one
+        for e in walk:  # one expert at a time: a rank never holds more than its slice plus one
             gate = gu[e:e + 1, r0:r1]  # [1, Ir, H]
             up = gu[e:e + 1, I + r0:I + r1]  # [1, Ir, H]
             yield slice(e, e + 1), gate, up, down[e:e + 1, :, r0:r1].transpose(1, 2), None, None
     elif spec.layout in ("fused_t", "gpt_oss"):
         gu, down = sh.slice(p + "experts.gate_up_proj"), sh.slice(p + "experts.down_proj")
-        for e in range(spec.E):
+        for e in walk:
             if spec.layout == "fused_t":
                 gate = gu[e:e + 1, :, r0:r1].transpose(1, 2)  # [1, Ir, H]
                 up = gu[e:e + 1, :, I + r0:I + r1].transpose(1, 2)
@@ -610,7 +612,7 @@ def read_rank_slice(sh: Shards, spec: LayerSpec, r0: int, Ir: int):
                    down[e:e + 1, r0:r1], b13, b2)
     elif spec.layout == "dbrx":
         w1, v1, w2 = (sh.slice(p + f"experts.mlp.{n}") for n in ("w1", "v1", "w2"))
-        for e in range(spec.E):
+        for e in walk:
             lo, hi = e * I + r0, e * I + r1
             yield slice(e, e + 1), w1[lo:hi][None], v1[lo:hi][None], w2[lo:hi][None], None, None
     else:  # pragma: no cover - read_spec only returns the layouts above

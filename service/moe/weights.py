@@ -53,6 +53,8 @@ from service.moe.checkpoint import (
 log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
+# One expert whole in fp32: gate [I, H], up [I, H], down [H, I], biases (gate [I], up [I], down [H]) or None.
+ExpertWeights = tuple[Tensor, Tensor, Tensor, "tuple[Tensor, Tensor, Tensor] | None"]
 
 # Rows of I drawn from one generator. 64 rows x H columns is large enough that the per-draw
 # overhead vanishes, small enough that a rank's slice overshoots its range by at most 2 blocks.
@@ -136,6 +138,22 @@ def load_rank_weights(path: str | os.PathLike, cfg: LayerConfig, rank: int, pref
             if b2 is not None:
                 b2[es].copy_(bias2.to(device))
     return RankWeights(w13=w13, w2=w2, b13=b13, b2=b2)
+
+
+def load_expert(path: str | os.PathLike, cfg: LayerConfig, e: int, prefix: str = "") -> ExpertWeights:
+    """Expert e whole, in fp32 with values rounded to cfg.dtype as the ranks hold them: (gate [I, H],
+    up [I, H], down [H, I], biases (gate [I], up [I], down [H]) or None). The checkpoint's
+    counterpart of `synthetic_expert` (the warm-up's independent reference)."""
+    def rounded(t: Tensor) -> Tensor:
+        return t.to(cfg.dtype).float()
+
+    with Shards(path) as sh:
+        spec = read_spec(sh, prefix)
+        ((_, gate, up, down_t, b13, b2),) = read_rank_slice(sh, spec, 0, spec.I, experts=[e])
+    biases = None
+    if b13 is not None:
+        biases = (rounded(b13[0, :spec.I]), rounded(b13[0, spec.I:]), rounded(b2[0]))
+    return rounded(gate[0]), rounded(up[0]), rounded(down_t[0].T), biases
 
 
 # --------------------------------------------------------------------------- synthetic weights

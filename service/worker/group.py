@@ -9,16 +9,26 @@
 Every wait on the ranks is bounded and also watches the processes' sentinels, so a rank that
 dies, raises or stalls turns into a `WorkerError` carrying its traceback, never a hang. After
 an error the group is dead: `close()` it and start a new one.
+
+A stopped rank (SIGSTOP, a livelock) is alive but silent, so the bounds are tight: a step gets
+`step_deadline_s()` (10x the slowest recent step, at least 5 s, at most step_timeout_s), and an
+idle group is pinged by `heartbeat()` (every rank must answer within 2 s).
+
+Nothing listens beyond loopback: the rendezvous store serves a socket bound to 127.0.0.1 here
+(TCPStore's own server binds every interface whatever host it is given), and the ranks' gloo
+and NCCL sockets use the loopback interface (service.worker.rank).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import logging
 import multiprocessing as mp
 import os
 import queue
+import socket
 import threading
 import time
 from multiprocessing.connection import wait
@@ -34,6 +44,13 @@ from service.worker.shm import Slot, create_slots, remove_slots, remove_stale_sl
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 10.0  # how long close() waits for ranks to exit before killing them
+# A step's deadline once steps have been measured: STEP_DEADLINE_FACTOR x the slowest of the
+# last STEP_HISTORY steps, never below STEP_DEADLINE_FLOOR_S (a busy 2-core CI box slows a
+# 30 ms CPU step a few times over, a GPU step is milliseconds) nor above step_timeout_s.
+STEP_DEADLINE_FACTOR = 10.0
+STEP_DEADLINE_FLOOR_S = 5.0
+STEP_HISTORY = 64
+HEARTBEAT_TIMEOUT_S = 2.0  # an idle rank answers a ping in well under a millisecond
 
 
 @dataclasses.dataclass
@@ -75,6 +92,7 @@ class WorkerGroup:
         self._step_lock = threading.Lock()
         self._store = None
         self._failure: WorkerError | None = None
+        self._step_walls: collections.deque[float] = collections.deque(maxlen=STEP_HISTORY)
 
     # -- life cycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -94,16 +112,20 @@ class WorkerGroup:
 
         cfg = self.cfg
         remove_stale_slots()
-        # The parent hosts the rendezvous store: binding port 0 picks a free port without a race.
-        self._store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True,
+        # The parent hosts the rendezvous store on a socket it bound itself: TCPStore binds every
+        # interface when it makes its own. Port 0 picks a free port without a race; the store
+        # takes the descriptor over (and closes it).
+        listener = socket.create_server(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        self._store = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=True,
                                     timeout=datetime.timedelta(seconds=self.start_timeout_s),
-                                    wait_for_workers=False)
+                                    wait_for_workers=False, master_listen_fd=listener.detach())
         self._slots = create_slots(cfg, self.num_slots)
         for slot in self._slots:
             self._free.put(slot)
         threads = max(1, (os.cpu_count() or 1) // cfg.R) if self.device == "cpu" else 4
         opts = RankOptions(cfg=cfg, device=self.device, store_host="127.0.0.1",
-                           store_port=self._store.port, slot_paths=tuple(s.path for s in self._slots),
+                           store_port=port, slot_paths=tuple(s.path for s in self._slots),
                            weights=self.weights, weights_prefix=self.weights_prefix, seed=self.seed,
                            backend=self.requested_backend, timeout_s=self.start_timeout_s, threads=threads,
                            log_level=self.log_level)
@@ -180,6 +202,45 @@ class WorkerGroup:
     def release(self, slot: Slot) -> None:
         self._free.put(slot)
 
+    def step_deadline_s(self) -> float:
+        """How long the next step may take before the group is declared failed."""
+        if not self._step_walls:
+            return self.step_timeout_s
+        derived = max(STEP_DEADLINE_FLOOR_S, STEP_DEADLINE_FACTOR * max(self._step_walls))
+        return min(self.step_timeout_s, derived)
+
+    def heartbeat(self, timeout: float = HEARTBEAT_TIMEOUT_S) -> bool:
+        """Ping every rank unless a step is running (its deadline watches the ranks then).
+
+        True when every rank answered, False when skipped; a rank that does not answer in
+        `timeout` fails the group with WorkerError, as a failed step does."""
+        if not self._step_lock.acquire(blocking=False):
+            return False
+        try:
+            if not self.alive:
+                raise self._failure or GroupUnavailable("the rank group is not running")
+            self._send(("ping", self.seq))
+            self._collect_or_fail("pong", timeout, f"heartbeat after step {self.seq}")
+        finally:
+            self._step_lock.release()
+        return True
+
+    def _send(self, msg: tuple) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(msg)
+            except OSError:
+                pass  # a dead rank; _collect reports it with its exit code
+
+    def _collect_or_fail(self, kind: str, timeout: float, what: str) -> list:
+        """_collect; on failure the group is dead: remember why, kill the ranks, raise."""
+        try:
+            return self._collect(kind, timeout, what)
+        except WorkerError as err:
+            self._failure = err
+            self._kill()
+            raise
+
     def run(self, slot: Slot, T: int) -> StepStats:
         """Run one step on rows [0, T) of the slot; the answer is in slot.out[:T] on return."""
         if not 1 <= T <= self.cfg.tokens_per_step:
@@ -190,18 +251,11 @@ class WorkerGroup:
             self.seq += 1
             seq = self.seq
             t0 = time.perf_counter()
-            for conn in self._conns:
-                try:
-                    conn.send(("step", seq, slot.index, T))
-                except OSError:
-                    pass  # a dead rank; _collect reports it with its exit code
-            try:
-                answers = self._collect("done", self.step_timeout_s, f"step {seq}")
-            except WorkerError as err:
-                self._failure = err
-                self._kill()
-                raise
+            self._send(("step", seq, slot.index, T))
+            answers = self._collect_or_fail("done", self.step_deadline_s(), f"step {seq}")
             wall = time.perf_counter() - t0
+            if seq > 1:  # the first step (the warm-up) pays one-time costs: compiles, first touches
+                self._step_walls.append(wall)
         seqs = {a[0] for a in answers}
         if seqs != {seq}:  # the ranks' own check makes this unreachable unless the protocol breaks
             raise WorkerError(f"ranks answered seqs {sorted(seqs)} for step {seq}")

@@ -1,8 +1,9 @@
 """The rank process: joins the process group, loads its weight slice, runs steps on request.
 
-Control messages on the rank's pipe (parent -> rank): ("step", seq, slot_index, T) and
-("stop",). Answers (rank -> parent): ("ready", rank, info), ("done", rank, seq, stats) and
-("error", rank, traceback_text). Tensors never cross the pipe: they live in the slots.
+Control messages on the rank's pipe (parent -> rank): ("step", seq, slot_index, T),
+("ping", seq) and ("stop",). Answers (rank -> parent): ("ready", rank, info), ("done", rank,
+seq, stats), ("pong", rank, seq, None) and ("error", rank, traceback_text). Tensors never cross
+the pipe: they live in the slots.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import traceback
 import torch
 
 from service.config import LayerConfig
+
+LOOPBACK_IFNAME = "lo"  # Linux's loopback interface
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +88,10 @@ def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
 
     cfg = opts.cfg
     torch.set_num_threads(opts.threads)
+    # The ranks share one host: their gloo / NCCL sockets listen on loopback only, never on the
+    # address the host name resolves to (a container's own IP).
+    os.environ["GLOO_SOCKET_IFNAME"] = LOOPBACK_IFNAME
+    os.environ["NCCL_SOCKET_IFNAME"] = LOOPBACK_IFNAME
     if opts.device == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -123,6 +130,9 @@ def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
         if msg[0] == "stop":
             log.info("stopping after seq %d", last_seq)
             return
+        if msg[0] == "ping":
+            conn.send(("pong", rank, last_seq, None))
+            continue
         _, seq, slot_index, T = msg
         if seq != last_seq + 1:
             raise RuntimeError(f"rank {rank} expected seq {last_seq + 1}, got {seq}")

@@ -8,12 +8,23 @@ tracker unlinks segments when a child that attached them exits (Python < 3.13).
 
 The files exist only while the ranks start: once every rank has mapped them the group unlinks
 them, so a front end killed later leaves nothing in /dev/shm. Files of a front end killed
-during a start are removed by the next start on the host (their pid is gone).
+during a start are removed by the next start on the host.
+
+Instances can share /dev/shm without sharing a PID namespace (containers with `ipc: host`), so
+nothing here depends on seeing another process's pid:
+- names carry 128 random bits (uuid4), never a pid, so they cannot collide;
+- the creating front end holds an exclusive flock on each file for as long as the file exists
+  (taken before the name appears: the file is made with O_TMPFILE, locked, then linked in), and
+  a file is stale exactly when that lock can be taken;
+- the ranks open the files without O_CREAT (`torch.from_file(shared=True)` would create a
+  missing file, and a rank computing on memory the front end never sees answers zeros).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import mmap
 import os
 import tempfile
 import uuid
@@ -23,6 +34,7 @@ import torch
 from service.config import LayerConfig
 
 ALIGN = 64  # bytes; each field starts on a cache line
+PREFIX = "moe-slot-"
 
 
 def _shm_dir() -> str:
@@ -56,11 +68,21 @@ class Slot:
     ids: torch.Tensor  # [R*C, K] int32
     w: torch.Tensor    # [R*C, K] float32
     out: torch.Tensor  # [R*C, H]
+    owner_fd: int = -1  # the creator's locked descriptor (front end only); closed by remove_slots
 
     @classmethod
     def open(cls, cfg: LayerConfig, index: int, path: str) -> "Slot":
+        """Map an existing slot file (MAP_SHARED). A missing file or one of the wrong size is an
+        error: this never creates a file."""
         layout, size = _layout(cfg)
-        raw = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        fd = os.open(path, os.O_RDWR)  # no O_CREAT
+        try:
+            have = os.fstat(fd).st_size
+            if have != size:
+                raise RuntimeError(f"slot file {path} has {have} bytes, expected {size}")
+            raw = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)  # the tensor keeps the map
+        finally:
+            os.close(fd)
         views = {}
         for name, (offset, dtype, shape) in layout.items():
             nbytes = torch.Size(shape).numel() * dtype.itemsize
@@ -68,45 +90,77 @@ class Slot:
         return cls(index=index, path=path, **views)
 
 
+def _create_locked(directory: str, path: str, size: int) -> int:
+    """A new file of `size` bytes at `path`, exclusively flock-ed by the returned descriptor before
+    its name appears (so no other instance can ever see it unlocked)."""
+    try:
+        fd = os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+    except (AttributeError, OSError):  # no O_TMPFILE here: lock right after creating
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, size)
+        return fd
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, size)
+        # linkat(AT_SYMLINK_FOLLOW) gives the locked inode its name. A dir fd makes os.link call
+        # linkat; without one it calls link(), which does not follow /proc/self/fd/N.
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.link(f"/proc/self/fd/{fd}", os.path.basename(path), dst_dir_fd=dir_fd, follow_symlinks=True)
+        finally:
+            os.close(dir_fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def create_slots(cfg: LayerConfig, count: int) -> list[Slot]:
-    """Create `count` slot files sized for one full step and map them."""
+    """Create `count` slot files sized for one full step, locked by this process, and map them."""
     _, size = _layout(cfg)
+    directory = _shm_dir()
     slots = []
     for i in range(count):
-        path = os.path.join(_shm_dir(), f"moe-slot-{os.getpid()}-{uuid.uuid4().hex[:8]}-{i}")
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, size)
-        finally:
-            os.close(fd)
-        slots.append(Slot.open(cfg, i, path))
+        path = os.path.join(directory, f"{PREFIX}{uuid.uuid4().hex}-{i}")
+        fd = _create_locked(directory, path, size)
+        slot = Slot.open(cfg, i, path)
+        slot.owner_fd = fd
+        slots.append(slot)
     return slots
 
 
 def remove_stale_slots() -> None:
-    """Remove slot files left by front ends that died before their ranks were up (pid gone)."""
+    """Remove slot files whose creator is gone: those nobody holds the lock of."""
     directory = _shm_dir()
     for name in os.listdir(directory):
-        if not name.startswith("moe-slot-"):
+        if not name.startswith(PREFIX):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:  # gone already, or another user's
             continue
         try:
-            pid = int(name.split("-")[2])
-        except (IndexError, ValueError):
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # its creator is alive, whatever PID namespace it runs in
+        else:
             try:
-                os.unlink(os.path.join(directory, name))
+                os.unlink(path)
             except FileNotFoundError:
                 pass
-        except PermissionError:
-            pass  # another user's live process
+        finally:
+            os.close(fd)
 
 
 def remove_slots(slots: list[Slot]) -> None:
+    """Unlink the slots' files, then drop their locks (the mappings stay valid)."""
     for slot in slots:
         try:
             os.unlink(slot.path)
         except FileNotFoundError:
             pass
+        if slot.owner_fd >= 0:
+            os.close(slot.owner_fd)
+            slot.owner_fd = -1

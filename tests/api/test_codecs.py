@@ -10,9 +10,9 @@ import safetensors.torch
 import torch
 
 from service.api import codecs
+from service.api.error_map import ModelNotFound, PayloadTooLarge, UnsupportedMediaType, classify
 from service.api.proto import grpc_predict_v2_pb2 as pb
-from service.api.status import ModelNotFound, PayloadTooLarge, UnsupportedMediaType, classify
-from service.errors import (DeadlineExceeded, GroupUnavailable, InvalidInput, Overloaded, WorkerError)
+from service.errors import DeadlineExceeded, GroupUnavailable, InvalidInput, Overloaded, WorkerError
 
 SPEC = codecs.ModelSpec(E=6, H=5, K=2, dtype=torch.float32, max_tokens=100)
 

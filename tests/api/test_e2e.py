@@ -30,15 +30,10 @@ STEP = CFG.tokens_per_step
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc = ServerProcess.module(tmp_path_factory.mktemp("e2e") / "server.log",
-                                "--max-request-bytes", str(MAX_REQUEST_BYTES),
-                                "--grpc-max-message-bytes", str(GRPC_MAX_MESSAGE_BYTES))
-    try:
-        proc.wait_ready()
+    with ServerProcess.serving(tmp_path_factory.mktemp("e2e") / "server.log",
+                               "--max-request-bytes", str(MAX_REQUEST_BYTES),
+                               "--grpc-max-message-bytes", str(GRPC_MAX_MESSAGE_BYTES)) as proc:
         yield proc
-    finally:
-        code = proc.stop()
-        assert code == 0, f"exit code {code}:\n{proc.log()[-3000:]}"
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from service.moe.reference import full_weights, moe_reference
 from service.worker.group import WorkerGroup
 from service.worker.rank import rank_range
 from tests.helpers import rel_err, routing, tolerance
+from tests.serverproc import LOOPBACK, listening
 
 SEED = 3
 
@@ -143,3 +144,44 @@ def test_start_failure_is_reported(tmp_path):
     with pytest.raises(WorkerError, match="raised") as info:
         WorkerGroup(SMALL, weights=str(bad), start_timeout_s=60).start()
     assert "missing.safetensors" in str(info.value)
+
+
+def _batch(T: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    ids, w = routing(T, SMALL.E, SMALL.K, "balanced", gen)
+    return torch.randn(T, SMALL.H, generator=gen), ids.to(torch.int32), w
+
+
+def test_stopped_rank_fails_the_heartbeat_of_an_idle_group():
+    with WorkerGroup(SMALL, step_timeout_s=60) as g:
+        assert g.heartbeat() is True  # every rank answers
+        os.kill(g.pids[3], signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match="heartbeat.*ranks \\[3\\] did not answer"):
+            g.heartbeat()
+        assert time.monotonic() - t0 < 5
+        assert not g.alive and not g.poll()
+        with pytest.raises((WorkerError, GroupUnavailable)):
+            g.forward(*_batch(3, 1))
+
+
+def test_step_deadline_follows_the_measured_steps():
+    """After a few measured steps a stopped rank fails the step in seconds, not step_timeout_s."""
+    with WorkerGroup(SMALL, step_timeout_s=60) as g:
+        assert g.step_deadline_s() == 60  # nothing measured yet
+        for seed in range(4):
+            g.forward(*_batch(2 * SMALL.tokens_per_step - 3, seed))
+        assert g.step_deadline_s() < 10
+        os.kill(g.pids[0], signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match="did not answer within"):
+            g.forward(*_batch(5, 9))
+        assert time.monotonic() - t0 < 10
+
+
+def test_rank_group_listens_on_loopback_only():
+    with WorkerGroup(SMALL) as g:
+        addresses = listening({os.getpid(), *g.pids})
+        assert addresses, "the group's store should be listening"
+        assert all(a.startswith(LOOPBACK) for a in addresses), addresses
+        g.forward(*_batch(3, 2))  # the ranks rendezvoused through it

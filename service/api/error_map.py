@@ -2,7 +2,9 @@
 
 Every handler of `service.api` lets exceptions propagate to one of two funnels
 (`http.error_response`, `grpc._abort`) which ask this module for the code. Bad input is
-always a 4xx / INVALID_ARGUMENT (or NOT_FOUND for an unknown model); overload, a missing or
+always a 4xx / INVALID_ARGUMENT (or NOT_FOUND for an unknown model); a client that goes away
+mid-request is 499 (nginx's "client closed request"; nobody reads it, the metrics count it);
+overload, a missing or
 failed rank group and draining are 503 / UNAVAILABLE (clients retry these); a deadline is
 504 / DEADLINE_EXCEEDED; anything else is a bug of ours and the only path to 500 / INTERNAL.
 """
@@ -27,6 +29,14 @@ class ModelNotFound(InvalidInput):
     """A model name (or version) this server does not serve."""
 
 
+class BodyTimeout(InvalidInput):
+    """The request body did not arrive within the request's deadline (a slow or stalled client)."""
+
+
+class ClientGone(MoEError):
+    """The client closed the connection before its request was read."""
+
+
 RETRY_AFTER_S = 1  # Retry-After on 503s: about one restart back-off
 
 # Most specific class first: the first isinstance match wins.
@@ -34,11 +44,13 @@ _TABLE: tuple[tuple[type[BaseException], int, grpc.StatusCode], ...] = (
     (UnsupportedMediaType, 415, grpc.StatusCode.INVALID_ARGUMENT),
     (PayloadTooLarge, 413, grpc.StatusCode.INVALID_ARGUMENT),
     (ModelNotFound, 404, grpc.StatusCode.NOT_FOUND),
+    (BodyTimeout, 408, grpc.StatusCode.DEADLINE_EXCEEDED),
     (InvalidInput, 400, grpc.StatusCode.INVALID_ARGUMENT),
     (Overloaded, 503, grpc.StatusCode.UNAVAILABLE),
     (GroupUnavailable, 503, grpc.StatusCode.UNAVAILABLE),
     (WorkerError, 503, grpc.StatusCode.UNAVAILABLE),
     (DeadlineExceeded, 504, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (ClientGone, 499, grpc.StatusCode.CANCELLED),
 )
 
 

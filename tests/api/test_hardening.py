@@ -1,0 +1,226 @@
+"""One real server, attacked: what it listens on, an adversarial corpus over every protocol, abusive
+gRPC messages, idle and slow connections, client disconnects, quiet 404s, strict JSON, and last a
+stopped rank. Each test failed on the code before issue 14 (see bench/RESULTS.md)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+from tests.api import corpus
+from tests.api.common import CFG, check, inputs
+from tests.serverproc import LOOPBACK, ServerProcess, descendants, listening, rss_bytes
+
+IDLE_TIMEOUT_S = 2.0
+MAX_CONNECTIONS = 32
+GRPC_MAX_MESSAGE_BYTES = 64 << 20
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with ServerProcess.serving(tmp_path_factory.mktemp("hardening") / "server.log",
+                               "--idle-timeout-s", str(IDLE_TIMEOUT_S), "--max-connections", str(MAX_CONNECTIONS),
+                               "--max-request-bytes", str(4 << 20),
+                               "--grpc-max-message-bytes", str(GRPC_MAX_MESSAGE_BYTES)) as proc:
+        yield proc
+
+
+def answers_correctly(server) -> None:
+    x, ids, w = inputs(7, seed=31)
+    blob = safetensors.torch.save({"hidden_states": x, "topk_ids": ids, "topk_weights": w})
+    r = httpx.post(server.url + "/moe/forward", content=blob, headers={"Content-Type": "application/x-safetensors"},
+                   timeout=30)
+    assert r.status_code == 200, r.text
+    check(safetensors.torch.load(r.content)["output"], x, ids, w)
+
+
+def metric(server, protocol: str, status: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    key = f'moe_requests_total{{protocol="{protocol}",status="{status}"}}'
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(key))
+
+
+def test_nothing_listens_beyond_loopback(server):
+    pids = {server.pid, *descendants(server.pid)}
+    addresses = listening(pids)
+    assert len(addresses) >= 3, addresses  # HTTP, gRPC and the rank group's store at least
+    assert all(a.startswith(LOOPBACK) for a in addresses), addresses
+
+
+def test_adversarial_corpus(server):
+    bad = []
+    all_cases = corpus.cases()
+    for name, protocol, send in all_cases:
+        status, text = send(server)
+        if not corpus.acceptable(protocol, status, text):
+            bad.append((protocol, name, status, text[:200]))
+    assert not bad, bad
+    assert len(all_cases) >= 100  # the corpus did not shrink by accident
+    assert httpx.get(server.url + "/v2/health/ready", timeout=5).status_code == 200
+    assert metric(server, "http_json", "500") == metric(server, "grpc", "500") == 0
+    answers_correctly(server)
+
+
+def test_json_answers_are_strict_json(server):
+    """Finite inputs near the float32 limit overflow in the layer: JSON says so (400), binary
+    formats carry the IEEE values."""
+    x = torch.full((2, CFG.H), 3e38) * torch.where(torch.rand(2, CFG.H) < 0.5, -1.0, 1.0)
+    ids = torch.stack([torch.randperm(CFG.E)[:CFG.K] for _ in range(2)])
+    w = torch.rand(2, CFG.K)
+    body = {"hidden_states": x.tolist(), "topk_ids": ids.tolist(), "topk_weights": w.tolist()}
+    r = httpx.post(server.url + "/moe/forward", json=body, timeout=30)
+    assert r.status_code == 400 and "float32 range" in r.json()["error"], r.text
+    blob = safetensors.torch.save({"hidden_states": x, "topk_ids": ids, "topk_weights": w})
+    r = httpx.post(server.url + "/moe/forward", content=blob, headers={"Content-Type": "application/x-safetensors"})
+    assert r.status_code == 200 and not torch.isfinite(safetensors.torch.load(r.content)["output"]).all()
+
+
+def test_grpc_contents_beyond_the_declared_shape_cost_nothing(server):
+    """Messages that declare [1, H] and carry 48 MiB of typed values: refused by count before any
+    conversion, the event loop stays free, and the front end does not keep them."""
+    values = np.random.default_rng(5).standard_normal(12 << 20).astype(np.float32)  # 48 MiB
+    req = corpus._grpc_request(raw=False)
+    req.inputs[0].shape[:] = [1, CFG.H]
+    req.inputs[0].contents.fp32_contents[:] = values
+    data = req.SerializeToString()
+    live_s: list[float] = []
+    stop = threading.Event()
+
+    def probe():
+        while not stop.is_set():
+            t0 = time.monotonic()
+            httpx.get(server.url + "/v2/health/live", timeout=30)
+            live_s.append(time.monotonic() - t0)
+            time.sleep(0.05)
+
+    before = rss_bytes(server.pid)
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        for _ in range(12):
+            code, text = corpus.grpc_send(server.grpc_url, data)
+            assert code == "INVALID_ARGUMENT" and "values; shape" in text, (code, text)
+    finally:
+        stop.set()
+        prober.join()
+    time.sleep(0.5)
+    grown = rss_bytes(server.pid) - before
+    assert grown < 150 << 20, f"the front end grew by {grown >> 20} MiB"
+    assert max(live_s) < 0.5, f"/v2/health/live took up to {max(live_s):.2f} s"
+    answers_correctly(server)
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    """True if the peer closes `sock` within `seconds` (recv sees EOF or a reset)."""
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_idle_and_slow_connections_are_bounded(server):
+    log_before = len(server.log().splitlines())
+    idle = [socket.create_connection(("127.0.0.1", server.http_port)) for _ in range(3 * MAX_CONNECTIONS)]
+    grpc_idle = [socket.create_connection(("127.0.0.1", server.grpc_port)) for _ in range(3 * MAX_CONNECTIONS)]
+    try:
+        t0 = time.monotonic()
+        assert httpx.get(server.url + "/v2/health/live", timeout=5).json() == {"live": True}
+        assert time.monotonic() - t0 < 2
+        slow = socket.create_connection(("127.0.0.1", server.http_port))
+        slow.sendall(b"GET /v2/health/live HTTP/1.1\r\n")
+        for _ in range(int(IDLE_TIMEOUT_S / 0.25) + 4):  # a header byte every 0.25 s
+            time.sleep(0.25)
+            try:
+                slow.sendall(b"X")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        assert _closed_within(slow, IDLE_TIMEOUT_S), "a client trickling its headers was not cut off"
+        assert all(_closed_within(s, IDLE_TIMEOUT_S + 3) for s in idle), "idle HTTP connections stay open"
+        assert all(_closed_within(s, IDLE_TIMEOUT_S + 5) for s in grpc_idle), "idle gRPC connections stay open"
+    finally:
+        for s in idle + grpc_idle:
+            s.close()
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
+    new_lines = server.log().splitlines()[log_before:]
+    assert len(new_lines) < 40, "\n".join(new_lines[-40:])
+    answers_correctly(server)
+
+
+def test_a_body_slower_than_the_deadline_gets_408(server):
+    with socket.create_connection(("127.0.0.1", server.http_port), timeout=10) as s:
+        t0 = time.monotonic()
+        s.sendall(b"POST /moe/forward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"X-Request-Timeout: 1\r\nContent-Length: 100000\r\n\r\n{")
+        answer = s.recv(65536)
+        took = time.monotonic() - t0
+        while b"}" not in answer:  # the JSON body may follow the head in a second segment
+            answer += s.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in answer, answer
+    assert took < 3
+
+
+def test_client_gone_mid_body_is_not_a_server_error(server):
+    log_before = len(server.log().splitlines())
+    gone_before = metric(server, "http_json", "499")
+    for path in ("/moe/forward", "/v2/models/moe/infer"):
+        with socket.create_connection(("127.0.0.1", server.http_port)) as s:
+            s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: 100000\r\n\r\n".encode() + b"[" * 1000)
+            time.sleep(0.2)
+    time.sleep(0.5)
+    new = "\n".join(server.log().splitlines()[log_before:])
+    assert "ERROR" not in new and "Traceback" not in new, new
+    assert metric(server, "http_json", "499") == gone_before + 1
+    assert metric(server, "http_json", "500") == metric(server, "v2_json", "500") == 0
+
+
+def test_404_on_model_routes_is_quiet(server):
+    log_before = len(server.log().splitlines())
+    for path in ("/v2/models/nope", "/v2/models/nope/ready", "/v2/models/moe/versions/2"):
+        r = httpx.get(server.url + path, timeout=10)
+        assert r.status_code == 404 and ("nope" in r.json()["error"] or "no version" in r.json()["error"]), r.text
+    r = httpx.post(server.url + "/v2/models/nope/infer", json={}, timeout=10)
+    assert r.status_code == 404
+    time.sleep(0.3)
+    new = "\n".join(server.log().splitlines()[log_before:])
+    assert "Traceback" not in new and "ERROR" not in new, new
+
+
+# ---- last: it restarts the group -----------------------------------------------------------
+
+
+def test_stopped_rank_turns_readiness_false_and_the_group_restarts(server):
+    pids = server.rank_pids()
+    assert len(pids) == CFG.R, pids
+    os.kill(pids[2], signal.SIGSTOP)
+    t0 = time.monotonic()
+    while httpx.get(server.url + "/v2/health/ready", timeout=5).status_code == 200:
+        assert time.monotonic() - t0 < 8, "still ready 8 s after a rank stopped"
+        time.sleep(0.1)
+    detected = time.monotonic() - t0
+    assert detected < 5, detected
+    while httpx.get(server.url + "/v2/health/ready", timeout=5).status_code != 200:
+        assert time.monotonic() - t0 < 90, "no recovery:\n" + server.log()[-3000:]
+        time.sleep(0.2)
+    answers_correctly(server)
+    assert not set(server.rank_pids()) & set(pids)
+    with pytest.raises(ProcessLookupError):  # the stopped rank was reaped, not left behind
+        os.kill(pids[2], 0)

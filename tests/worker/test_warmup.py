@@ -1,0 +1,75 @@
+"""The warm-up check: a group is ready only if its answer is the layer's, computed independently."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from service.config import LayerConfig
+from service.errors import WorkerError
+from service.moe.weights import write_synthetic_checkpoint
+from service.worker.group import WorkerGroup
+from service.worker.warmup import expert_source, warm_up
+
+CFG = LayerConfig(E=7, H=24, I=40, K=3, R=2, C=5, dtype=torch.bfloat16)
+
+
+class Detached:
+    """A group whose ranks compute on memory the front end never sees: its slot's `out` is not written."""
+
+    def __init__(self, group: WorkerGroup):
+        self.group = group
+
+    def acquire_slot(self, timeout=None):
+        return self.group.acquire_slot(timeout)
+
+    def release(self, slot):
+        self.group.release(slot)
+
+    def run(self, slot, T):
+        other = self.group.acquire_slot(1)
+        try:
+            other.x[:T].copy_(slot.x[:T])
+            other.ids[:T].copy_(slot.ids[:T])
+            other.w[:T].copy_(slot.w[:T])
+            return self.group.run(other, T)
+        finally:
+            self.group.release(other)
+
+
+def test_a_correct_group_passes(tmp_path):
+    with WorkerGroup(CFG, seed=4) as g:
+        warm_up(g, CFG, expert_source(CFG, None, "", 4), timeout_s=30)
+    path = tmp_path / "w.safetensors"
+    write_synthetic_checkpoint(path, CFG, seed=5, prefix="mlp.")
+    with WorkerGroup(CFG, weights=str(path), weights_prefix="mlp.") as g:
+        warm_up(g, CFG, expert_source(CFG, str(path), "mlp.", 0), timeout_s=30)
+
+
+def test_rows_the_ranks_did_not_write_fail_it():
+    with WorkerGroup(CFG, seed=4) as g:
+        with pytest.raises(WorkerError, match="left 10 of 10 rows unwritten"):
+            warm_up(Detached(g), CFG, expert_source(CFG, None, "", 4), timeout_s=30)
+
+
+def test_an_answer_from_other_weights_fails_it():
+    with WorkerGroup(CFG, seed=4) as g:
+        with pytest.raises(WorkerError, match="disagrees with the fp32 reference"):
+            warm_up(g, CFG, expert_source(CFG, None, "", 5), timeout_s=30)
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v3"])
+def test_a_model_directory_passes(tmp_path, model_type):
+    """The warm-up's reference reads the checkpoint's own experts block (deepseek_v3: layer 1, after a
+    dense layer 0) with its activation and biases (gpt_oss: clamped, biased), as the ranks do."""
+    from tests.hf_models import build
+
+    from service.moe.weights import checkpoint_layer
+
+    build(model_type, tmp_path)
+    base = LayerConfig(E=8, H=40, I=30, K=2, R=2, C=5, dtype=torch.float32)
+    cfg, spec = checkpoint_layer(base, str(tmp_path))
+    with WorkerGroup(cfg, weights=str(tmp_path), weights_prefix=spec.prefix) as g:
+        warm_up(g, cfg, expert_source(cfg, str(tmp_path), spec.prefix, 0), timeout_s=60)
+        with pytest.raises(WorkerError, match="disagrees"):  # other weights fail: no tautology
+            warm_up(g, cfg, expert_source(cfg, None, "", 3), timeout_s=60)
