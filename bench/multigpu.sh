@@ -25,7 +25,7 @@
 # safetensors, prometheus-client, typing-extensions, annotated-doc, urllib3, certifi, six, but not
 # fastapi (which needs opentelemetry-api), starlette, uvicorn, the grpcio health and reflection
 # packages or tritonclient; its grpcio / protobuf may be older than the generated stubs demand
-# (grpcio>=1.85.1, protobuf>=7.35.1), so those two travel too. tritonclient 2.41 (bench/service.py
+# (grpcio>=1.72.1, protobuf>=6.30.0), so those two travel too. tritonclient 2.41 (bench/service.py
 # only) wants geventhttpclient<=2.0.2, which has no cp312 wheel: 2.0.12 is the nearest that has one.
 #   echo /.whl/ >> .git/info/exclude   # already there
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -7,6 +7,8 @@ takes values from a fixed, small set.
 
 from __future__ import annotations
 
+import dataclasses
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # 50 microseconds to 10 seconds, roughly 1-2.5-5 per decade.
@@ -21,6 +23,21 @@ BACKENDS = ("serial", "fused")
 SERIAL_STAGES = ("tables", "all_gather", "scatter", "gemm1", "swiglu", "gemm2", "combine", "reduce_scatter")
 FUSED_STAGES = ("copy_in", "fused", "stage", "exchange", "kernel1", "kernel2", "reduce")
 STAGES = SERIAL_STAGES + FUSED_STAGES
+
+
+COMPUTE_PHASES = ("compute_input", "compute_infer", "compute_output")  # Triton's statistics names
+
+
+@dataclasses.dataclass
+class Duration:
+    """A count and a cumulative time, as Triton's statistics report them."""
+
+    count: int = 0
+    ns: int = 0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.ns += round(seconds * 1e9)
 
 
 class Metrics:
@@ -59,6 +76,9 @@ class Metrics:
         self.worker_restarts = Counter(
             "moe_worker_restarts_total", "Restarts of the rank group after a failure.", registry=r)
         self.ready = Gauge("moe_ready", "1 when the service answers inference requests, else 0.", registry=r)
+        # Per answered request, the time of the steps its rows ran in, by phase: rows copied into
+        # the slot, the layer, answers copied out (for the model statistics, not exported here).
+        self.request_compute = {phase: Duration() for phase in COMPUTE_PHASES}
         # Series for the known label values exist from the start, so dashboards and alerts see
         # zeros rather than "no data" on a fresh replica.
         for stage in STAGES:
@@ -68,6 +88,11 @@ class Metrics:
             self.exposed_comm.labels(backend)
         for protocol in PROTOCOLS:
             self.request_duration.labels(protocol, "200")
+
+    def observe_request_compute(self, seconds: tuple[float, float, float]) -> None:
+        """Record one answered request's compute time by phase (COMPUTE_PHASES order)."""
+        for phase, s in zip(COMPUTE_PHASES, seconds):
+            self.request_compute[phase].add(s)
 
     def observe_step(self, stats) -> None:
         """Record one finished step (a `service.worker.group.StepStats`)."""

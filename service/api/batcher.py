@@ -49,6 +49,7 @@ class _Job:
     deadline: float
     sent: int = 0      # rows handed to a step so far
     done: int = 0      # rows answered so far
+    compute: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0, 0.0])  # s in its steps: copy in, layer, copy out
     dropped: bool = False
 
     @property
@@ -263,7 +264,7 @@ class Batcher:
     async def _step(self, group, pieces: list[_Piece], T: int) -> None:
         loop = asyncio.get_running_loop()
         try:
-            stats = await loop.run_in_executor(self._pool, self._execute, group, pieces, T)
+            stats, phases = await loop.run_in_executor(self._pool, self._execute, group, pieces, T)
         except BaseException as e:  # noqa: BLE001  any failure of a step fails the group
             for p in pieces:
                 p.job.fail(e if isinstance(e, (WorkerError, GroupUnavailable))
@@ -274,27 +275,34 @@ class Batcher:
         finally:
             self._slots.release()
         self.metrics.observe_step(stats)
+        for job in {p.job for p in pieces}:
+            job.compute = [a + b for a, b in zip(job.compute, phases)]
         for p in pieces:
             p.job.done += p.rows
             if p.job.done == p.job.T and not p.job.future.done():
+                self.metrics.observe_request_compute(tuple(p.job.compute))
                 p.job.future.set_result(None)
 
     def _execute(self, group, pieces: list[_Piece], T: int):
-        """Worker thread: rows into the slot, one step, answers out of the slot."""
+        """Worker thread: rows into the slot, one step, answers out of the slot. Returns the step's
+        stats and the seconds of those three phases."""
         slot = group.acquire_slot(timeout=self.slot_timeout_s)
         try:
             if self._closing:
                 raise GroupUnavailable("the server is shutting down")
+            t0 = time.perf_counter()
             for p in pieces:
                 rows = slice(p.start, p.start + p.rows)
                 at = slice(p.at, p.at + p.rows)
                 slot.x[at].copy_(p.job.x[rows])
                 slot.ids[at].copy_(p.job.ids[rows])
                 slot.w[at].copy_(p.job.w[rows])
+            t1 = time.perf_counter()
             stats = group.run(slot, T)
+            t2 = time.perf_counter()
             for p in pieces:
                 p.job.out[p.start:p.start + p.rows].copy_(slot.out[p.at:p.at + p.rows])
-            return stats
+            return stats, (t1 - t0, t2 - t1, time.perf_counter() - t2)
         finally:
             try:
                 group.release(slot)

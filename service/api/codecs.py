@@ -478,9 +478,12 @@ def _decoded_v2(tensors: dict[str, torch.Tensor], spec: ModelSpec, request_id, t
     return Decoded(x, ids, w, out_dtype=out_dtype, request_id=request_id, timeout_s=timeout)
 
 
+MODEL_VERSION = "1"  # the one version of the model (Triton's tools need a numeric one to key statistics)
+
+
 def check_model(name: str, version: str | None, model_name: str) -> None:
-    """Unknown model names and any explicit version are a 404 (no versioning)."""
+    """Unknown model names and any version but MODEL_VERSION are a 404."""
     if name != model_name:
         raise ModelNotFound(f"unknown model {name!r}; this server serves {model_name!r}")
-    if version:
-        raise ModelNotFound(f"model {name!r} has no version {version!r}: versions are not used")
+    if version and version != MODEL_VERSION:
+        raise ModelNotFound(f"model {name!r} has no version {version!r}; its only version is {MODEL_VERSION!r}")

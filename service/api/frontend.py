@@ -1,21 +1,30 @@
-"""What the HTTP and gRPC layers share: readiness, the model's description, inference, metrics."""
+"""What the HTTP and gRPC layers share: readiness, the model's description, inference, metrics.
+
+The model's configuration and statistics are Triton's (`/v2/models/{m}/config`, `/stats`; gRPC
+ModelConfig, ModelStatistics), so that perf_analyzer and other Triton tools run unchanged. The
+token dimension is Triton's batch dimension: `max_batch_size` is the most tokens one request may
+carry, dims leave it out, and `inference_count` counts tokens as Triton counts batch items.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Callable
 
 import torch
 
 from service.api.batcher import Batcher
-from service.api.codecs import INPUT_NAMES, OUTPUT_NAME, V2_NAMES, Decoded, ModelSpec
+from service.api.codecs import INPUT_NAMES, MODEL_VERSION, OUTPUT_NAME, V2_NAMES, Decoded, ModelSpec
 from service.config import LayerConfig, Settings
 from service.errors import GroupUnavailable
 from service.metrics import PROTOCOLS, Metrics
 
 SERVER_NAME = "moe-serve"
-EXTENSIONS = ["binary_tensor_data", "parameters"]  # Triton's names for what v2 infer supports
+# Triton's names for what the server supports; perf_analyzer reads server-side statistics only
+# where "statistics" is listed.
+EXTENSIONS = ["binary_tensor_data", "parameters", "model_configuration", "statistics"]
 OFFLOAD_ELEMENTS = 1 << 20  # tensors above this many elements are encoded/decoded off the event loop
 
 
@@ -25,6 +34,8 @@ class Frontend:
         self.spec = ModelSpec.of(cfg, max_tokens=settings.queue_tokens)
         self.model_name = settings.model_name
         self._ready = False
+        self._inference_count = 0  # tokens of successful requests
+        self._last_inference_ms = 0  # wall-clock time of the last successful one, ms since the epoch
         self._why_not = "the service is starting"
         self.on_ready_change: list[Callable[[bool], None]] = []
         metrics.ready.set(0)
@@ -52,6 +63,8 @@ class Frontend:
         if transport_timeout_s is not None:
             timeout = min(timeout, transport_timeout_s)
         out = await self.batcher.submit(req.x, req.ids, req.w, timeout)
+        self._inference_count += out.shape[0]
+        self._last_inference_ms = time.time_ns() // 1_000_000
         return out if out.dtype == req.out_dtype else out.to(req.out_dtype)
 
     async def offload(self, size: int, fn, *args):
@@ -83,8 +96,71 @@ class Frontend:
                   "topk_weights": ("FP32", [-1, cfg.K])}
         return {
             "name": self.model_name,
-            "versions": [],
+            "versions": [MODEL_VERSION],
             "platform": "pytorch_moe",
             "inputs": [{"name": n, "datatype": shapes[n][0], "shape": shapes[n][1]} for n in INPUT_NAMES],
             "outputs": [{"name": OUTPUT_NAME, "datatype": dt, "shape": [-1, cfg.H]}],
         }
+
+    def model_config(self) -> dict:
+        """Triton's model configuration (model_config.proto's field names, as its HTTP API prints
+        them): what perf_analyzer reads to build its requests."""
+        cfg, settings = self.cfg, self.settings
+        dims = {"hidden_states": [cfg.H], "topk_ids": [cfg.K], "topk_weights": [cfg.K]}
+        meta = self.model_metadata()
+        return {
+            "name": self.model_name,
+            "platform": meta["platform"],
+            "backend": "",
+            "max_batch_size": self.spec.max_tokens,
+            "input": [{"name": t["name"], "data_type": "TYPE_" + t["datatype"], "dims": dims[t["name"]]}
+                      for t in meta["inputs"]],
+            "output": [{"name": t["name"], "data_type": "TYPE_" + t["datatype"], "dims": [cfg.H]}
+                       for t in meta["outputs"]],
+            "dynamic_batching": {
+                "preferred_batch_size": [cfg.tokens_per_step],
+                "max_queue_delay_microseconds": round(settings.batch_delay_ms * 1000),
+                "default_queue_policy": {
+                    "timeout_action": "REJECT",
+                    "default_timeout_microseconds": round(settings.request_timeout_s * 1e6),
+                    "allow_timeout_override": True,
+                    "max_queue_size": 0,  # the queue is bounded in tokens (queue_tokens), not requests
+                },
+            },
+            "model_transaction_policy": {"decoupled": False},
+        }
+
+    def model_statistics(self) -> dict:
+        """Triton's statistics for the model, from the front end's own metrics: success and fail
+        are requests by outcome (arrival to answer), queue is arrival to the first step, the compute
+        phases are the times of the steps a request's rows ran in (copy into the slot, the layer,
+        copy out; Triton too charges a batch's times to each request in it). Durations are
+        {"count", "ns"}."""
+        def duration(count: float, seconds: float) -> dict:
+            return {"count": int(count or 0), "ns": round((seconds or 0.0) * 1e9)}
+
+        success = [0.0, 0.0]
+        fail = [0.0, 0.0]
+        for family in self.metrics.request_duration.collect():
+            for sample in family.samples:
+                field = {"moe_request_duration_seconds_count": 0, "moe_request_duration_seconds_sum": 1}.get(sample.name)
+                if field is not None:
+                    (success if sample.labels["status"] == "200" else fail)[field] += sample.value
+        sample = self.metrics.registry.get_sample_value
+        empty = duration(0, 0.0)
+        return {"model_stats": [{
+            "name": self.model_name,
+            "version": MODEL_VERSION,
+            "last_inference": self._last_inference_ms,
+            "inference_count": self._inference_count,
+            "execution_count": int(sample("moe_steps_total") or 0),
+            "inference_stats": {
+                "success": duration(*success),
+                "fail": duration(*fail),
+                "queue": duration(sample("moe_queue_time_seconds_count"), sample("moe_queue_time_seconds_sum")),
+                **{phase: dataclasses.asdict(d) for phase, d in self.metrics.request_compute.items()},
+                "cache_hit": empty,
+                "cache_miss": empty,
+            },
+            "batch_stats": [],
+        }]}

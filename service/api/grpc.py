@@ -16,7 +16,7 @@ import logging
 import time
 
 import grpc
-from google.protobuf import descriptor_pool
+from google.protobuf import descriptor_pool, json_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
@@ -115,6 +115,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             for t in meta[field]:
                 getattr(response, field).add(name=t["name"], datatype=t["datatype"], shape=t["shape"])
         return response
+
+    async def ModelConfig(self, request, context):
+        try:
+            codecs.check_model(request.name, request.version, self.fe.model_name)
+        except Exception as exc:  # noqa: BLE001
+            await _abort(context, exc)
+        return pb.ModelConfigResponse(config=json_format.ParseDict(self.fe.model_config(), pb.ModelConfig()))
+
+    async def ModelStatistics(self, request, context):
+        try:
+            if request.name or request.version:  # an empty name asks for every model: ours
+                codecs.check_model(request.name, request.version, self.fe.model_name)
+        except Exception as exc:  # noqa: BLE001
+            await _abort(context, exc)
+        return json_format.ParseDict(self.fe.model_statistics(), pb.ModelStatisticsResponse())
 
     async def ModelInfer(self, request, context):
         fe = self.fe

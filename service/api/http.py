@@ -155,6 +155,18 @@ def create_app(fe: Frontend) -> FastAPI:
         codecs.check_model(model, version, fe.model_name)
         return JSONResponse({"name": model, "ready": fe.ready}, status_code=200 if fe.ready else 503)
 
+    @app.get("/v2/models/{model}/config")
+    @app.get("/v2/models/{model}/versions/{version}/config")
+    async def model_config(model: str, version: str | None = None) -> Response:
+        codecs.check_model(model, version, fe.model_name)
+        return JSONResponse(fe.model_config())
+
+    @app.get("/v2/models/{model}/stats")
+    @app.get("/v2/models/{model}/versions/{version}/stats")
+    async def model_statistics(model: str, version: str | None = None) -> Response:
+        codecs.check_model(model, version, fe.model_name)
+        return JSONResponse(fe.model_statistics())
+
     @app.post("/v2/models/{model}/infer")
     @app.post("/v2/models/{model}/versions/{version}/infer")
     async def infer(model: str, request: Request, version: str | None = None) -> Response:

@@ -5,7 +5,7 @@ import warnings
 
 from . import grpc_predict_v2_pb2 as grpc__predict__v2__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.72.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in grpc_predict_v2_pb2_grpc.py depends on'
+        + f' but the generated code in grpc_predict_v2_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class GRPCInferenceServiceStub:
+class GRPCInferenceServiceStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -64,9 +64,19 @@ class GRPCInferenceServiceStub:
                 request_serializer=grpc__predict__v2__pb2.ModelInferRequest.SerializeToString,
                 response_deserializer=grpc__predict__v2__pb2.ModelInferResponse.FromString,
                 _registered_method=True)
+        self.ModelConfig = channel.unary_unary(
+                '/inference.GRPCInferenceService/ModelConfig',
+                request_serializer=grpc__predict__v2__pb2.ModelConfigRequest.SerializeToString,
+                response_deserializer=grpc__predict__v2__pb2.ModelConfigResponse.FromString,
+                _registered_method=True)
+        self.ModelStatistics = channel.unary_unary(
+                '/inference.GRPCInferenceService/ModelStatistics',
+                request_serializer=grpc__predict__v2__pb2.ModelStatisticsRequest.SerializeToString,
+                response_deserializer=grpc__predict__v2__pb2.ModelStatisticsResponse.FromString,
+                _registered_method=True)
 
 
-class GRPCInferenceServiceServicer:
+class GRPCInferenceServiceServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def ServerLive(self, request, context):
@@ -105,6 +115,18 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ModelConfig(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ModelStatistics(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -138,6 +160,16 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     request_deserializer=grpc__predict__v2__pb2.ModelInferRequest.FromString,
                     response_serializer=grpc__predict__v2__pb2.ModelInferResponse.SerializeToString,
             ),
+            'ModelConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelConfig,
+                    request_deserializer=grpc__predict__v2__pb2.ModelConfigRequest.FromString,
+                    response_serializer=grpc__predict__v2__pb2.ModelConfigResponse.SerializeToString,
+            ),
+            'ModelStatistics': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelStatistics,
+                    request_deserializer=grpc__predict__v2__pb2.ModelStatisticsRequest.FromString,
+                    response_serializer=grpc__predict__v2__pb2.ModelStatisticsResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'inference.GRPCInferenceService', rpc_method_handlers)
@@ -146,7 +178,7 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class GRPCInferenceService:
+class GRPCInferenceService(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
@@ -301,6 +333,60 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/ModelInfer',
             grpc__predict__v2__pb2.ModelInferRequest.SerializeToString,
             grpc__predict__v2__pb2.ModelInferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/ModelConfig',
+            grpc__predict__v2__pb2.ModelConfigRequest.SerializeToString,
+            grpc__predict__v2__pb2.ModelConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelStatistics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/ModelStatistics',
+            grpc__predict__v2__pb2.ModelStatisticsRequest.SerializeToString,
+            grpc__predict__v2__pb2.ModelStatisticsResponse.FromString,
             options,
             channel_credentials,
             insecure,
