@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 from torch import Tensor
@@ -22,6 +25,18 @@ ROUNDING = {dtype: torch.finfo(dtype).eps / 2 for dtype in TOL}
 SIM_TOL = 1e-6
 
 ROUTING_KINDS = ("balanced", "skewed", "single", "empty_expert")
+
+
+def external_tool(name: str) -> str:
+    """The path of a command-line tool that `.ci/install-tools` installs. Where it is missing the
+    test skips, except in CI (CI=true), where it fails: such a test can never silently not run."""
+    path = shutil.which(name)
+    if path is None:
+        why = f"{name} is not on PATH: run `bash .ci/install-tools` in this environment"
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+    return path
 
 
 @pytest.fixture(scope="module")

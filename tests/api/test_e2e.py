@@ -11,6 +11,7 @@ import signal
 import time
 
 import httpx
+import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.torch
@@ -59,7 +60,8 @@ def triton_inputs(module, x, ids, w, dtype_name="FP32", binary=True):
     for name, value, dt in (("hidden_states", x, dtype_name), ("topk_ids", ids.to(torch.int32), "INT32"),
                             ("topk_weights", w, "FP32")):
         t = module.InferInput(name, list(value.shape), dt)
-        array = value.float().numpy() if dt == "BF16" else value.numpy()
+        # tritonclient takes BF16 as ml_dtypes.bfloat16 arrays (and answers in them)
+        array = value.float().numpy().astype(ml_dtypes.bfloat16) if dt == "BF16" else value.numpy()
         if module is httpclient:
             t.set_data_from_numpy(array, binary_data=binary)
         else:

@@ -1,0 +1,184 @@
+"""Triton's model configuration and statistics calls, and NVIDIA's perf_analyzer run unchanged
+against one real CPU server over HTTP and gRPC (the binary comes from `.ci/install-tools`)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import subprocess
+
+import httpx
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.api.common import CFG, check, inputs
+from tests.helpers import external_tool
+from tests.serverproc import ServerProcess
+
+MODEL = "moe"
+PERF_ANALYZER_TIMEOUT_S = 150
+DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    proc = ServerProcess.module(tmp_path_factory.mktemp("triton_tools") / "server.log")
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        code = proc.stop()
+        assert code == 0, f"exit code {code}:\n{proc.log()[-3000:]}"
+
+
+def stats(server) -> dict:
+    """The model's statistics over HTTP, durations as {"count", "ns"} ints."""
+    (model,) = httpx.get(f"{server.url}/v2/models/{MODEL}/stats", timeout=10).json()["model_stats"]
+    return model
+
+
+def grpc_stats(server) -> dict:
+    """The same over gRPC with tritonclient; its JSON writes uint64 as strings (made ints here) and
+    leaves out empty lists."""
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        (model,) = client.get_inference_statistics(MODEL, as_json=True)["model_stats"]
+    model["inference_stats"] = {k: {f: int(v.get(f, 0)) for f in ("count", "ns")}
+                                for k, v in model["inference_stats"].items()}
+    for key in ("last_inference", "inference_count", "execution_count"):
+        model[key] = int(model.get(key, 0))
+    model.setdefault("batch_stats", [])
+    return model
+
+
+def difference(before: dict, after: dict) -> dict:
+    out = {k: after[k] - before[k] for k in ("inference_count", "execution_count")}
+    for name in DURATIONS:
+        for field in ("count", "ns"):
+            out[f"{name}.{field}"] = after["inference_stats"][name][field] - before["inference_stats"][name][field]
+    return out
+
+
+# ---- the configuration -------------------------------------------------------------------------
+
+
+def test_config_over_http_and_grpc(server):
+    with httpclient.InferenceServerClient(server.http_hostport) as client:
+        config = client.get_model_config(MODEL)
+        meta = client.get_model_metadata(MODEL)
+        assert client.get_model_config(MODEL, model_version="1") == config
+        with pytest.raises(InferenceServerException, match="version"):
+            client.get_model_config(MODEL, model_version="2")
+        with pytest.raises(InferenceServerException, match="unknown model"):
+            client.get_model_config("other")
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        grpc_config = client.get_model_config(MODEL, as_json=True)["config"]
+        with pytest.raises(InferenceServerException) as err:
+            client.get_model_config("other")
+        assert err.value.status() == "StatusCode.NOT_FOUND"
+    assert config["name"] == MODEL and meta["versions"] == ["1"]
+    # The token dimension is Triton's batch dimension: left out of dims, bounded by max_batch_size.
+    assert config["max_batch_size"] == int(grpc_config["max_batch_size"]) > 0
+    for kind, tensors in (("input", meta["inputs"]), ("output", meta["outputs"])):
+        declared = {t["name"]: ("TYPE_" + t["datatype"], t["shape"][1:]) for t in tensors}
+        assert {t["name"]: (t["data_type"], t["dims"]) for t in config[kind]} == declared
+        assert {t["name"]: (t["data_type"], [int(d) for d in t["dims"]]) for t in grpc_config[kind]} == declared
+    assert meta["inputs"][0]["shape"] == [-1, CFG.H]
+    batching = config["dynamic_batching"]
+    assert batching["preferred_batch_size"] == [CFG.tokens_per_step]
+    assert int(grpc_config["dynamic_batching"]["max_queue_delay_microseconds"]) == batching["max_queue_delay_microseconds"]
+    extensions = httpx.get(f"{server.url}/v2", timeout=10).json()["extensions"]
+    assert {"model_configuration", "statistics"} <= set(extensions)
+
+
+# ---- the statistics ----------------------------------------------------------------------------
+
+
+def test_statistics_count_what_the_front_end_did(server):
+    before = stats(server)
+    assert grpc_stats(server) == before, "HTTP and gRPC report different statistics"
+    sizes = (1, 5, CFG.tokens_per_step + 37)  # the last one takes two steps
+    with httpclient.InferenceServerClient(server.http_hostport) as client:
+        for T in sizes[:2]:
+            x, ids, w = inputs(T, seed=100 + T)
+            tensors = []
+            for name, value, dt in (("hidden_states", x, "FP32"), ("topk_ids", ids.to(torch.int32), "INT32"),
+                                    ("topk_weights", w, "FP32")):
+                t = httpclient.InferInput(name, list(value.shape), dt)
+                t.set_data_from_numpy(value.numpy())
+                tensors.append(t)
+            check(client.infer(MODEL, tensors).as_numpy("output"), x, ids, w)
+    x, ids, w = inputs(sizes[2], seed=7)
+    response = httpx.post(f"{server.url}/moe/forward", timeout=60,
+                          json={"hidden_states": x.tolist(), "topk_ids": ids.tolist(), "topk_weights": w.tolist()})
+    assert response.status_code == 200, response.text
+    check(response.json()["output"], x, ids, w)
+    bad = httpx.post(f"{server.url}/moe/forward", timeout=60,  # expert id E: refused before the queue
+                     json={"hidden_states": x[:2].tolist(), "topk_ids": [[CFG.E] * CFG.K] * 2,
+                           "topk_weights": w[:2].tolist()})
+    assert bad.status_code == 400, bad.text
+    after = stats(server)
+    d = difference(before, after)
+    n = len(sizes)
+    assert d["success.count"] == n and d["fail.count"] == 1, d
+    assert d["inference_count"] == sum(sizes), d  # tokens, as Triton counts batch items
+    assert d["execution_count"] >= n + 1, d       # the largest request ran in two steps
+    assert d["queue.count"] == n, d               # the refused one never queued
+    for phase in ("compute_input", "compute_infer", "compute_output"):
+        assert d[f"{phase}.count"] == n and d[f"{phase}.ns"] > 0, d
+    # A request's time in the server covers its queueing and its steps.
+    assert d["success.ns"] > d["queue.ns"] + d["compute_infer.ns"] > 0, d
+    assert after["last_inference"] >= before["last_inference"] and after["last_inference"] > 0
+    assert grpc_stats(server) == after
+
+
+# ---- perf_analyzer -----------------------------------------------------------------------------
+
+
+def perf_analyzer_env() -> dict[str, str]:
+    """perf_analyzer links libcudart.so.12 (no GPU needed): the nvidia-cuda-runtime-cu12 wheel's."""
+    import nvidia.cuda_runtime
+
+    libs = [os.path.join(p, "lib") for p in nvidia.cuda_runtime.__path__]
+    return {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join([*libs, os.environ.get("LD_LIBRARY_PATH", "")])}
+
+
+def input_data(path, rows: int = 4, seed: int = 0) -> None:
+    """perf_analyzer's --input-data file: valid expert ids (its random default sends ids out of
+    range, which the server refuses), fresh random hidden states, weights summing to 1."""
+    gen = torch.Generator().manual_seed(seed)
+    data = []
+    for _ in range(rows):
+        ids = torch.randperm(CFG.E, generator=gen)[:CFG.K]
+        w = torch.rand(CFG.K, generator=gen)
+        data.append({"hidden_states": torch.randn(CFG.H, generator=gen).tolist(), "topk_ids": ids.tolist(),
+                     "topk_weights": (w / w.sum()).tolist()})
+    path.write_text(json.dumps({"data": data}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_perf_analyzer_runs_unchanged(server, protocol, tmp_path):
+    binary = external_tool("perf_analyzer")
+    data, report = tmp_path / "input.json", tmp_path / "report.csv"
+    input_data(data)
+    before = stats(server)
+    url = server.http_hostport if protocol == "http" else server.grpc_url
+    cmd = [binary, "-m", MODEL, "-u", url, "-i", protocol, "-b", "1", "--input-data", str(data),
+           "--measurement-mode", "count_windows", "--measurement-request-count", "10",
+           "--stability-percentage", "1000", "--max-trials", "3", "-f", str(report)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=PERF_ANALYZER_TIMEOUT_S,
+                         env=perf_analyzer_env())
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    d = difference(before, stats(server))
+    sent = int(re.search(r"Client:\s+Request count: (\d+)", out).group(1))
+    server_count = int(re.search(r"Server:.*?Successful request count: (\d+)", out, re.S).group(1))
+    assert 0 < sent <= server_count <= d["success.count"], out
+    assert d["fail.count"] == 0, d
+    (row,) = list(csv.DictReader(report.open()))
+    assert float(row["Inferences/Second"]) > 0 and int(row["Server Compute Infer"]) > 0, row
