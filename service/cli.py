@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 import typing
@@ -17,7 +18,7 @@ import typing
 import pydantic
 
 from service.config import PRESETS, Settings, preset
-from service.errors import MoEError
+from service.errors import ConfigError, MoEError
 
 log = logging.getLogger("moe-serve")
 
@@ -95,6 +96,26 @@ def _offline_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_writable(path: str, what: str) -> None:
+    """Refuse an output path that cannot be written before any work is done on it."""
+    target = os.path.abspath(path)
+    folder = os.path.dirname(target)
+    if os.path.isdir(target):
+        raise ConfigError(f"{what} {path} is a directory; name a file")
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{what} {path}: the folder {folder} does not exist")
+    if not os.access(target if os.path.exists(target) else folder, os.W_OK):
+        raise ConfigError(f"{what} {path} is not writable (permission denied)")
+
+
+def _readable_by_all(path: str) -> None:
+    """Give a written file the mode open() would (0644 under the usual umask 022): safetensors
+    creates it 0600, which the container's user (UID 10001) cannot read when it is mounted."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def _forward(args: argparse.Namespace) -> None:
     import torch
     from safetensors import SafetensorError
@@ -104,6 +125,7 @@ def _forward(args: argparse.Namespace) -> None:
     from service.moe.weights import checkpoint_layer
     from service.worker.group import WorkerGroup
 
+    _check_writable(args.output, "--output")
     settings = settings_from(args.parser, {k: v for k, v in vars(args).items() if k in FORWARD_SETTINGS})
     device, why = settings.resolve_device()
     try:
@@ -146,6 +168,7 @@ def _forward(args: argparse.Namespace) -> None:
                      step_timeout_s=settings.step_timeout_s) as group:
         out = group.forward(x, ids.to(torch.int32), w.float(), progress=progress)
     save_file({"output": out.contiguous()}, args.output, metadata={"format": "pt"})
+    _readable_by_all(args.output)
     log.info("wrote output [%d, %d] %s to %s in %.1f s", out.shape[0], out.shape[1],
              str(out.dtype).removeprefix("torch."), args.output, time.monotonic() - started)
 
@@ -153,8 +176,10 @@ def _forward(args: argparse.Namespace) -> None:
 def _write_checkpoint(args: argparse.Namespace) -> None:
     from service.moe.weights import write_synthetic_checkpoint
 
+    _check_writable(args.output, "the output")
     cfg = preset(args.preset)
     write_synthetic_checkpoint(args.output, cfg, args.seed, prefix=args.prefix, naming=args.naming)
+    _readable_by_all(args.output)
     log.info("wrote a synthetic checkpoint (%s, seed %d, %s naming) to %s",
              cfg.describe(), args.seed, args.naming, args.output)
 

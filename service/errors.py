@@ -9,6 +9,11 @@ class ConfigError(MoEError, ValueError):
     """An impossible configuration value; the message names the field."""
 
 
+class BackendUnavailable(ConfigError):
+    """The backend asked for cannot run here (`--backend fused` without CUDA or peer access); the
+    message says why. The ranks decide (service.worker.rank) and the start fails with it."""
+
+
 class WeightsError(MoEError):
     """A checkpoint that cannot be loaded: missing key, wrong shape, unreadable file."""
 

@@ -12,7 +12,8 @@ A bad setting or an unreadable weights file (wrong path, missing key, wrong shap
 status 2 before anything starts, with a message naming the problem; so does a checkpoint whose
 experts the layer cannot compute exactly (service/moe/checkpoint.py names the feature). A first start of the rank
 group that fails anyway exits with status 1 instead of retrying: that is a configuration
-problem, not a transient one.
+problem, not a transient one; 2 where the ranks refused a setting (`--backend fused` where the
+fused backend cannot run).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from service.api.frontend import Frontend
 from service.api.grpc import GrpcServer
 from service.api.http import create_app
 from service.config import Settings
-from service.errors import GroupUnavailable, MoEError, WorkerError
+from service.errors import ConfigError, GroupUnavailable, MoEError, WorkerError
 from service.metrics import Metrics
 from service.worker.warmup import expert_source, warm_up
 
@@ -197,7 +198,7 @@ class Server:
                     return
                 if first:
                     log.error("the rank group did not start: %s", exc)
-                    self.exit_code = 1
+                    self.exit_code = 2 if isinstance(exc, ConfigError) else 1  # 2: a setting it refused
                     self.request_stop()
                     return
                 failures += 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import subprocess
 import sys
 
@@ -75,3 +77,31 @@ def test_forward_bad_input_names_the_problem(tmp_path):
     assert "lacks ['topk_ids', 'topk_weights']" in r.stderr
     r = moe_serve("forward", "--input", str(tmp_path / "nope"), "--output", str(tmp_path / "o"), "--device", "cpu")
     assert r.returncode == 2 and "cannot read --input" in r.stderr
+
+
+def test_unwritable_output_exits_2_before_any_work(tmp_path):
+    inp = str(tmp_path / "in.safetensors")
+    cfg = preset("cpu")
+    gen = torch.Generator().manual_seed(3)
+    ids, w = routing(3, cfg.E, cfg.K, "balanced", gen)
+    save_file({"hidden_states": torch.randn(3, cfg.H, generator=gen), "topk_ids": ids, "topk_weights": w}, inp)
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    cases = [(str(tmp_path / "missing" / "out.safetensors"), "does not exist"), (str(tmp_path), "is a directory")]
+    if os.geteuid() != 0:  # root writes anywhere: the permission case needs an ordinary user
+        cases.append((str(locked / "out.safetensors"), "not writable"))
+    for out, needle in cases:
+        for argv in (["forward", "--input", inp, "--output", out, "--device", "cpu"], ["write-checkpoint", out]):
+            r = moe_serve(*argv, timeout=60)
+            assert r.returncode == 2, (argv, r.stderr)
+            assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+            assert "started" not in r.stderr, "the rank group started before the output was checked"
+
+
+def test_written_files_are_readable_by_other_users(tmp_path):
+    """The image runs as UID 10001: a checkpoint written by another user and mounted must be readable."""
+    ckpt = tmp_path / "ckpt.safetensors"
+    r = subprocess.run(["sh", "-c", 'umask 022 && exec "$@"', "sh", *CLI, "write-checkpoint", str(ckpt)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert stat.S_IMODE(ckpt.stat().st_mode) == 0o644

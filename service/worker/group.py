@@ -5,10 +5,12 @@
       slots in /dev/shm        <----------->   reads rows [start_r, start_r + n_r), writes out
       ("step", seq, slot, T)   ------------>   layer step
                                <------------   ("done", rank, seq, stats) | ("error", rank, tb)
+                                                   | ("refused", rank, why) at start
 
 Every wait on the ranks is bounded and also watches the processes' sentinels, so a rank that
-dies, raises or stalls turns into a `WorkerError` carrying its traceback, never a hang. After
-an error the group is dead: `close()` it and start a new one.
+dies, raises or stalls turns into a `WorkerError` carrying its traceback, never a hang; a rank
+that refuses its settings (`backend="fused"` where fused cannot run) into `BackendUnavailable`.
+After an error the group is dead: `close()` it and start a new one.
 
 A stopped rank (SIGSTOP, a livelock) is alive but silent, so the bounds are tight: a step gets
 `step_deadline_s()` (10x the slowest recent step, at least 5 s, at most step_timeout_s), and an
@@ -36,7 +38,7 @@ from multiprocessing.connection import wait
 import torch
 
 from service.config import LayerConfig
-from service.errors import GroupUnavailable, InvalidInput, WorkerError
+from service.errors import BackendUnavailable, GroupUnavailable, InvalidInput, WorkerError
 from service.moe.serial import COLLECTIVE_STAGES
 from service.worker.rank import RankOptions, rank_main
 from service.worker.shm import Slot, create_slots, remove_slots, remove_stale_slots
@@ -288,6 +290,8 @@ class WorkerGroup:
                 except (EOFError, OSError):
                     code = self._procs[rank].exitcode
                     raise WorkerError(f"{what}: rank {rank} died (exit code {code})", rank=rank) from None
+                if msg[0] == "refused":
+                    raise BackendUnavailable(msg[2])
                 if msg[0] == "error":
                     raise WorkerError(f"{what}: rank {msg[1]} raised", rank=msg[1], traceback=msg[2])
                 if msg[0] != kind:

@@ -2,12 +2,14 @@
 
 Control messages on the rank's pipe (parent -> rank): ("step", seq, slot_index, T),
 ("ping", seq) and ("stop",). Answers (rank -> parent): ("ready", rank, info), ("done", rank,
-seq, stats), ("pong", rank, seq, None) and ("error", rank, traceback_text). Tensors never cross
-the pipe: they live in the slots.
+seq, stats), ("pong", rank, seq, None), ("refused", rank, message) for a backend asked for that
+cannot run here, and ("error", rank, traceback_text). Tensors never cross the pipe: they live in
+the slots.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -18,6 +20,7 @@ import traceback
 import torch
 
 from service.config import LayerConfig
+from service.errors import BackendUnavailable
 
 LOOPBACK_IFNAME = "lo"  # Linux's loopback interface
 
@@ -52,6 +55,10 @@ def rank_main(rank: int, opts: RankOptions, conn) -> None:
     log = logging.getLogger("service.worker.rank")
     try:
         _serve(rank, opts, conn, log)
+    except BackendUnavailable as err:  # a refusal, not a failure: the parent reports it (once)
+        with contextlib.suppress(OSError):
+            conn.send(("refused", rank, str(err)))
+        os._exit(1)
     except BaseException:  # noqa: BLE001 - everything, KeyboardInterrupt too, goes to the parent
         text = traceback.format_exc()
         log.error("rank %d failed:\n%s", rank, text)
@@ -64,9 +71,10 @@ def rank_main(rank: int, opts: RankOptions, conn) -> None:
 
 
 def _make_layer(cfg: LayerConfig, weights, rank: int, device: torch.device, backend: str, log: logging.Logger):
-    """The fused layer when asked for (auto/fused) and possible, else the serial one, reason logged.
-    The probe is collective and gives every rank the same verdict. A fused step whose bounded wait
-    expired raises FusedTimeout from check_seq: the error path below reports it to the parent."""
+    """The fused layer when asked for (auto/fused) and possible, else the serial one for auto
+    (rank 0 logs why: at INFO on the CPU, where serial is the expected path) and a refusal for
+    fused. The probe is collective and gives every rank the same verdict. A fused step whose bounded
+    wait expired raises FusedTimeout from check_seq: the error path below reports it to the parent."""
     from service.moe.serial import SerialLayer
 
     if backend != "serial":
@@ -75,7 +83,11 @@ def _make_layer(cfg: LayerConfig, weights, rank: int, device: torch.device, back
         reason = fused_unavailable_reason(cfg, device)
         if reason is None:
             return FusedLayer(cfg, weights, rank=rank, device=device)
-        log.warning("backend %s: fused unavailable (%s); running serial", backend, reason)
+        if backend == "fused":
+            raise BackendUnavailable(f"--backend fused cannot run here: {reason}; use --backend auto or serial")
+        if rank == 0:
+            log.log(logging.INFO if device.type == "cpu" else logging.WARNING,
+                    "backend %s: fused unavailable (%s); running serial", backend, reason)
     return SerialLayer(cfg, weights, rank=rank, device=device)
 
 

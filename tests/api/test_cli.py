@@ -6,10 +6,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from service import server
-from service.config import Settings
 from service.cli import build_parser, main, parse_settings
+from service.config import Settings, preset
+from tests.helpers import routing
 
 
 def test_one_flag_per_setting():
@@ -59,3 +62,24 @@ def test_help_names_the_offline_commands():
 def test_docstring_gives_the_exit_status_of_bad_weights():
     doc = " ".join(server.__doc__.split())
     assert "unreadable weights file" in doc and "status 2" in doc  # test_unreadable_weights_exit_nonzero
+
+
+def test_backend_fused_where_it_cannot_run_exits_2_saying_why(tmp_path):
+    """Before: the ranks fell back to serial with a WARNING and the service ran, contradicting the flag."""
+    r = subprocess.run([sys.executable, "-m", "service", "--device", "cpu", "--backend", "fused", "--host",
+                        "127.0.0.1", "--http-port", "0", "--grpc-port", "0"],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "--backend fused cannot run here" in r.stderr and "not CUDA" in r.stderr, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and " ready (" not in r.stderr, r.stderr[-3000:]
+    cfg = preset("cpu")
+    gen = torch.Generator().manual_seed(1)
+    ids, w = routing(2, cfg.E, cfg.K, "balanced", gen)
+    save_file({"hidden_states": torch.randn(2, cfg.H, generator=gen), "topk_ids": ids, "topk_weights": w},
+              str(tmp_path / "in.safetensors"))
+    r = subprocess.run([sys.executable, "-m", "service.cli", "forward", "--input", str(tmp_path / "in.safetensors"),
+                        "--output", str(tmp_path / "out.safetensors"), "--device", "cpu", "--backend", "fused"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "--backend fused cannot run here" in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert not (tmp_path / "out.safetensors").exists()

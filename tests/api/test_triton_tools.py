@@ -63,6 +63,12 @@ def difference(before: dict, after: dict) -> dict:
     return out
 
 
+def test_a_normal_cpu_start_logs_no_warning(server):
+    """Before: each of the four ranks logged the expected serial fallback as a WARNING."""
+    lines = [line for line in server.log().splitlines() if " WARNING " in line or "Warning:" in line]
+    assert not lines, "\n".join(lines)
+
+
 # ---- the configuration -------------------------------------------------------------------------
 
 
