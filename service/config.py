@@ -162,7 +162,7 @@ class Settings(BaseSettings):
     backend: Literal["auto", "serial", "fused"] = Field("auto", description="layer backend; `auto`: fused where it can run, else serial (the reason is logged at start)")
 
     batch_delay_ms: float = Field(2.0, ge=0, description="how long the batcher waits to fill a step")
-    queue_tokens: int = Field(65536, ge=1, description="queued tokens beyond which requests get 503")
+    queue_tokens: int = Field(65536, ge=1, description="queued tokens beyond which requests get 503; also the most tokens one request may carry (a larger one gets 413)")
     max_request_bytes: int = Field(256 << 20, ge=1024, description="largest HTTP request body; a larger one gets 413")
     grpc_max_message_bytes: int = Field(256 << 20, ge=1024, description="largest gRPC message, received or sent")
     request_timeout_s: float = Field(30.0, gt=0, description="default per-request deadline")

@@ -7,7 +7,10 @@ import csv
 import json
 import os
 import re
+import shlex
 import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,6 +23,7 @@ from tests.api.common import CFG, check, inputs
 from tests.helpers import external_tool
 from tests.serverproc import ServerProcess
 
+README = Path(__file__).parents[2] / "README.md"
 MODEL = "moe"
 PERF_ANALYZER_TIMEOUT_S = 150
 DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
@@ -188,3 +192,34 @@ def test_perf_analyzer_runs_unchanged(server, protocol, tmp_path):
     assert d["fail.count"] == 0, d
     (row,) = list(csv.DictReader(report.open()))
     assert float(row["Inferences/Second"]) > 0 and int(row["Server Compute Infer"]) > 0, row
+
+
+# ---- the README's commands, as a user pastes them ------------------------------------------------
+
+
+def readme_python(marker: str) -> str:
+    """Run the README's `python3 -c '...'` line that contains `marker`; its standard output."""
+    (line,) = [ln.strip() for ln in README.read_text().splitlines() if ln.strip().startswith("python3 -c") and marker in ln]
+    argv = shlex.split(line.split(" | ")[0].split(" > ")[0].rstrip(" \\"))
+    assert argv[:2] == ["python3", "-c"], argv
+    return subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, check=True, timeout=60).stdout
+
+
+def test_readme_curl_body_is_valid_and_answered(server):
+    body = json.loads(readme_python('"hidden_states": [['))
+    x, ids, w = (torch.tensor(body[k]) for k in ("hidden_states", "topk_ids", "topk_weights"))
+    assert x.shape == (1, CFG.H) and ids.shape == w.shape == (1, CFG.K)
+    response = httpx.post(f"{server.url}/moe/forward", content=json.dumps(body),
+                          headers={"content-type": "application/json"}, timeout=60)
+    assert response.status_code == 200, response.text
+    check(response.json()["output"], x, ids, w)
+
+
+def test_readme_perf_analyzer_rows_fit_the_model(server):
+    config = httpx.get(f"{server.url}/v2/models/{MODEL}/config", timeout=10).json()
+    dims = {t["name"]: t["dims"] for t in config["input"]}
+    rows = json.loads(readme_python('"data"'))["data"]
+    assert rows
+    for row in rows:
+        assert {k: [len(v)] for k, v in row.items()} == dims
+        assert len(set(row["topk_ids"])) == CFG.K and all(0 <= e < CFG.E for e in row["topk_ids"])

@@ -1,0 +1,44 @@
+"""What the README tells a user, held against the code: units of the deadlines, the per-request
+token cap. (Its commands are run against a server in tests/api/test_triton_tools.py.)"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.api import codecs, status
+from service.config import Settings
+
+README = (Path(__file__).parents[1] / "README.md").read_text()
+
+
+def bullet(start: str) -> str:
+    """The README's behaviour bullet that begins with `start`, sub-items included, as one line."""
+    m = re.search(rf"^- \*\*{re.escape(start)}\*\*:(.*?)(?=^- \*\*|^\S)", README, re.S | re.M)
+    assert m, f"no '{start}' bullet in the README"
+    return " ".join(m.group(1).split())
+
+
+def test_deadline_units_are_the_ones_the_code_uses():
+    text = bullet("Deadlines")
+    assert re.search(r"`X-Request-Timeout` header, in \*\*seconds\*\*", text), text
+    assert re.search(r"`parameters\.timeout` integer, in \*\*microseconds\*\*", text), text
+    example = re.search(r'"timeout": (\d+)\}` is ([\d.]+) s', text)
+    assert example, text
+    assert codecs._v2_timeout(int(example.group(1))) == pytest.approx(float(example.group(2)))
+    assert codecs.parse_timeout_s("0.25", "X-Request-Timeout") == 0.25
+
+
+def test_queue_tokens_is_documented_as_a_per_request_cap():
+    text = bullet("Overload")
+    assert "`--queue-tokens` also caps a single request" in text and "413" in text, text
+    assert "most tokens one request may carry" in Settings.model_fields["queue_tokens"].description
+    spec = codecs.ModelSpec(E=4, H=8, K=2, dtype=torch.float32, max_tokens=3)
+    gen = torch.Generator().manual_seed(0)
+    x, ids = torch.randn(4, 8, generator=gen), torch.randint(0, 4, (4, 2), generator=gen)
+    with pytest.raises(status.PayloadTooLarge, match="queue_tokens") as err:
+        codecs.validate(x, ids, torch.rand(4, 2, generator=gen), spec)
+    assert status.classify(err.value)[0] == 413
