@@ -99,8 +99,9 @@ def render_env_example() -> str:
         "# docker-compose.yml only (not settings of the service):",
         "# host folder mounted read-only at /models; then MOE_WEIGHTS=/models/<file>.safetensors",
         "# CHECKPOINT_DIR=./checkpoints",
-        "# Grafana's admin password",
-        "# GRAFANA_ADMIN_PASSWORD=admin",
+        "# Grafana's admin user and password; compose refuses to start without a password",
+        "# GRAFANA_ADMIN_USER=admin",
+        "# GRAFANA_ADMIN_PASSWORD=",
         "",
     ]
     for field in Settings.model_fields:

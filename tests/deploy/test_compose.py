@@ -117,3 +117,16 @@ def test_prometheus_scrapes_the_service_and_grafana_is_provisioned(compose):
     assert datasource["type"] == "prometheus" and datasource["url"] == "http://prometheus:9090"
     for path in (v.split(":")[0] for s in services.values() for v in s.get("volumes", []) if v.startswith("./deploy")):
         assert (ROOT / path).exists(), f"compose mounts {path}, which does not exist"
+
+
+def test_dashboards_are_local_and_need_a_password(compose):
+    """Before: Grafana on 0.0.0.0:3000 with admin/admin and anonymous viewers."""
+    services = compose["services"]
+    for name in ("prometheus", "grafana"):
+        for port in services[name]["ports"]:
+            assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} beyond the loopback"
+    env = services["grafana"]["environment"]
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    password = env["GF_SECURITY_ADMIN_PASSWORD"]
+    assert re.fullmatch(r"\$\{GRAFANA_ADMIN_PASSWORD:\?[^}]+\}", password), \
+        f"the admin password must come from the environment with no default: {password}"
