@@ -2,27 +2,37 @@
 
 Metrics live in the front end only: ranks report their timings with each finished step
 (no Prometheus multiprocess mode). Names carry the `moe_` prefix and base units; every label
-takes values from a fixed, small set.
+takes values from a fixed, small set. The registry also carries the standard process_* and
+python_info series, and no `_created` series (Prometheus reads counter resets by itself; the
+extra series only double the exposition).
+
+Series known in advance are exported from the start, so dashboards and alerts see zeros rather
+than "no data"; those of a backend appear once the rank group says which one runs
+(`use_backend`), so a replica running serial never shows empty "fused" legend entries.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector,
+                               disable_created_metrics)
 
-# 50 microseconds to 10 seconds, roughly 1-2.5-5 per decade.
+# 50 microseconds to 60 seconds, roughly 1-2.5-5 per decade, with a bound at 30 s (the default
+# request deadline, request_timeout_s) and one past it, so that requests that ran into their
+# deadline are told apart from those just under it.
 TIME_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
-                0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+                0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = tuple(float(2 ** i) for i in range(0, 17))  # 1 .. 65536 tokens
 
 PROTOCOLS = ("http_json", "http_safetensors", "v2_json", "v2_binary", "grpc")
-BACKENDS = ("serial", "fused")
 # Stage labels of each backend (service.moe.serial, service.moe.fused); "fused" is the whole
 # captured graph, the fused names after it are its launches when it runs without the graph.
 SERIAL_STAGES = ("tables", "all_gather", "scatter", "gemm1", "swiglu", "gemm2", "combine", "reduce_scatter")
 FUSED_STAGES = ("copy_in", "fused", "stage", "exchange", "kernel1", "kernel2", "reduce")
 STAGES = SERIAL_STAGES + FUSED_STAGES
+# What each backend reports: the fused one also times its tables when it runs without the graph.
+BACKEND_STAGES = {"serial": SERIAL_STAGES, "fused": ("tables",) + FUSED_STAGES}
 
 
 COMPUTE_PHASES = ("compute_input", "compute_infer", "compute_output")  # Triton's statistics names
@@ -44,8 +54,11 @@ class Metrics:
     """The service's metrics on their own registry (one per front end; tests make several)."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
+        disable_created_metrics()  # process-wide in prometheus_client; every registry here wants it
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
         self.request_duration = Histogram(
             "moe_request_duration_seconds", "Time from a request's arrival to its answer.",
             ["protocol", "status"], buckets=TIME_BUCKETS, registry=r)
@@ -79,15 +92,15 @@ class Metrics:
         # Per answered request, the time of the steps its rows ran in, by phase: rows copied into
         # the slot, the layer, answers copied out (for the model statistics, not exported here).
         self.request_compute = {phase: Duration() for phase in COMPUTE_PHASES}
-        # Series for the known label values exist from the start, so dashboards and alerts see
-        # zeros rather than "no data" on a fresh replica.
-        for stage in STAGES:
-            self.stage_time.labels(stage)
-        for backend in BACKENDS:
-            self.layer_time.labels(backend)
-            self.exposed_comm.labels(backend)
         for protocol in PROTOCOLS:
             self.request_duration.labels(protocol, "200")
+
+    def use_backend(self, backend: str) -> None:
+        """Export the zero series of `backend` (a key of BACKEND_STAGES) and its stages: the group runs it."""
+        self.layer_time.labels(backend)
+        self.exposed_comm.labels(backend)
+        for stage in BACKEND_STAGES[backend]:
+            self.stage_time.labels(stage)
 
     def observe_request_compute(self, seconds: tuple[float, float, float]) -> None:
         """Record one answered request's compute time by phase (COMPUTE_PHASES order)."""

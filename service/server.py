@@ -208,6 +208,7 @@ class Server:
                 await self._pause(delay)
                 continue
             first = False
+            self.metrics.use_backend(group.backend)
             self.batcher.attach(group)
             self.fe.set_ready(not self._stopping)
             log.info("ready (rank pids %s)", getattr(group, "pids", "?"))

@@ -1,5 +1,5 @@
 """What the README tells a user, held against the code: units of the deadlines, the per-request
-token cap. (Its commands are run against a server in tests/api/test_triton_tools.py.)"""
+token cap. (Its commands are run against a server in tests/api/test_ecosystem.py.)"""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import choose_encoder
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -194,7 +194,9 @@ def create_app(fe: Frontend) -> FastAPI:
     # ---- metrics ---------------------------------------------------------------------------
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(fe.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(request: Request) -> Response:
+        # OpenMetrics for scrapers that ask for it (Accept), the Prometheus text format otherwise
+        encode, media_type = choose_encoder(request.headers.get("accept"))
+        return Response(encode(fe.metrics.registry), media_type=media_type)
 
     return app

@@ -1,5 +1,6 @@
-"""Triton's model configuration and statistics calls, and NVIDIA's perf_analyzer run unchanged
-against one real CPU server over HTTP and gRPC (the binary comes from `.ci/install-tools`)."""
+"""What tools around the service see, against one real CPU server: Triton's model configuration
+and statistics calls, NVIDIA's perf_analyzer run unchanged over HTTP and gRPC (the binary comes
+from `.ci/install-tools`), a Prometheus scrape, the start log, and the README's commands."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "comp
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc = ServerProcess.module(tmp_path_factory.mktemp("triton_tools") / "server.log")
+    proc = ServerProcess.module(tmp_path_factory.mktemp("ecosystem") / "server.log")
     try:
         proc.wait_ready()
         yield proc
@@ -71,6 +72,23 @@ def test_a_normal_cpu_start_logs_no_warning(server):
     """Before: each of the four ranks logged the expected serial fallback as a WARNING."""
     lines = [line for line in server.log().splitlines() if " WARNING " in line or "Warning:" in line]
     assert not lines, "\n".join(lines)
+
+
+def test_metrics_exposition(server):
+    """OpenMetrics when asked for, the standard collectors, no `_created` series, and no series of
+    the backend that is not running (a CPU replica runs serial)."""
+    plain = httpx.get(f"{server.url}/metrics", timeout=10)
+    assert plain.headers["content-type"].startswith("text/plain; version=0.0.4")
+    om = httpx.get(f"{server.url}/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"},
+                   timeout=10)
+    assert om.headers["content-type"].startswith("application/openmetrics-text")
+    assert om.text.rstrip().endswith("# EOF")
+    for text in (plain.text, om.text):
+        assert "process_cpu_seconds_total" in text and "python_info" in text
+        assert "_created" not in text
+        assert 'backend="serial"' in text and 'backend="fused"' not in text
+        assert 'stage="gemm1"' in text and 'stage="kernel1"' not in text
+        assert 'le="30.0"' in text and 'le="60.0"' in text
 
 
 # ---- the configuration -------------------------------------------------------------------------
