@@ -233,3 +233,32 @@ def scrape(url: str) -> dict[str, set[str]]:
         for sample in family.samples:
             series.setdefault(sample.name, set()).update(sample.labels)
     return series
+
+
+# ---- pod hardening (deploy/k8s/deployment.yaml, deploy/kserve/) ----------------------------------
+
+CACHE_VARIABLES = ("TRITON_HOME", "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME", "CUDA_CACHE_PATH")
+
+
+def hardening_problems(pod_spec: dict, container: dict, volumes: list[dict]) -> list[str]:
+    """What keeps a pod spec from the hardened shape: no service-account token, a read-only root
+    filesystem with /tmp and every run-time cache on an emptyDir, no capabilities, no escalation."""
+    problems = []
+    if pod_spec.get("automountServiceAccountToken") is not False:
+        problems.append("automountServiceAccountToken must be false")
+    security = container.get("securityContext", {})
+    if security.get("readOnlyRootFilesystem") is not True:
+        problems.append("readOnlyRootFilesystem must be true")
+    if security.get("allowPrivilegeEscalation") is not False:
+        problems.append("allowPrivilegeEscalation must be false")
+    if security.get("capabilities", {}).get("drop") != ["ALL"]:
+        problems.append("capabilities must drop ALL")
+    if True not in (security.get("runAsNonRoot"), pod_spec.get("securityContext", {}).get("runAsNonRoot")):
+        problems.append("runAsNonRoot must be true")
+    empty_dirs = {v["name"] for v in volumes if "emptyDir" in v}
+    scratch = [m["mountPath"] for m in container.get("volumeMounts", []) if m["name"] in empty_dirs]
+    env = {e["name"]: e.get("value", "") for e in container.get("env", [])}
+    for name, path in [("/tmp", "/tmp")] + [(v, env.get(v, "")) for v in CACHE_VARIABLES]:
+        if not any(path == d or path.startswith(d.rstrip("/") + "/") for d in scratch):
+            problems.append(f"{name} ({path or 'unset'}) is not on a writable emptyDir (those: {scratch})")
+    return problems

@@ -14,7 +14,9 @@ import pytest
 from cloudcoil.models.prometheus_operator import v1 as monitoring
 
 from service.config import Settings
-from tests.deploy.common import DEPLOY, K8S, dockerfile_stages, duration_s, load_yaml, load_yaml_all
+from tests.deploy.common import (
+    DEPLOY, K8S, dockerfile_stages, duration_s, hardening_problems, load_yaml, load_yaml_all,
+)
 
 KUBERNETES_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())  # oldest we support, newest shipped
 CRD_MODELS = {("monitoring.coreos.com/v1", "ServiceMonitor"): monitoring.ServiceMonitor,
@@ -141,3 +143,23 @@ def test_service_servicemonitor_and_hpa_point_at_the_deployment(kinds, pod):
     target = hpa["spec"]["scaleTargetRef"]
     assert (target["kind"], target["name"]) == ("Deployment", deployment["metadata"]["name"])
     assert any(m["type"] == "Pods" for m in hpa["spec"]["metrics"]), "scale on a per-pod custom metric"
+
+
+def test_pod_is_hardened(pod, container):
+    """Before: a writable root filesystem and the service-account token mounted."""
+    assert not hardening_problems(pod["spec"], container, pod["spec"]["volumes"])
+
+
+def test_disruption_budget_and_network_policy_select_the_pods(kinds, pod, container):
+    labels = pod["metadata"]["labels"]
+    pdb = kinds["PodDisruptionBudget"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"], \
+        "one replica at a time, and never a budget that blocks every drain"
+    policy = kinds["NetworkPolicy"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert set(policy["spec"]["policyTypes"]) == {"Ingress", "Egress"}
+    allowed = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    assert allowed == {p["name"] for p in container["ports"]}, "ingress to exactly the service's ports"
+    egress = {(p["port"], p["protocol"]) for rule in policy["spec"]["egress"] for p in rule["ports"]}
+    assert egress == {(53, "UDP"), (53, "TCP")}, "egress: DNS only"

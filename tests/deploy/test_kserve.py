@@ -1,0 +1,153 @@
+"""deploy/kserve/ (ServingRuntime + InferenceService) against KServe's own models and against what
+the service needs.
+
+No JSON schema of the KServe CRDs ships on PyPI; the KServe SDK (`kserve`) carries their
+OpenAPI-generated models (and `kubernetes` those of the core objects inside them). Every field of
+the manifests, at every depth, must be one those models declare, with a value of the declared kind:
+stricter than KServe's API server, which prunes unknown fields silently. The pod parts (containers,
+volumes, security context) are then validated strictly against the Kubernetes schemas, as the
+plain manifests are in test_k8s.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+import kserve.models as kserve_models
+import kubernetes.client.models as kubernetes_models
+import kubernetes_validate
+import pytest
+
+from service.config import Settings
+from tests.deploy.common import DEPLOY, dockerfile_stages, hardening_problems, load_yaml_all
+
+KSERVE = DEPLOY / "kserve"
+MODELS = {("serving.kserve.io/v1alpha1", "ServingRuntime"): "V1alpha1ServingRuntime",
+          ("serving.kserve.io/v1beta1", "InferenceService"): "V1beta1InferenceService"}
+QUANTITY = (str, int, float)  # quantities (and int-or-string fields typed str) are numbers in YAML too
+SCALARS = {"str": QUANTITY, "ResourceQuantity": QUANTITY, "int": (int,), "float": (int, float), "bool": (bool,),
+           "object": (object,), "datetime": (str,)}
+
+
+def model_class(name: str):
+    return getattr(kserve_models, name, None) or getattr(kubernetes_models, name)
+
+
+def field_problems(value, type_name: str, where: str) -> list[str]:
+    """Every field of `value` that the generated model `type_name` does not declare, or whose value
+    is not of the declared kind, by path."""
+    if m := re.fullmatch(r"[lL]ist\[(.+)\]", type_name):  # kserve writes list[...], kubernetes List[...]
+        if not isinstance(value, list):
+            return [f"{where}: a list expected, got {value!r}"]
+        return [p for i, item in enumerate(value) for p in field_problems(item, m.group(1), f"{where}[{i}]")]
+    if m := re.fullmatch(r"dict\(str, (.+)\)|Dict\[str, (.+)\]", type_name):
+        if not isinstance(value, dict):
+            return [f"{where}: a map expected, got {value!r}"]
+        inner = m.group(1) or m.group(2)
+        return [p for k, item in value.items() for p in field_problems(item, inner, f"{where}.{k}")]
+    if type_name in SCALARS:
+        ok = isinstance(value, SCALARS[type_name]) and not (type_name == "int" and isinstance(value, bool))
+        return [] if ok else [f"{where}: {type_name} expected, got {value!r}"]
+    cls = model_class(type_name)
+    if not isinstance(value, dict):
+        return [f"{where}: a {type_name} object expected, got {value!r}"]
+    by_json = {json: attr for attr, json in cls.attribute_map.items()}
+    problems = []
+    for key, item in value.items():
+        if key not in by_json:
+            problems.append(f"{where}.{key}: {type_name} has no such field")
+        else:
+            problems += field_problems(item, cls.openapi_types[by_json[key]], f"{where}.{key}")
+    return problems
+
+
+def manifests() -> dict[str, dict]:
+    out = {}
+    for path in sorted(KSERVE.glob("*.yaml")):
+        for doc in load_yaml_all(path):
+            out[doc["kind"]] = doc
+    return out
+
+
+@pytest.fixture(scope="module")
+def docs() -> dict[str, dict]:
+    return manifests()
+
+
+@pytest.fixture(scope="module")
+def runtime(docs) -> dict:
+    return docs["ServingRuntime"]["spec"]
+
+
+@pytest.fixture(scope="module")
+def predictor(docs) -> dict:
+    return docs["InferenceService"]["spec"]["predictor"]
+
+
+@pytest.fixture(scope="module")
+def container(runtime) -> dict:
+    (c,) = runtime["containers"]
+    return c
+
+
+def test_both_kinds_are_there(docs):
+    assert {(d["apiVersion"], d["kind"]) for d in docs.values()} == set(MODELS)
+
+
+@pytest.mark.parametrize("kind", ["ServingRuntime", "InferenceService"])
+def test_every_field_is_one_kserve_declares(docs, kind):
+    doc = docs[kind]
+    assert not field_problems(doc, MODELS[(doc["apiVersion"], kind)], kind)
+
+
+def test_the_field_check_can_fail():
+    assert field_problems({"spec": {"containers": [{"name": "c", "imagee": "x"}]}}, "V1alpha1ServingRuntime", "r")
+    assert field_problems({"spec": {"predictor": {"minReplicas": "one"}}}, "V1beta1InferenceService", "i")
+
+
+@pytest.mark.parametrize("version", ["1.30.0", kubernetes_validate.latest_version()])
+def test_pod_parts_match_the_kubernetes_schemas(runtime, predictor, version):
+    pod_fields = {k: v for k, v in predictor.items() if k not in kserve_only_fields()}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "moe"},
+           "spec": {**pod_fields, "containers": runtime["containers"], "volumes": runtime["volumes"]}}
+    kubernetes_validate.validate(pod, version, strict=True)
+
+
+def kserve_only_fields() -> set[str]:
+    """PredictorSpec's own fields (not a PodSpec's), by JSON name."""
+    pod = set(kubernetes_models.V1PodSpec.attribute_map.values())
+    return set(kserve_models.V1beta1PredictorSpec.attribute_map.values()) - pod
+
+
+def test_the_inference_service_runs_on_the_runtime(docs, runtime, predictor, container):
+    model = predictor["model"]
+    assert model["runtime"] == docs["ServingRuntime"]["metadata"]["name"]
+    formats = {(f["name"], f.get("version")) for f in runtime["supportedModelFormats"]}
+    assert (model["modelFormat"]["name"], model["modelFormat"].get("version")) in formats
+    assert model["protocolVersion"] in runtime["protocolVersions"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    # KServe routes /v2/models/<InferenceService name>/...: the service must serve that name.
+    assert env["MOE_MODEL_NAME"] == docs["InferenceService"]["metadata"]["name"]
+    fields = {f"MOE_{name.upper()}": name for name in Settings.model_fields}
+    moe_env = {k: v for k, v in env.items() if k.startswith("MOE_")}
+    assert set(moe_env) <= set(fields), f"not settings of the service: {set(moe_env) - set(fields)}"
+    Settings(**{fields[k]: v for k, v in moe_env.items()})
+    (port,) = container["ports"]
+    assert port["containerPort"] == int(env["MOE_HTTP_PORT"]) == 8080, "KServe's REST port"
+    annotations = docs["ServingRuntime"]["metadata"]["annotations"]
+    assert annotations["prometheus.kserve.io/port"] == env["MOE_HTTP_PORT"]
+    assert annotations["prometheus.kserve.io/path"] == "/metrics"
+    for probe, path in (("startupProbe", "/v2/health/ready"), ("readinessProbe", "/v2/health/ready"),
+                        ("livenessProbe", "/v2/health/live")):
+        assert container[probe]["httpGet"] == {"path": path, "port": port["containerPort"]}
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= Settings.model_fields["start_timeout_s"].default
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert docs["InferenceService"]["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "RawDeployment"
+
+
+def test_hardened_and_run_as_the_images_user(runtime, predictor, container):
+    assert not hardening_problems(predictor, container, runtime["volumes"])
+    uid, _, gid = dockerfile_stages()[1]["runtime"].all("USER")[-1].value.partition(":")
+    for security in (predictor["securityContext"], container["securityContext"]):
+        assert str(security["runAsUser"]) == uid and str(security["runAsGroup"]) == (gid or uid)
