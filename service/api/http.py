@@ -143,29 +143,24 @@ def create_app(fe: Frontend) -> FastAPI:
     async def ready() -> JSONResponse:
         return JSONResponse({"ready": fe.ready}, status_code=200 if fe.ready else 503)
 
-    @app.get("/v2/models/{model}")
-    @app.get("/v2/models/{model}/versions/{version}")
-    async def model_metadata(model: str, version: str | None = None) -> Response:
-        codecs.check_model(model, version, fe.model_name)
-        return JSONResponse(fe.model_metadata())
+    def model_document(suffix: str, document) -> None:
+        """GET /v2/models/{model}[/versions/{version}]{suffix}: `document()` once the name checks out."""
+        async def route(model: str, version: str | None = None) -> Response:
+            codecs.check_model(model, version, fe.model_name)
+            return JSONResponse(document())
+
+        for path in (f"/v2/models/{{model}}{suffix}", f"/v2/models/{{model}}/versions/{{version}}{suffix}"):
+            app.get(path, name=document.__name__)(route)
+
+    model_document("", fe.model_metadata)
+    model_document("/config", fe.model_config)       # Triton's model configuration extension
+    model_document("/stats", fe.model_statistics)    # Triton's statistics extension
 
     @app.get("/v2/models/{model}/ready")
     @app.get("/v2/models/{model}/versions/{version}/ready")
     async def model_ready(model: str, version: str | None = None) -> Response:
         codecs.check_model(model, version, fe.model_name)
         return JSONResponse({"name": model, "ready": fe.ready}, status_code=200 if fe.ready else 503)
-
-    @app.get("/v2/models/{model}/config")
-    @app.get("/v2/models/{model}/versions/{version}/config")
-    async def model_config(model: str, version: str | None = None) -> Response:
-        codecs.check_model(model, version, fe.model_name)
-        return JSONResponse(fe.model_config())
-
-    @app.get("/v2/models/{model}/stats")
-    @app.get("/v2/models/{model}/versions/{version}/stats")
-    async def model_statistics(model: str, version: str | None = None) -> Response:
-        codecs.check_model(model, version, fe.model_name)
-        return JSONResponse(fe.model_statistics())
 
     @app.post("/v2/models/{model}/infer")
     @app.post("/v2/models/{model}/versions/{version}/infer")

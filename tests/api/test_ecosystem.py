@@ -32,13 +32,8 @@ DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "comp
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc = ServerProcess.module(tmp_path_factory.mktemp("ecosystem") / "server.log")
-    try:
-        proc.wait_ready()
+    with ServerProcess.serving(tmp_path_factory.mktemp("ecosystem") / "server.log") as proc:
         yield proc
-    finally:
-        code = proc.stop()
-        assert code == 0, f"exit code {code}:\n{proc.log()[-3000:]}"
 
 
 def stats(server) -> dict:
