@@ -2,24 +2,26 @@
 the service needs.
 
 No JSON schema of the KServe CRDs ships on PyPI; the KServe SDK (`kserve`) carries their
-OpenAPI-generated models (and `kubernetes` those of the core objects inside them). Every field of
-the manifests, at every depth, must be one those models declare, with a value of the declared kind:
-stricter than KServe's API server, which prunes unknown fields silently. The pod parts (containers,
-volumes, security context) are then validated strictly against the Kubernetes schemas, as the
-plain manifests are in test_k8s.py.
+OpenAPI-generated models (and `kubernetes` those of the core objects inside them); kserve_models.py
+lists their fields. Every field of the manifests, at every depth, must be one those models
+declare, with a value of the declared kind: stricter than KServe's API server, which prunes
+unknown fields silently. The pod parts (containers, volumes, security context) are then validated
+strictly against the Kubernetes schemas, as the plain manifests are in test_k8s.py.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import re
+import subprocess
+import sys
 
-import kserve.models as kserve_models
-import kubernetes.client.models as kubernetes_models
 import kubernetes_validate
 import pytest
 
 from service.config import Settings
-from tests.deploy.common import DEPLOY, dockerfile_stages, hardening_problems, load_yaml_all
+from tests.deploy.common import DEPLOY, ROOT, dockerfile_stages, hardening_problems, load_yaml_all
 
 KSERVE = DEPLOY / "kserve"
 MODELS = {("serving.kserve.io/v1alpha1", "ServingRuntime"): "V1alpha1ServingRuntime",
@@ -29,8 +31,12 @@ SCALARS = {"str": QUANTITY, "ResourceQuantity": QUANTITY, "int": (int,), "float"
            "object": (object,), "datetime": (str,)}
 
 
-def model_class(name: str):
-    return getattr(kserve_models, name, None) or getattr(kubernetes_models, name)
+@functools.cache
+def model_fields() -> dict[str, dict[str, str]]:
+    """{model: {JSON field: type}} from the SDKs, in a process of its own (see kserve_models.py)."""
+    run = subprocess.run([sys.executable, "-m", "tests.deploy.kserve_models"], capture_output=True, text=True,
+                         timeout=120, check=True, cwd=ROOT)
+    return json.loads(run.stdout)
 
 
 def field_problems(value, type_name: str, where: str) -> list[str]:
@@ -48,16 +54,15 @@ def field_problems(value, type_name: str, where: str) -> list[str]:
     if type_name in SCALARS:
         ok = isinstance(value, SCALARS[type_name]) and not (type_name == "int" and isinstance(value, bool))
         return [] if ok else [f"{where}: {type_name} expected, got {value!r}"]
-    cls = model_class(type_name)
+    declared = model_fields()[type_name]
     if not isinstance(value, dict):
         return [f"{where}: a {type_name} object expected, got {value!r}"]
-    by_json = {json: attr for attr, json in cls.attribute_map.items()}
     problems = []
     for key, item in value.items():
-        if key not in by_json:
+        if key not in declared:
             problems.append(f"{where}.{key}: {type_name} has no such field")
         else:
-            problems += field_problems(item, cls.openapi_types[by_json[key]], f"{where}.{key}")
+            problems += field_problems(item, declared[key], f"{where}.{key}")
     return problems
 
 
@@ -115,8 +120,7 @@ def test_pod_parts_match_the_kubernetes_schemas(runtime, predictor, version):
 
 def kserve_only_fields() -> set[str]:
     """PredictorSpec's own fields (not a PodSpec's), by JSON name."""
-    pod = set(kubernetes_models.V1PodSpec.attribute_map.values())
-    return set(kserve_models.V1beta1PredictorSpec.attribute_map.values()) - pod
+    return set(model_fields()["V1beta1PredictorSpec"]) - set(model_fields()["V1PodSpec"])
 
 
 def test_the_inference_service_runs_on_the_runtime(docs, runtime, predictor, container):
