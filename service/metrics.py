@@ -104,7 +104,7 @@ class Metrics:
 
     def observe_request_compute(self, seconds: tuple[float, float, float]) -> None:
         """Record one answered request's compute time by phase (COMPUTE_PHASES order)."""
-        for phase, s in zip(COMPUTE_PHASES, seconds):
+        for phase, s in zip(COMPUTE_PHASES, seconds, strict=True):
             self.request_compute[phase].add(s)
 
     def observe_step(self, stats) -> None:

@@ -6,7 +6,6 @@ import re
 from pathlib import Path
 
 import torch
-
 from prometheus_client import generate_latest
 
 from service.config import LayerConfig, Settings

@@ -49,7 +49,8 @@ class _Job:
     deadline: float
     sent: int = 0      # rows handed to a step so far
     done: int = 0      # rows answered so far
-    compute: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0, 0.0])  # s in its steps: copy in, layer, copy out
+    # seconds of the steps its rows ran in, by phase: copy in, layer, copy out
+    compute: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0, 0.0])
     dropped: bool = False
 
     @property
@@ -276,7 +277,7 @@ class Batcher:
             self._slots.release()
         self.metrics.observe_step(stats)
         for job in {p.job for p in pieces}:
-            job.compute = [a + b for a, b in zip(job.compute, phases)]
+            job.compute = [a + b for a, b in zip(job.compute, phases, strict=True)]
         for p in pieces:
             p.job.done += p.rows
             if p.job.done == p.job.T and not p.job.future.done():

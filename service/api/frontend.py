@@ -139,13 +139,12 @@ class Frontend:
         def duration(count: float, seconds: float) -> dict:
             return {"count": int(count or 0), "ns": round((seconds or 0.0) * 1e9)}
 
-        success = [0.0, 0.0]
-        fail = [0.0, 0.0]
+        columns = {"moe_request_duration_seconds_count": 0, "moe_request_duration_seconds_sum": 1}
+        success, fail = [0.0, 0.0], [0.0, 0.0]  # count, seconds
         for family in self.metrics.request_duration.collect():
             for sample in family.samples:
-                field = {"moe_request_duration_seconds_count": 0, "moe_request_duration_seconds_sum": 1}.get(sample.name)
-                if field is not None:
-                    (success if sample.labels["status"] == "200" else fail)[field] += sample.value
+                if sample.name in columns:
+                    (success if sample.labels["status"] == "200" else fail)[columns[sample.name]] += sample.value
         sample = self.metrics.registry.get_sample_value
         empty = duration(0, 0.0)
         return {"model_stats": [{

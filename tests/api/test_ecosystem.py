@@ -18,8 +18,10 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from prometheus_client.openmetrics import parser as openmetrics
 from tritonclient.utils import InferenceServerException
 
+from service.config import Settings
 from tests.api.common import CFG, check, inputs
 from tests.helpers import external_tool
 from tests.serverproc import ServerProcess
@@ -78,6 +80,8 @@ def test_metrics_exposition(server):
                    timeout=10)
     assert om.headers["content-type"].startswith("application/openmetrics-text")
     assert om.text.rstrip().endswith("# EOF")
+    names = {family.name for family in openmetrics.text_string_to_metric_families(om.text)}  # parses
+    assert {"moe_requests", "moe_request_duration_seconds"} <= names, names
     for text in (plain.text, om.text):
         assert "process_cpu_seconds_total" in text and "python_info" in text
         assert "_created" not in text
@@ -113,7 +117,9 @@ def test_config_over_http_and_grpc(server):
     assert meta["inputs"][0]["shape"] == [-1, CFG.H]
     batching = config["dynamic_batching"]
     assert batching["preferred_batch_size"] == [CFG.tokens_per_step]
-    assert int(grpc_config["dynamic_batching"]["max_queue_delay_microseconds"]) == batching["max_queue_delay_microseconds"]
+    delay = batching["max_queue_delay_microseconds"]
+    assert int(grpc_config["dynamic_batching"]["max_queue_delay_microseconds"]) == delay
+    assert delay == round(Settings.model_fields["batch_delay_ms"].default * 1000)  # ms -> us
     extensions = httpx.get(f"{server.url}/v2", timeout=10).json()["extensions"]
     assert {"model_configuration", "statistics"} <= set(extensions)
 
@@ -212,7 +218,8 @@ def test_perf_analyzer_runs_unchanged(server, protocol, tmp_path):
 
 def readme_python(marker: str) -> str:
     """Run the README's `python3 -c '...'` line that contains `marker`; its standard output."""
-    (line,) = [ln.strip() for ln in README.read_text().splitlines() if ln.strip().startswith("python3 -c") and marker in ln]
+    lines = [ln.strip() for ln in README.read_text().splitlines()]
+    (line,) = [ln for ln in lines if ln.startswith("python3 -c") and marker in ln]
     argv = shlex.split(line.split(" | ")[0].split(" > ")[0].rstrip(" \\"))
     assert argv[:2] == ["python3", "-c"], argv
     return subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, check=True, timeout=60).stdout

@@ -1,7 +1,8 @@
 """The alert rules under `promtool test rules` (deploy/prometheus/alerts.test.yml): every alert
 fires on the series that should raise it and stays quiet on a healthy replica, and the down alert
-also fires when the target is gone altogether; a dashboard query evaluated the same way. promtool comes from Debian's prometheus package
-(`.ci/install-tools`); in CI a missing promtool fails these tests."""
+also fires when the target is gone altogether; a dashboard query evaluated the same way. promtool
+comes from Debian's prometheus package (`.ci/install-tools`); in CI a missing promtool fails these
+tests."""
 
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ def test_5xx_ratio_panel_shows_0_on_a_healthy_replica(tmp_path):
         ([(ok, "0+600x20"), (ok.replace("200", "503"), "0+60x20")], 60 / 660),
     ]
     tests = [{"interval": "1m", "input_series": [{"series": s, "values": v} for s, v in series],
-              "promql_expr_test": [{"expr": expr, "eval_time": "15m", "exp_samples": [{"labels": "{}", "value": value}]}]}
+              "promql_expr_test": [{"expr": expr, "eval_time": "15m",
+                                    "exp_samples": [{"labels": "{}", "value": value}]}]}
              for series, value in cases]
     path = tmp_path / "panel.test.yml"
     path.write_text(json.dumps({"rule_files": [], "evaluation_interval": "1m", "tests": tests}))
