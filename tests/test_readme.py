@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.api import codecs, status
+from service.api import codecs, error_map
 from service.config import Settings
 
 README = (Path(__file__).parents[1] / "README.md").read_text()
@@ -39,6 +39,6 @@ def test_queue_tokens_is_documented_as_a_per_request_cap():
     spec = codecs.ModelSpec(E=4, H=8, K=2, dtype=torch.float32, max_tokens=3)
     gen = torch.Generator().manual_seed(0)
     x, ids = torch.randn(4, 8, generator=gen), torch.randint(0, 4, (4, 2), generator=gen)
-    with pytest.raises(status.PayloadTooLarge, match="queue_tokens") as err:
+    with pytest.raises(error_map.PayloadTooLarge, match="queue_tokens") as err:
         codecs.validate(x, ids, torch.rand(4, 2, generator=gen), spec)
-    assert status.classify(err.value)[0] == 413
+    assert error_map.classify(err.value)[0] == 413

@@ -90,7 +90,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=self.fe.ready)
 
     def _known_model(self, context, name: str, version: str) -> bool:
-        """True if `name` (without a version) is the served model; else the call is rejected (NOT_FOUND)."""
+        """True if `name` (with no version or MODEL_VERSION) is the served model; else the call is
+        rejected (NOT_FOUND)."""
         try:
             codecs.check_model(name, version, self.fe.model_name)
         except Exception as exc:  # noqa: BLE001
@@ -117,18 +118,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return response
 
     async def ModelConfig(self, request, context):
-        try:
-            codecs.check_model(request.name, request.version, self.fe.model_name)
-        except Exception as exc:  # noqa: BLE001
-            await _abort(context, exc)
+        if not self._known_model(context, request.name, request.version):
+            return None
         return pb.ModelConfigResponse(config=json_format.ParseDict(self.fe.model_config(), pb.ModelConfig()))
 
     async def ModelStatistics(self, request, context):
-        try:
-            if request.name or request.version:  # an empty name asks for every model: ours
-                codecs.check_model(request.name, request.version, self.fe.model_name)
-        except Exception as exc:  # noqa: BLE001
-            await _abort(context, exc)
+        # An empty name asks for every model: ours.
+        if (request.name or request.version) and not self._known_model(context, request.name, request.version):
+            return None
         return json_format.ParseDict(self.fe.model_statistics(), pb.ModelStatisticsResponse())
 
     async def ModelInfer(self, request, context):
