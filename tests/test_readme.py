@@ -42,3 +42,11 @@ def test_queue_tokens_is_documented_as_a_per_request_cap():
     with pytest.raises(error_map.PayloadTooLarge, match="queue_tokens") as err:
         codecs.validate(x, ids, torch.rand(4, 2, generator=gen), spec)
     assert error_map.classify(err.value)[0] == 413
+
+
+def test_ci_runs_the_readmes_test_command():
+    """`.ci/run` runs exactly the README's test command (the second of the two at the top)."""
+    commands = re.findall(r"^    (pip install .+)$", README, flags=re.M)[:2]
+    assert len(commands) == 2 and commands[1].endswith("python -m pytest -q"), commands
+    ci = (Path(__file__).parents[1] / ".ci" / "run").read_text().splitlines()
+    assert commands[1] in ci, f"{commands[1]!r} is not a line of .ci/run"
