@@ -10,8 +10,11 @@ oldest queued request arrived for more rows (Triton's max_queue_delay: a full bu
 dispatches at once). At most `slots` steps are in flight: while one runs, the next is filled.
 
 A step runs in a worker thread: it copies the rows into the group's shared-memory slot views
-(slot.x[:T] ...), calls the blocking `group.run`, copies slot.out back and releases the slot,
-so the event loop stays free.
+(slot.x[:T] ...), converting them to the group's dtype on the way (the one copy in: the request's
+tensors are views of its wire bytes), calls the blocking `group.run`, copies slot.out into each
+request's answer in the request's dtype (the one copy out, which the encoders send as it is) and
+releases the slot, so the event loop stays free. With `slots` >= 2 several steps are in flight:
+the group overlaps one step's copies with another's compute (service.worker.group).
 
 Admission is bounded in tokens: a request that would push the queued tokens past
 `queue_tokens` fails at once with Overloaded. A request past its deadline fails with
@@ -40,10 +43,10 @@ log = logging.getLogger(__name__)
 class _Job:
     """One request: its tensors, its answer and how far its rows have got."""
 
-    x: torch.Tensor    # [T, H] the group's dtype
+    x: torch.Tensor    # [T, H] as the request sent it; converted to the group's dtype in the slot
     ids: torch.Tensor  # [T, K] int32
     w: torch.Tensor    # [T, K] float32
-    out: torch.Tensor  # [T, H] the answer, filled piece by piece
+    out: torch.Tensor  # [T, H] the answer in the request's dtype, filled piece by piece
     future: asyncio.Future
     arrival: float
     deadline: float
@@ -153,9 +156,9 @@ class Batcher:
 
     # ---- requests --------------------------------------------------------------------------
 
-    async def submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, timeout_s: float
-                     ) -> torch.Tensor:
-        """Answer one validated request: out [T, H] in the group's dtype."""
+    async def submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, timeout_s: float,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Answer one validated request: out [T, H] in `out_dtype` (default x's dtype)."""
         if self._refusal is not None:
             raise self._refusal
         T = x.shape[0]
@@ -163,7 +166,8 @@ class Batcher:
             raise Overloaded(f"the queue is full ({self._queued} of {self.queue_tokens} tokens queued, "
                              f"this request has {T}); retry later")
         now = time.monotonic()
-        job = _Job(x, ids, w, torch.empty_like(x), asyncio.get_running_loop().create_future(),
+        out = torch.empty(T, x.shape[1], dtype=out_dtype or x.dtype)  # [T, H]
+        job = _Job(x, ids, w, out, asyncio.get_running_loop().create_future(),
                    arrival=now, deadline=now + timeout_s)
         self._queue.append(job)
         self._jobs.add(job)

@@ -62,7 +62,7 @@ class ModelSpec:
 class Decoded:
     """A validated request, ready for the batcher."""
 
-    x: torch.Tensor     # [T, H] spec.dtype, contiguous
+    x: torch.Tensor     # [T, H] as sent (float32/16, bf16), contiguous; converted into the slot
     ids: torch.Tensor   # [T, K] int32
     w: torch.Tensor     # [T, K] float32
     out_dtype: torch.dtype  # the answer's dtype: that of hidden_states as sent
@@ -79,9 +79,34 @@ class Decoded:
 # validation
 
 
+# Non-finite floats, by their bits: the exponent field all ones. One integer and + max over the
+# data is ~10x faster than torch.isfinite on the CPU for bf16/fp16 (bench/NOTES.md, issue 11).
+_FINITE_BITS = {torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80), torch.float16: (torch.int16, 0x7FFF, 0x7C00),
+                torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000)}
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """True when no element of the float tensor `t` is NaN or infinite (one vectorized pass)."""
+    if t.numel() == 0:
+        return True
+    ity, mask, inf = _FINITE_BITS[t.dtype]
+    return int((t.view(ity) & mask).max()) < inf
+
+
+def fits(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """True when the finite tensor `t` converts to `dtype` without overflow. Rounding is monotonic,
+    so the element of largest magnitude decides; widening conversions always fit."""
+    if t.numel() == 0 or torch.finfo(t.dtype).max <= torch.finfo(dtype).max:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(torch.maximum(-lo, hi).to(dtype)))
+
+
 def validate(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, spec: ModelSpec
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Check one request's tensors against the model and normalise their dtypes."""
+    """Check one request's tensors against the model. x is returned as it came (a view of the
+    request's bytes where it can be: the batcher converts it to spec.dtype as it copies it into
+    the step's slot, the one copy of the rows); ids become int32 and w float32 ([T, K], small)."""
     if x.dtype not in FLOAT_DTYPES:
         raise InvalidInput(f"hidden_states must be float32, float16 or bfloat16, got {_name(x.dtype)}")
     if ids.dtype not in INT_DTYPES:
@@ -101,19 +126,18 @@ def validate(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, spec: ModelSpe
             raise InvalidInput(f"{name} must have shape [T, {spec.K}] (K = {spec.K}), got {list(t.shape)}")
         if t.shape[0] != T:
             raise InvalidInput(f"{name} has {t.shape[0]} rows but hidden_states has T = {T}")
-    lo, hi = int(ids.min()), int(ids.max())
+    lo, hi = (int(v) for v in torch.aminmax(ids))
     if lo < 0 or hi >= spec.E:
         bad = lo if lo < 0 else hi
         t, k = (ids == bad).nonzero()[0].tolist()
         raise InvalidInput(f"topk_ids[{t}, {k}] = {bad} is not an expert id in [0, {spec.E})")
-    if not bool(torch.isfinite(w).all()):
+    if not all_finite(w):
         raise InvalidInput("topk_weights contains NaN or infinity")
-    xc = x.to(spec.dtype)
-    if not bool(torch.isfinite(xc).all()):
-        if not bool(torch.isfinite(x).all()):
-            raise InvalidInput("hidden_states contains NaN or infinity")
+    if not all_finite(x):
+        raise InvalidInput("hidden_states contains NaN or infinity")
+    if not fits(x, spec.dtype):
         raise InvalidInput(f"hidden_states has values outside the range of {_name(spec.dtype)}")
-    return xc.contiguous(), ids.to(torch.int32).contiguous(), w.to(torch.float32).contiguous()
+    return x.contiguous(), ids.to(torch.int32).contiguous(), w.to(torch.float32).contiguous()
 
 
 def parse_timeout_s(value: str | float | int | None, what: str) -> float | None:
@@ -221,27 +245,96 @@ def decode_v2_http(body: bytes, header_length: str | None, spec: ModelSpec) -> D
     return decoded
 
 
-def encode_v2_http(out: torch.Tensor, req: Decoded, model_name: str) -> tuple[bytes, int | None]:
-    """The response body and, with binary output, the JSON header's length."""
+def encode_v2_http(out: torch.Tensor, req: Decoded, model_name: str) -> tuple[list, int | None]:
+    """The response body as parts to send one after the other (the output's bytes are a view of
+    `out`, not a copy) and, with binary output, the JSON header's length."""
     tensor = {"name": OUTPUT_NAME, "datatype": V2_NAMES[out.dtype], "shape": list(out.shape)}
     doc: dict = {"model_name": model_name, "outputs": [tensor]}
     if req.request_id is not None:
         doc["id"] = req.request_id
     if not req.binary_output:
         tensor["data"] = out.float().reshape(-1).tolist()
-        return _json_answer(doc), None
-    raw = to_bytes(out)
+        return [_json_answer(doc)], None
+    raw = tensor_bytes(out)
     tensor["parameters"] = {"binary_data_size": len(raw)}
     header = json.dumps(doc).encode()
-    return header + raw, len(header)
+    return [header, raw], len(header)
 
 
 # --------------------------------------------------------------------------------------------
 # Open Inference Protocol v2 over gRPC
 
 
-def decode_grpc(request: pb.ModelInferRequest, spec: ModelSpec) -> Decoded:
-    raw = request.raw_input_contents
+_RAW_INPUTS = 7   # ModelInferRequest.raw_input_contents (grpc_predict_v2.proto)
+_RAW_OUTPUTS = 6  # ModelInferResponse.raw_output_contents
+_LEN = 2          # protobuf wire type of a length-delimited field
+
+
+@dataclasses.dataclass
+class GrpcInferRequest:
+    """A received ModelInferRequest: every field but raw_input_contents, parsed by protobuf, and
+    raw_input_contents as views of the received bytes (upb would copy each blob on every access)."""
+
+    message: pb.ModelInferRequest
+    raw: list[memoryview]
+
+
+def _varint(data: memoryview, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, i
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+def parse_grpc_request(data: bytes) -> GrpcInferRequest:
+    """The gRPC deserializer of ModelInfer. Top-level fields are walked once: raw_input_contents
+    become memoryviews, the rest (small) is handed to protobuf. Anything this walk does not
+    understand goes to protobuf whole, which then parses it or raises its own DecodeError."""
+    view = memoryview(data)
+    raw: list[memoryview] = []
+    rest: list[memoryview] = []
+    i = 0
+    try:
+        while i < len(view):
+            start = i
+            tag, i = _varint(view, i)
+            kind = tag & 7
+            if kind == 0:
+                _, i = _varint(view, i)
+            elif kind == 1:
+                i += 8
+            elif kind == 5:
+                i += 4
+            elif kind == _LEN:
+                n, i = _varint(view, i)
+                if tag >> 3 == _RAW_INPUTS:
+                    raw.append(view[i:i + n])
+                    i += n
+                    if i > len(view):
+                        raise ValueError("truncated")
+                    continue
+                i += n
+            else:
+                raise ValueError(f"wire type {kind}")
+            if i > len(view):
+                raise ValueError("truncated")
+            rest.append(view[start:i])
+    except (ValueError, IndexError):
+        return GrpcInferRequest(pb.ModelInferRequest.FromString(data), [])
+    return GrpcInferRequest(pb.ModelInferRequest.FromString(b"".join(rest)), raw)
+
+
+def decode_grpc(request: pb.ModelInferRequest | GrpcInferRequest, spec: ModelSpec) -> Decoded:
+    if isinstance(request, GrpcInferRequest):
+        request, raw = request.message, request.raw or request.message.raw_input_contents
+    else:
+        raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise InvalidInput(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs")
     tensors: dict[str, torch.Tensor] = {}
@@ -271,23 +364,60 @@ def grpc_elements(request: pb.ModelInferRequest) -> int:
     return sum(math.prod(item.shape) for item in request.inputs)
 
 
-def encode_grpc(out: torch.Tensor, req: Decoded, model_name: str) -> pb.ModelInferResponse:
+@dataclasses.dataclass
+class GrpcInferResponse:
+    """A ModelInferResponse as two parts: the message without raw_output_contents, and the output's
+    bytes (a view of the answer tensor), joined only by `serialize_grpc_response`: one copy."""
+
+    message: pb.ModelInferResponse
+    raw: memoryview
+
+    def to_message(self) -> pb.ModelInferResponse:
+        """The whole message (tests and in-process callers)."""
+        return pb.ModelInferResponse.FromString(serialize_grpc_response(self))
+
+
+def encode_grpc(out: torch.Tensor, req: Decoded, model_name: str) -> GrpcInferResponse:
     response = pb.ModelInferResponse(model_name=model_name, id=req.request_id or "")
     response.outputs.add(name=OUTPUT_NAME, datatype=V2_NAMES[out.dtype], shape=list(out.shape))
-    response.raw_output_contents.append(to_bytes(out))
-    return response
+    return GrpcInferResponse(response, tensor_bytes(out))
+
+
+def serialize_grpc_response(response: GrpcInferResponse | pb.ModelInferResponse) -> bytes:
+    """The gRPC serializer of ModelInfer: protobuf's bytes for the small fields, then the one
+    raw_output_contents entry appended as its own field (concatenated fields merge)."""
+    if isinstance(response, pb.ModelInferResponse):
+        return response.SerializeToString()
+    head = response.message.SerializeToString()
+    return b"".join((head, _key_and_length(_RAW_OUTPUTS, len(response.raw)), response.raw))
+
+
+def _key_and_length(field: int, n: int) -> bytes:
+    out = bytearray()
+    for value in ((field << 3) | _LEN, n):
+        while value >= 0x80:
+            out.append((value & 0x7F) | 0x80)
+            value >>= 7
+        out.append(value)
+    return bytes(out)
 
 
 # --------------------------------------------------------------------------------------------
 # helpers
 
 
-def to_bytes(t: torch.Tensor) -> bytes:
-    """Row-major little-endian bytes of a CPU tensor (bf16 through its 16-bit pattern)."""
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Row-major little-endian bytes of a CPU tensor (bf16 through its 16-bit pattern), as a view
+    of the tensor's memory when it is contiguous (no copy; the view keeps the tensor alive)."""
     t = t.contiguous()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
-    return t.numpy().tobytes()
+    return memoryview(t.numpy()).cast("B")
+
+
+def to_bytes(t: torch.Tensor) -> bytes:
+    """The same bytes as a bytes object (a copy)."""
+    return bytes(tensor_bytes(t))
 
 
 def _name(dtype: torch.dtype) -> str:

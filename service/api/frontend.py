@@ -62,10 +62,10 @@ class Frontend:
         timeout = req.timeout_s or self.settings.request_timeout_s
         if transport_timeout_s is not None:
             timeout = min(timeout, transport_timeout_s)
-        out = await self.batcher.submit(req.x, req.ids, req.w, timeout)
+        out = await self.batcher.submit(req.x, req.ids, req.w, timeout, out_dtype=req.out_dtype)
         self._inference_count += out.shape[0]
         self._last_inference_ms = time.time_ns() // 1_000_000
-        return out if out.dtype == req.out_dtype else out.to(req.out_dtype)
+        return out
 
     async def offload(self, size: int, fn, *args):
         """fn(*args), in a thread when the tensor is large enough to stall the event loop."""

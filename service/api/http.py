@@ -34,6 +34,21 @@ HEADER_LENGTH = "inference-header-content-length"
 TIMEOUT_HEADER = "x-request-timeout"
 
 
+class PartsResponse(Response):
+    """A response whose body is sent as several parts (bytes-like: the answer tensor's memory is
+    sent as it is, never joined into one bytes object)."""
+
+    def __init__(self, parts: list, media_type: str, headers: dict | None = None):
+        self.parts = parts
+        super().__init__(b"", media_type=media_type, headers=headers)
+        self.headers["content-length"] = str(sum(len(p) for p in parts))
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        for i, part in enumerate(self.parts):
+            await send({"type": "http.response.body", "body": part, "more_body": i + 1 < len(self.parts)})
+
+
 def error_response(exc: BaseException) -> JSONResponse:
     status, _ = classify(exc)
     if status == 500:  # a bug of ours; 503/504 are expected states, logged where they arise
@@ -58,18 +73,20 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"the body has {declared} bytes, over the limit of {limit} (max_request_bytes)")
-    body = bytearray()
+    chunks: list[bytes] = []
+    size = 0
     try:
         async with asyncio.timeout(timeout_s):
             async for chunk in request.stream():
-                body += chunk
-                if len(body) > limit:
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > limit:
                     raise PayloadTooLarge(f"the body is over the limit of {limit} bytes (max_request_bytes)")
     except TimeoutError:
-        raise BodyTimeout(f"the body did not arrive within {timeout_s:g} s ({len(body)} bytes read)") from None
+        raise BodyTimeout(f"the body did not arrive within {timeout_s:g} s ({size} bytes read)") from None
     except ClientDisconnect:
-        raise ClientGone(f"the client disconnected after {len(body)} bytes of the body") from None
-    return bytes(body)
+        raise ClientGone(f"the client disconnected after {size} bytes of the body") from None
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)  # the tensors are views of these bytes
 
 
 def create_app(fe: Frontend) -> FastAPI:
@@ -178,11 +195,11 @@ def create_app(fe: Frontend) -> FastAPI:
             req = await fe.offload(len(body) // 4, codecs.decode_v2_http, body, header_length, fe.spec)
             req.timeout_s = timeout or req.timeout_s
             out = await fe.infer(req)
-            content, json_length = await fe.offload(out.numel(), codecs.encode_v2_http, out, req, fe.model_name)
+            parts, json_length = await fe.offload(out.numel(), codecs.encode_v2_http, out, req, fe.model_name)
             if json_length is None:
-                return Response(content, media_type=JSON)
-            return Response(content, media_type=OCTET_STREAM,
-                            headers={"Inference-Header-Content-Length": str(json_length)})
+                return PartsResponse(parts, media_type=JSON)
+            return PartsResponse(parts, media_type=OCTET_STREAM,
+                                 headers={"Inference-Header-Content-Length": str(json_length)})
 
         return await answer(protocol, handle)
 

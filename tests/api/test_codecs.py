@@ -28,8 +28,27 @@ def tensors(T=3, x_dtype=torch.float32, seed=0):
 def test_validate_normalises_dtypes():
     x, ids, w = tensors(x_dtype=torch.bfloat16)
     xc, idc, wc = codecs.validate(x, ids, w.half(), SPEC)
-    assert xc.dtype == torch.float32 and idc.dtype == torch.int32 and wc.dtype == torch.float32
-    assert torch.equal(xc, x.float()) and torch.equal(idc, ids.int())
+    # x stays as sent (the batcher converts it as it copies it into the slot), no copy made
+    assert xc.dtype == torch.bfloat16 and xc.data_ptr() == x.data_ptr()
+    assert idc.dtype == torch.int32 and wc.dtype == torch.float32
+    assert torch.equal(idc, ids.int()) and torch.equal(wc, w.half().float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), -float("nan")])
+def test_all_finite_by_bits(dtype, bad):
+    x = torch.randn(7, 33).to(dtype)
+    assert codecs.all_finite(x) and codecs.all_finite(x[:0])
+    x.view(-1)[123] = bad
+    assert not codecs.all_finite(x)
+    assert codecs.all_finite(torch.tensor([torch.finfo(dtype).max, -torch.finfo(dtype).max], dtype=dtype))
+
+
+def test_fits_narrowing_only():
+    x = torch.tensor([1.0, -65504.0])
+    assert codecs.fits(x, torch.float16) and codecs.fits(x, torch.bfloat16)
+    assert not codecs.fits(torch.tensor([1.0, -70000.0]), torch.float16)
+    assert codecs.fits(torch.tensor([3e38]).bfloat16(), torch.float32)  # widening always fits
 
 
 @pytest.mark.parametrize("change, needle", [
@@ -69,7 +88,7 @@ def test_forward_json_and_safetensors_round_trip():
 
     blob = safetensors.torch.save({"hidden_states": x.bfloat16(), "topk_ids": ids.int(), "topk_weights": w})
     req = codecs.decode_safetensors(blob, SPEC)
-    assert req.out_dtype == torch.bfloat16 and torch.equal(req.x, x.bfloat16().float())
+    assert req.out_dtype == torch.bfloat16 and torch.equal(req.x, x.bfloat16())
     out = safetensors.torch.load(codecs.encode_safetensors(req.x.bfloat16()))["output"]
     assert out.dtype == torch.bfloat16
 
@@ -81,10 +100,11 @@ def test_v2_binary_round_trip():
         {"name": n, "datatype": d, "shape": list(t.shape), "parameters": {"binary_data_size": len(b)}}
         for n, d, t, b in zip(codecs.INPUT_NAMES, ("BF16", "INT32", "FP32"), (x, ids, w), blobs)]}).encode()
     req = codecs.decode_v2_http(header + b"".join(blobs), str(len(header)), SPEC)
-    assert torch.equal(req.x, x.float()) and torch.equal(req.ids, ids.int()) and torch.equal(req.w, w)
+    assert torch.equal(req.x, x) and torch.equal(req.ids, ids.int()) and torch.equal(req.w, w)
     assert req.request_id == "a" and req.timeout_s == 2.5 and req.binary_output and req.out_dtype == torch.bfloat16
 
-    body, n = codecs.encode_v2_http(x, req, "moe")
+    parts, n = codecs.encode_v2_http(x, req, "moe")
+    body = b"".join(parts)
     doc = json.loads(body[:n])
     assert doc["id"] == "a" and doc["outputs"][0]["datatype"] == "BF16"
     assert doc["outputs"][0]["parameters"]["binary_data_size"] == len(body) - n
@@ -101,8 +121,8 @@ def test_v2_json_output_choice():
            "parameters": {"binary_data_output": True}}
     req = codecs.decode_v2_http(json.dumps(doc).encode(), None, SPEC)
     assert not req.binary_output  # the per-output flag wins
-    body, n = codecs.encode_v2_http(req.x, req, "moe")
-    assert n is None and json.loads(body)["outputs"][0]["data"] == pytest.approx(x.flatten().tolist())
+    parts, n = codecs.encode_v2_http(req.x, req, "moe")
+    assert n is None and json.loads(b"".join(parts))["outputs"][0]["data"] == pytest.approx(x.flatten().tolist())
     doc["inputs"][1]["data"] = [0.5, 1, 2, 3]
     with pytest.raises(InvalidInput, match="topk_ids must hold integers"):
         codecs.decode_v2_http(json.dumps(doc).encode(), None, SPEC)
@@ -126,11 +146,31 @@ def test_grpc_decode(raw):
     x, ids, w = tensors()
     r = grpc_request(x, ids, w, raw)
     r.parameters["timeout"].int64_param = 1000
-    req = codecs.decode_grpc(r, SPEC)
-    assert torch.equal(req.x, x) and torch.equal(req.ids, ids.int()) and req.timeout_s == 1e-3
-    response = codecs.encode_grpc(req.x, req, "moe")
+    # as protobuf hands it over, and as the server's own deserializer does (views of the bytes)
+    for received in (r, codecs.parse_grpc_request(r.SerializeToString())):
+        req = codecs.decode_grpc(received, SPEC)
+        assert torch.equal(req.x, x) and torch.equal(req.ids, ids.int()) and req.timeout_s == 1e-3
+    wire = codecs.serialize_grpc_response(codecs.encode_grpc(req.x, req, "moe"))
+    response = pb.ModelInferResponse.FromString(wire)
     assert response.id == "g" and list(response.outputs[0].shape) == [3, 5]
-    assert response.raw_output_contents[0] == codecs.to_bytes(x)
+    assert list(response.raw_output_contents) == [codecs.to_bytes(x)]
+
+
+def test_grpc_parser_views_raw_contents_and_keeps_the_rest():
+    x, ids, w = tensors(T=200)  # blobs longer than 127 bytes: multi-byte lengths
+    r = grpc_request(x, ids, w)
+    r.parameters["timeout"].int64_param = 7
+    r.outputs.add(name="output")
+    parsed = codecs.parse_grpc_request(r.SerializeToString())
+    assert [bytes(b) for b in parsed.raw] == list(r.raw_input_contents)
+    assert all(isinstance(b, memoryview) for b in parsed.raw) and not parsed.message.raw_input_contents
+    expect = pb.ModelInferRequest()
+    expect.CopyFrom(r)
+    del expect.raw_input_contents[:]
+    assert parsed.message == expect
+    # what the walk cannot read goes to protobuf whole, which raises its own error
+    with pytest.raises(Exception, match="(?i)pars|decod|truncat"):
+        codecs.parse_grpc_request(r.SerializeToString()[:-5])
 
 
 def test_grpc_decode_errors():

@@ -52,7 +52,7 @@ def test_grpc_decodes_large_requests_off_the_event_loop(monkeypatch):
         for name, dt, t in zip(codecs.INPUT_NAMES, ("FP32", "INT64", "FP32"), (x, ids, w)):
             request.inputs.add(name=name, datatype=dt, shape=list(t.shape))
             request.raw_input_contents.append(codecs.to_bytes(t))
-        response = asyncio.run(InferenceServicer(fe).ModelInfer(request, Context()))
+        response = asyncio.run(InferenceServicer(fe).ModelInfer(request, Context())).to_message()
         out = torch.frombuffer(bytearray(response.raw_output_contents[0]), dtype=torch.float32)
         assert torch.equal(out.reshape(T, CFG.H), x)
     small_thread, big_thread = decoded_on
