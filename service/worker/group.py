@@ -91,7 +91,11 @@ class WorkerGroup:
         self._conns: list = []
         self._slots: list[Slot] = []
         self._free: queue.Queue[Slot] = queue.Queue()
-        self._step_lock = threading.Lock()
+        self._send_lock = threading.Lock()     # seq order: steps are sent in the order of their seq
+        self._answered = threading.Condition()  # guards _reading, _answers, _in_flight
+        self._reading = False                   # a thread is reading the ranks' next answer
+        self._answers: dict[int, list] = {}     # seq -> the ranks' answers, until its thread takes them
+        self._in_flight = 0                     # steps sent and not yet taken by their thread
         self._store = None
         self._failure: WorkerError | None = None
         self._step_walls: collections.deque[float] = collections.deque(maxlen=STEP_HISTORY)
@@ -216,15 +220,18 @@ class WorkerGroup:
 
         True when every rank answered, False when skipped; a rank that does not answer in
         `timeout` fails the group with WorkerError, as a failed step does."""
-        if not self._step_lock.acquire(blocking=False):
+        if not self._send_lock.acquire(blocking=False):
             return False
-        try:
+        try:  # no step can be sent meanwhile; skip if one is still in flight (a pong would land among its answers)
+            with self._answered:
+                if self._in_flight:
+                    return False
             if not self.alive:
                 raise self._failure or GroupUnavailable("the rank group is not running")
             self._send(("ping", self.seq))
             self._collect_or_fail("pong", timeout, f"heartbeat after step {self.seq}")
         finally:
-            self._step_lock.release()
+            self._send_lock.release()
         return True
 
     def _send(self, msg: tuple) -> None:
@@ -244,23 +251,28 @@ class WorkerGroup:
             raise
 
     def run(self, slot: Slot, T: int) -> StepStats:
-        """Run one step on rows [0, T) of the slot; the answer is in slot.out[:T] on return."""
+        """Run one step on rows [0, T) of the slot; the answer is in slot.out[:T] on return.
+
+        Several threads may run steps on different slots: each step is sent as soon as it is
+        called (under a lock that only orders the seq numbers), so the next step's control message
+        already waits in the ranks' pipes while they compute this one, and the ranks start it
+        without a round trip through this process. Ranks answer in seq order; whichever waiting
+        thread reads an answer that is not its own leaves it for its owner."""
         if not 1 <= T <= self.cfg.tokens_per_step:
             raise InvalidInput(f"a step takes 1..{self.cfg.tokens_per_step} tokens, got {T}")
-        with self._step_lock:
+        with self._send_lock:
             if not self.alive:
                 raise self._failure or GroupUnavailable("the rank group is not running")
             self.seq += 1
             seq = self.seq
             t0 = time.perf_counter()
             self._send(("step", seq, slot.index, T))
-            answers = self._collect_or_fail("done", self.step_deadline_s(), f"step {seq}")
-            wall = time.perf_counter() - t0
-            if seq > 1:  # the first step (the warm-up) pays one-time costs: compiles, first touches
-                self._step_walls.append(wall)
-        seqs = {a[0] for a in answers}
-        if seqs != {seq}:  # the ranks' own check makes this unreachable unless the protocol breaks
-            raise WorkerError(f"ranks answered seqs {sorted(seqs)} for step {seq}")
+            with self._answered:
+                self._in_flight += 1
+        answers = self._await(seq)
+        wall = time.perf_counter() - t0
+        if seq > 1:  # the first step (the warm-up) pays one-time costs: compiles, first touches
+            self._step_walls.append(wall)
         stats = answers[0][1]
         # A backend that measures its own exposed communication reports it; for the serial
         # backend it is the time in collectives (service.moe.serial).
@@ -269,6 +281,38 @@ class WorkerGroup:
             comm = sum(stats["stages"].get(s, 0.0) for s in COLLECTIVE_STAGES)
         return StepStats(seq=seq, tokens=T, backend=self.backend, layer_s=stats["layer_s"],
                          stages=stats["stages"], exposed_comm_s=comm, wall_s=wall)
+
+    def _await(self, seq: int) -> list:
+        """The ranks' answers to step `seq`. One waiting thread at a time reads the next answer
+        (ranks answer in seq order), files it under its seq and wakes the others: an answer read
+        by another step's thread is picked up by its owner at once."""
+        while True:
+            with self._answered:
+                while seq not in self._answers and self._reading and self._failure is None:
+                    self._answered.wait()
+                if seq in self._answers:
+                    self._in_flight -= 1
+                    return self._answers.pop(seq)
+                if self._failure is not None:
+                    raise self._failure
+                if not self.alive:
+                    raise GroupUnavailable("the rank group is not running")
+                self._reading = True
+            try:
+                answers = self._collect("done", self.step_deadline_s(), f"step {seq}")
+                seqs = {a[0] for a in answers}
+                if len(seqs) != 1:  # the ranks' own check makes this unreachable unless the protocol breaks
+                    raise WorkerError(f"ranks answered seqs {sorted(seqs)} for one step")
+            except WorkerError as err:
+                self._failure = err
+                self._kill()
+                raise
+            finally:
+                with self._answered:
+                    self._reading = False
+                    if self._failure is None:
+                        self._answers[seqs.pop()] = answers
+                    self._answered.notify_all()
 
     def _collect(self, kind: str, timeout: float, what: str) -> list:
         """One `kind` answer from every rank, in rank order; WorkerError on anything else."""
