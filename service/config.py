@@ -3,7 +3,8 @@
 Dimension letters (used in every module):
     T tokens in a batch, H hidden, I total intermediate, E experts, K top-k, R ranks,
     C token capacity per rank, Ir = I / R intermediate slice per rank,
-    S rows of the gathered layout, BM = 128 row block.
+    S rows of the gathered layout, META = 4  # int32 words in front of a rank's routing block (layout: service.moe.routing)
+BM = 128 row block.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from service.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+META = 4  # int32 words in front of a rank's routing block (layout: service.moe.routing)
 BM = 128  # rows per block of the gathered layout; every expert's run is padded to a multiple
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

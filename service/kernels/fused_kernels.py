@@ -47,10 +47,11 @@ import triton
 import triton.language as tl
 
 from service.config import BM, Activation
+from service.config import META as config_META
 from service.kernels.grouped_gemm import epilogue_args, gemm_tile
 from service.kernels.sync import now_ns, signal_add, store_release, wait_all_geq, wait_geq
 
-META = tl.constexpr(4)  # int32 words in front of a routing block: n, seq low, seq high, unused (as serial.py)
+META = tl.constexpr(config_META)  # int32 words in front of a routing block (layout: service.moe.routing)
 
 ERR_BARRIER = 1 << 24     # + peer rank whose barrier signal never came
 ERR_GATE = 2 << 24        # + row block whose remote tokens never all arrived (kernel 1)

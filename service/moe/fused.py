@@ -71,12 +71,12 @@ import torch
 import torch.distributed as dist
 
 from service.config import BM, LayerConfig
+from service.moe import routing
 from service.moe.timing import StageTimer
 from service.moe.weights import RankWeights
 
 log = logging.getLogger(__name__)
 
-META = 4
 ALIGN = 256                 # bytes between regions of the symmetric buffer
 DEFAULT_MAX_SPINS = 1 << 22  # ~1 s at ~0.2 us per system-scope poll: far beyond an honest wait
 WARMUP_SPINS = 1 << 30       # the warm-up step waits for peers that are still compiling
@@ -102,7 +102,7 @@ class Layout:
 
     @property
     def L(self) -> int:
-        return META + 2 * self.C * self.K
+        return routing.block_len(self.C, self.K)
 
     # Byte offsets of the fields, in region order: tokens (first), pulled tokens, routing,
     # staging planes, watermarks, barrier slots.
@@ -193,10 +193,7 @@ class RankBuffers:
 
     def routing_views(self):
         """counts [R], ids_g [R*C, K], w_g [R*C, K] fp32 views of routing_g."""
-        C, K, R = self.cfg.C, self.cfg.K, self.cfg.R
-        rg = self.routing_g
-        return (rg[:, 0], rg[:, META:META + C * K].reshape(R * C, K),
-                rg[:, META + C * K:].reshape(R * C, K).view(torch.float32))
+        return routing.unpack(self.routing_g, self.cfg.C, self.cfg.K)
 
 
 def _seq32(seq: int) -> int:
@@ -364,7 +361,7 @@ def default_plan(cfg: LayerConfig, device: torch.device, **overrides) -> Plan:
 
 
 class FusedLayer:
-    """One rank's share of the fused layer; same interface as SerialLayer."""
+    """One rank's share of the fused layer (implements service.moe.layer.Layer)."""
 
     name = "fused"
 
@@ -451,7 +448,7 @@ class FusedLayer:
         self.step += 1
         self.bufs.take_inputs(x, ids, w)
         self._ctl_copied.synchronize()  # the previous step's copy has read the pinned words
-        self._ctl_np[:] = (_seq32(self.step), n, seq & 0x7FFFFFFF, seq >> 31)  # no torch op per word
+        self._ctl_np[:] = (_seq32(self.step), n, *routing.seq_words(seq))  # no torch op per word
         self.bufs.ctl.copy_(self._ctl_host, non_blocking=True)
         self._ctl_copied.record()
         if timer:
@@ -493,13 +490,8 @@ class FusedLayer:
     def check_seq(self, seq: int) -> None:
         """After a step (the output was read, so no extra sync): the kernels' error flag, then every
         rank must have run the same batch."""
-        from service.moe.serial import SequenceMismatch
-
         self._raise_on_error(f"step seq {seq}")
-        g = self.bufs.routing_g[:, 1:3].cpu().long()  # [R, 2]
-        seqs = (g[:, 0] | (g[:, 1] << 31)).tolist()
-        if any(s != seq for s in seqs):
-            raise SequenceMismatch(f"rank {self.rank} ran seq {seq}, the group ran {seqs}")
+        routing.check_seq(self.bufs.routing_g, seq, self.rank)
 
     def exposed_comm_s(self) -> float:
         """This step's exposed communication in seconds (definition in the module docstring)."""

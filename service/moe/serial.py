@@ -15,8 +15,8 @@ every expert, W13 [E, H, 2*Ir] (gate columns, then up columns) and W2 [E, Ir, H]
 It runs on gloo (CPU) and NCCL (GPU) and is the baseline the fused backend is measured
 against, and its fallback.
 
-Exposed communication of this backend (`StepStats.exposed_comm_s`) is the time spent in the
-collectives (stages `all_gather` and `reduce_scatter`): nothing overlaps them.
+Exposed communication of this backend (`exposed_comm_s()`, reported in `StepStats.exposed_comm_s`)
+is the time spent in the collectives (stages `all_gather` and `reduce_scatter`): nothing overlaps them.
 
 Gloo has no reduce-scatter; there the step all-reduces the partials and keeps its own rows
 (R times the traffic of a reduce-scatter, on the CPU path only).
@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from service.config import BM, LayerConfig
 from service.moe.grouped import grouped_mm, prepare_weight
+from service.moe import routing
 from service.moe import tables as torch_tables
 from service.moe.timing import StageTimer
 from service.moe.weights import RankWeights
@@ -45,11 +46,7 @@ from service.moe.weights import RankWeights
 log = logging.getLogger(__name__)
 
 COLLECTIVE_STAGES = ("all_gather", "reduce_scatter")
-META = 4  # int32 words in front of each rank's routing block: n_r, seq low, seq high, unused
-
-
-class SequenceMismatch(RuntimeError):
-    """Ranks disagree about the batch sequence number: the group is out of step."""
+SequenceMismatch = routing.SequenceMismatch  # where callers have looked for it
 
 
 def triton_gemms_reason(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -138,6 +135,7 @@ class SerialLayer:
     """One rank's share of the layer; buffers are allocated once at capacity and reused."""
 
     name = "serial"
+    inputs = None  # forward takes this rank's rows wherever they are (service.moe.layer.Layer)
 
     def __init__(self, cfg: LayerConfig, weights: RankWeights, *, rank: int, device: torch.device,
                  group: dist.ProcessGroup | None = None, gemm: str = "auto"):
@@ -146,9 +144,11 @@ class SerialLayer:
         R, C, K, H = cfg.R, cfg.C, cfg.K, cfg.H
         self.nccl = dist.is_initialized() and dist.get_backend(group) == "nccl"
         kw = dict(device=device)
-        # Routing block of this rank: META words, then ids [C, K] and weights [C, K] as int32 bits.
-        self.routing = torch.zeros(META + 2 * C * K, dtype=torch.int32, **kw)  # [META + 2*C*K]
-        self.routing_g = torch.zeros(R, META + 2 * C * K, dtype=torch.int32, **kw)
+        # Routing block of this rank (layout: service.moe.routing) and every rank's.
+        L = routing.block_len(C, K)
+        self.routing = torch.zeros(L, dtype=torch.int32, **kw)        # [L]
+        self.routing_g = torch.zeros(R, L, dtype=torch.int32, **kw)   # [R, L]
+        self._timer: StageTimer | None = None  # the last step's, for exposed_comm_s
         self.x = torch.zeros(C, H, dtype=cfg.dtype, **kw)        # [C, H]
         self.x_g = torch.zeros(R * C, H, dtype=cfg.dtype, **kw)  # [R*C, H]
         self.out = torch.zeros(C, H, dtype=torch.float32, **kw)  # [C, H] fp32 sum of the slices
@@ -187,24 +187,15 @@ class SerialLayer:
         R, C, K = cfg.R, cfg.C, cfg.K
         n = x.shape[0]
         assert n <= C, f"rank {self.rank} got {n} tokens, capacity is {C}"
-        timer = timer or StageTimer(self.device)
+        timer = self._timer = timer or StageTimer(self.device)
         timer.start()
 
         # 1. routing all-gather; padding rows get weight 0 so they add nothing anywhere.
-        meta = torch.tensor([n, seq & 0x7FFFFFFF, seq >> 31, 0], dtype=torch.int32)
-        self.routing[:META].copy_(meta)
-        ids_l = self.routing[META:META + C * K].view(C, K)            # [C, K]
-        w_l = self.routing[META + C * K:].view(torch.float32).view(C, K)  # [C, K]
-        ids_l[:n].copy_(ids)
-        ids_l[n:].zero_()
-        w_l[:n].copy_(w)
-        w_l[n:].zero_()
+        routing.pack(self.routing, n, seq, ids, w)
         self.x[:n].copy_(x)
         self._all_gather(self.routing_g, self.routing)
         timer.mark("all_gather")
-        counts = self.routing_g[:, 0]                                                # [R]
-        ids_g = self.routing_g[:, META:META + C * K].reshape(R * C, K)                       # [R*C, K]
-        w_g = self.routing_g[:, META + C * K:].contiguous().view(torch.float32).view(R * C, K)  # [R*C, K]
+        counts, ids_g, w_g = routing.unpack(self.routing_g, C, K)  # [R], [R*C, K], [R*C, K]
 
         # 2. schedule tables, identical on every rank.
         tables = build_tables(ids_g, counts, cfg.E, C, cfg.S)
@@ -246,7 +237,9 @@ class SerialLayer:
     def check_seq(self, seq: int) -> None:
         """After a step: every rank must have run the same batch (read once the step is done,
         so on a GPU it costs no extra sync)."""
-        g = self.routing_g[:, 1:3].cpu().long()                # [R, 2]
-        seqs = (g[:, 0] | (g[:, 1] << 31)).tolist()
-        if any(s != seq for s in seqs):
-            raise SequenceMismatch(f"rank {self.rank} ran seq {seq}, the group ran {seqs}")
+        routing.check_seq(self.routing_g, seq, self.rank)
+
+    def exposed_comm_s(self) -> float:
+        """The last step's time in collectives (nothing overlaps them in this backend)."""
+        stages = self._timer.seconds() if self._timer else {}
+        return sum(stages.get(s, 0.0) for s in COLLECTIVE_STAGES)

@@ -39,7 +39,7 @@ import torch
 
 from service.config import LayerConfig
 from service.errors import BackendUnavailable, GroupUnavailable, InvalidInput, WorkerError
-from service.moe.serial import COLLECTIVE_STAGES
+from service.moe.layer import BACKENDS
 from service.worker.rank import RankOptions, rank_main
 from service.worker.shm import Slot, create_slots, remove_slots, remove_stale_slots
 
@@ -75,7 +75,7 @@ class WorkerGroup:
                  weights_prefix: str = "", seed: int = 0, backend: str = "serial", slots: int = 2,
                  step_timeout_s: float = 60.0, start_timeout_s: float = 300.0,
                  log_level: str | None = None):
-        if backend not in ("auto", "serial", "fused"):
+        if backend not in BACKENDS:
             raise InvalidInput(f"backend must be auto, serial or fused, got {backend!r}")
         self.requested_backend = backend  # the ranks decide (and log why); see service.worker.rank
         self.cfg, self.device = cfg, device
@@ -274,13 +274,8 @@ class WorkerGroup:
         if seq > 1:  # the first step (the warm-up) pays one-time costs: compiles, first touches
             self._step_walls.append(wall)
         stats = answers[0][1]
-        # A backend that measures its own exposed communication reports it; for the serial
-        # backend it is the time in collectives (service.moe.serial).
-        comm = stats.get("exposed_comm_s")
-        if comm is None:
-            comm = sum(stats["stages"].get(s, 0.0) for s in COLLECTIVE_STAGES)
         return StepStats(seq=seq, tokens=T, backend=self.backend, layer_s=stats["layer_s"],
-                         stages=stats["stages"], exposed_comm_s=comm, wall_s=wall)
+                         stages=stats["stages"], exposed_comm_s=stats["exposed_comm_s"], wall_s=wall)
 
     def _await(self, seq: int) -> list:
         """The ranks' answers to step `seq`. One waiting thread at a time reads the next answer

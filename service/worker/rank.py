@@ -80,30 +80,10 @@ def rank_main(rank: int, opts: RankOptions, conn) -> None:
     os._exit(0)
 
 
-def _make_layer(cfg: LayerConfig, weights, rank: int, device: torch.device, backend: str, log: logging.Logger):
-    """The fused layer when asked for (auto/fused) and possible, else the serial one for auto
-    (rank 0 logs why: at INFO on the CPU, where serial is the expected path) and a refusal for
-    fused. The probe is collective and gives every rank the same verdict. A fused step whose bounded
-    wait expired raises FusedTimeout from check_seq: the error path below reports it to the parent."""
-    from service.moe.serial import SerialLayer
-
-    if backend != "serial":
-        from service.moe.fused import FusedLayer, fused_unavailable_reason
-
-        reason = fused_unavailable_reason(cfg, device)
-        if reason is None:
-            return FusedLayer(cfg, weights, rank=rank, device=device)
-        if backend == "fused":
-            raise BackendUnavailable(f"--backend fused cannot run here: {reason}; use --backend auto or serial")
-        if rank == 0:
-            log.log(logging.INFO if device.type == "cpu" else logging.WARNING,
-                    "backend %s: fused unavailable (%s); running serial", backend, reason)
-    return SerialLayer(cfg, weights, rank=rank, device=device)
-
-
 def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
     import torch.distributed as dist
 
+    from service.moe.layer import make_layer
     from service.moe.timing import StageTimer
     from service.moe.weights import load_rank_weights, synthetic_rank_weights
     from service.worker.shm import Slot
@@ -132,7 +112,9 @@ def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
     else:
         weights = synthetic_rank_weights(cfg, rank, opts.seed, device=device)
     log.info("weights ready in %.1f s (%s)", time.perf_counter() - t0, opts.weights or f"synthetic seed {opts.seed}")
-    layer = _make_layer(cfg, weights, rank, device, opts.backend, log)
+    # The fused layer when asked for and possible, else serial (reason logged); a fused step whose
+    # bounded wait expired raises FusedTimeout from check_seq, reported to the parent below.
+    layer = make_layer(cfg, weights, rank=rank, device=device, backend=opts.backend, log=log)
     del weights
     slots = [Slot.open(cfg, i, p) for i, p in enumerate(opts.slot_paths)]
     if device.type == "cuda":
@@ -140,11 +122,11 @@ def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
             pin_slot(slot)
         out_dev = torch.empty(cfg.C, cfg.H, dtype=cfg.dtype, device=device)  # [C, H] the answer in the slot's dtype
     timer = StageTimer(device)
-    # This rank's rows of a step, on its device, allocated once at capacity: the fused layer's
-    # own input buffers (its step graph stages them), else buffers of our own (on the CPU the
-    # slot views are used directly).
+    # This rank's rows of a step, on its device, allocated once at capacity: the layer's own input
+    # buffers where it has them (the fused layer's step graph stages them), else buffers of our own
+    # (on the CPU the slot views are used directly).
     if device.type == "cuda":
-        inputs = getattr(layer, "inputs", None) or (
+        inputs = layer.inputs or (
             torch.empty(cfg.C, cfg.H, dtype=cfg.dtype, device=device),    # [C, H]
             torch.empty(cfg.C, cfg.K, dtype=torch.int32, device=device),  # [C, K]
             torch.empty(cfg.C, cfg.K, dtype=torch.float32, device=device))  # [C, K]
@@ -178,8 +160,6 @@ def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
             slot.out[rows].copy_(out)
         layer.check_seq(seq)
         stages = timer.seconds()
-        stats = {"stages": stages, "layer_s": sum(stages.values()),
+        stats = {"stages": stages, "layer_s": sum(stages.values()), "exposed_comm_s": layer.exposed_comm_s(),
                  "wall_s": time.perf_counter() - wall0, "tokens": n}
-        if hasattr(layer, "exposed_comm_s"):  # fused: measured in the kernels (service.moe.fused)
-            stats["exposed_comm_s"] = layer.exposed_comm_s()
         conn.send(("done", rank, seq, stats))

@@ -1,0 +1,64 @@
+"""The routing block: one rank's routing for a step, as it travels between ranks (defined once).
+
+R ranks, C capacity per rank, K top-k, n rows of the rank's step; L = META + 2*C*K int32 words:
+
+    [0]              n      the rank's real tokens this step
+    [1], [2]         seq    the step's sequence number, low 31 bits then the rest (seq >> 31)
+    [3]              unused
+    [META : META+C*K]       ids [C, K] int32 (rows >= n: 0)
+    [META+C*K : L]          w   [C, K] float32 bits (rows >= n: 0, so padding adds nothing)
+
+The serial backend packs it on the host side of the step (`pack`) and all-gathers it; the fused
+backend's exchange kernel writes the same layout into its peers' memory. Both read the gathered
+[R, L] blocks with `unpack` and compare the R seq words with `check_seq` after a step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from service.config import META  # n, seq low, seq high, unused (config: the kernels read it too)
+
+
+class SequenceMismatch(RuntimeError):
+    """Ranks disagree about the batch sequence number: the group is out of step."""
+
+
+def block_len(C: int, K: int) -> int:
+    """L: int32 words of one rank's block."""
+    return META + 2 * C * K
+
+
+def seq_words(seq: int) -> tuple[int, int]:
+    """The two non-negative int32 words that carry a sequence number of up to 62 bits."""
+    return seq & 0x7FFFFFFF, seq >> 31
+
+
+def pack(block: torch.Tensor, n: int, seq: int, ids: torch.Tensor, w: torch.Tensor) -> None:
+    """Write one rank's block [L] int32: META words, then ids [n, K] and w [n, K] (rows past n zeroed)."""
+    C, K = (block.numel() - META) // (2 * ids.shape[1]), ids.shape[1]
+    block[:META].copy_(torch.tensor([n, *seq_words(seq), 0], dtype=torch.int32))
+    ids_l = block[META:META + C * K].view(C, K)                      # [C, K]
+    w_l = block[META + C * K:].view(torch.float32).view(C, K)        # [C, K]
+    ids_l[:n].copy_(ids)
+    ids_l[n:].zero_()
+    w_l[:n].copy_(w)
+    w_l[n:].zero_()
+
+
+def unpack(blocks: torch.Tensor, C: int, K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gathered blocks [R, L] -> counts [R], ids_g [R*C, K] int32, w_g [R*C, K] fp32 (views
+    where the layout allows; w_g is a copy when the rows are not contiguous)."""
+    R = blocks.shape[0]
+    counts = blocks[:, 0]                                                            # [R]
+    ids_g = blocks[:, META:META + C * K].reshape(R * C, K)                           # [R*C, K]
+    w_g = blocks[:, META + C * K:].contiguous().view(torch.float32).view(R * C, K)   # [R*C, K]
+    return counts, ids_g, w_g
+
+
+def check_seq(blocks: torch.Tensor, seq: int, rank: int) -> None:
+    """Every rank's block must carry `seq` (read after the step: on a GPU it adds no sync)."""
+    g = blocks[:, 1:3].cpu().long()  # [R, 2]
+    seqs = (g[:, 0] | (g[:, 1] << 31)).tolist()
+    if any(s != seq for s in seqs):
+        raise SequenceMismatch(f"rank {rank} ran seq {seq}, the group ran {seqs}")
