@@ -1,7 +1,7 @@
-"""Closed-loop load and its summary, shared by bench/service.py and bench/multigpu.py load.
+"""Closed-loop load and its summary, for bench/multigpu.py load (threads in one process; the
+issue-11 load generator, bench/serve_load.py, uses client processes instead).
 
-Imported as `bench.loadstats`, with the repository's root first on sys.path (both scripts put it
-there, ahead of bench/, whose service.py would shadow the `service` package).
+Imported as `bench.loadstats`, with the repository's root on sys.path.
 """
 
 from __future__ import annotations

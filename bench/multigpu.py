@@ -48,7 +48,7 @@ import time
 import urllib.parse
 from pathlib import Path
 
-# Run as a script, bench/ would come first on sys.path and bench/service.py shadow the package.
+# Run as a script: the repository's root on sys.path for the `bench.` imports below.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
@@ -402,7 +402,7 @@ def _wait_ready(url: str, wait_s: float, server_pid: int | None) -> float:
 
 
 def _tensors(cfg: LayerConfig, T: int, seed: int):
-    """fp32 hidden states, int32 ids, fp32 weights as numpy arrays (bench/service.py sends the same)."""
+    """fp32 hidden states, int32 ids, fp32 weights as numpy arrays (bench/serve_load.py --wire-dtype fp32 sends the same)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(T, cfg.H, generator=gen)                                                  # [T, H]
     ids = torch.stack([torch.randperm(cfg.E, generator=gen)[:cfg.K] for _ in range(T)]).int()  # [T, K]
@@ -518,7 +518,7 @@ def run_load(args) -> int:
     cfg = preset(args.preset)
     ready_s = _wait_ready(args.url, args.wait_s, args.server_pid)
     print(f"server {args.url} ready after {ready_s:.1f} s of waiting; {cfg.describe()}; concurrency "
-          f"{args.concurrency}; {args.seconds:g} s per cell; fp32 in and out, as bench/service.py")
+          f"{args.concurrency}; {args.seconds:g} s per cell; fp32 in and out")
     before = _histograms(_http_get(args.url + "/metrics")[1].decode())
     results = []
     for T in (int(s) for s in args.sizes.split(",")):

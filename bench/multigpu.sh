@@ -7,8 +7,8 @@
 #      communication, schedule time, p50 of 200 steps (bench/multigpu.py layer)
 #   4. the service: moe-serve (seed preset, backend auto) on the 4 GPUs, gRPC and HTTP v2 binary
 #      load, tokens/s and p99, the /metrics exposed-communication histogram against step 3
-#      (bench/multigpu.py load); then bench/service.py, which cannot target a running server and
-#      starts its own (plus an in-process serial group as its "direct" baseline), if time is left
+#      (bench/multigpu.py load); then bench/serve_load.py (its own server; client processes; the
+#      direct layer only at R=1), if time is left
 #   5. a summary table (also in summary.txt)
 # Every step runs under `timeout` (which signals the step's whole process group, rank processes
 # included), capped by what is left of the budget (BUDGET, below); a step that has too little left
@@ -25,18 +25,18 @@
 # safetensors, prometheus-client, typing-extensions, annotated-doc, urllib3, certifi, six, but not
 # fastapi (which needs opentelemetry-api), starlette, uvicorn, the grpcio health and reflection
 # packages or tritonclient; its grpcio / protobuf may be older than the generated stubs demand
-# (grpcio>=1.72.1, protobuf>=6.30.0), so those two travel too. tritonclient 2.41 (bench/service.py
-# only) wants geventhttpclient<=2.0.2, which has no cp312 wheel: 2.0.12 is the nearest that has one.
+# (grpcio>=1.72.1, protobuf>=6.30.0), so those two travel too. tritonclient 2.41 (tests only; no bench
+# script needs it) wants geventhttpclient<=2.0.2, which has no cp312 wheel: 2.0.12 is the nearest that has one.
 #   echo /.whl/ >> .git/info/exclude   # already there
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
 #     --platform manylinux1_x86_64 -d .whl \
 #     fastapi==0.165.0 starlette==1.10.0 opentelemetry-api==1.45.2 uvicorn==0.54.0 grpcio==1.85.1 \
-#     grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 \
-#     tritonclient==2.41.0 python-rapidjson==1.25 geventhttpclient==2.0.12 gevent==26.9.0 greenlet==3.5.6 \
-#     zope.event==6.2 zope.interface==8.7 brotli==1.2.1
-# (about 27 MB in all; steps 1-4 need the first eight, fastapi .. protobuf; without the rest step 4b is skipped.)
+#     grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 httptools==0.9.0
+# (about 15 MB in all; httptools is uvicorn's parser, a dependency since issue 11. The tests' own
+# client, tritonclient==2.41.0, needs python-rapidjson==1.25 geventhttpclient==2.0.12 gevent==26.9.0
+# greenlet==3.5.6 zope.event==6.2 zope.interface==8.7 brotli==1.2.1 besides.)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
@@ -167,17 +167,15 @@ else
   echo "skipped: $(left) s of the budget left" | tee "$LOG/load.txt"
 fi
 
-echo "== 4b. bench/service.py (its own server; direct = an in-process serial group)"
+echo "== 4b. bench/serve_load.py (its own server, client processes)"
 SVC_RC=skipped
 if (( $(left) < 150 )); then
   echo "skipped: $(left) s of the budget left (needs 150)" | tee "$LOG/service_bench.txt"
-elif ! "$PY" -c "import tritonclient.http, tritonclient.grpc, httpx" > "$LOG/service_bench.txt" 2>&1; then
-  echo "skipped: tritonclient / httpx not importable (add the wheels listed at the top)" | tee -a "$LOG/service_bench.txt"
 else
-  timeout -k 15 "$(cap 600)" "$PY" bench/service.py "${SVC_ARGS[@]}" --concurrency 2 --seconds 4 --rounds 1 \
-    --min-requests 2 --backend auto >> "$LOG/service_bench.txt" 2>&1
+  timeout -k 15 "$(cap 600)" "$PY" bench/serve_load.py "${SVC_ARGS[@]}" --concurrency 2 --seconds 4 \
+    --backend auto > "$LOG/service_bench.txt" 2>&1
   SVC_RC=$?
-  leftovers "bench/service.py" >> "$LOG/service_bench.txt"
+  leftovers "bench/serve_load.py" >> "$LOG/service_bench.txt"
   tail -n 14 "$LOG/service_bench.txt"
 fi
 
@@ -192,7 +190,7 @@ verdict() { case $1 in 0) echo ok ;; skipped) echo skipped ;; 124|137) echo "TIM
   echo "| 2. correctness, serial + fused, R=4, 100 batches | $(verdict "$TEST_RC") | tests.txt |"
   echo "| 3. layer benchmark, C=512/1024 | $(verdict "$BENCH_RC") | bench.txt, bench.json |"
   echo "| 4. service load + /metrics | $(verdict "$LOAD_RC") | load.txt, server.txt |"
-  echo "| 4b. bench/service.py | $(verdict "$SVC_RC") | service_bench.txt |"
+  echo "| 4b. bench/serve_load.py | $(verdict "$SVC_RC") | service_bench.txt |"
   echo
   grep -E "^min .* GB/s" "$LOG/device.txt"
   grep -E "batches, .* steps on|[0-9]+ (passed|failed|skipped|errors?)|^FAILED" "$LOG/tests.txt"

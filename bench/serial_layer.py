@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-# Run as a script, bench/ would come first on sys.path and bench/service.py shadow the package.
+# Run as a script: the repository's root on sys.path for `service` without an install.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Issue 11 on one H200 (nvidia-h200) in one call of the device tool: the served path against the
+# layer alone. The default server, as a user starts it (`python -m service`: seed preset, R=1 on one
+# GPU, C=512, backend auto = fused), then:
+#   1. py-spy of the front end and its rank under load (v2 binary + gRPC, T=512, bf16, 4 clients):
+#      collapsed stacks in pyspy.txt (summarised with bench/pyspy_summary.py)
+#   2. bench/serve_load.py against it: v2 binary and gRPC, bf16 on the wire, T=512 and 2048,
+#      concurrency 1, 4, 16; the layer alone at the same step shapes in the same run (after the load)
+#   3. bench/multigpu.py load: the issue's own protocol (fp32, 4 threads of one client process)
+#   4. a summary (summary.txt)
+# Every step runs under `timeout`; BUDGET (s, default 500) caps the whole.
+# Logs: $OUT (else build/gpu_serve): server.txt pyspy.txt serve_load.txt serve_load.json load.txt summary.txt
+#
+# The call (carry [".wt11", ".whl"]; the wheels listed in bench/multigpu.sh plus py-spy):
+#   cd .wt11 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+#     --target /tmp/site ../.whl/*.whl && export PYTHONPATH=$PWD:/tmp/site || exit; python3 csrc/build.py; \
+#     bash bench/gpu_serve.sh
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.." || exit 1
+PY=${PYTHON:-python3}
+LOG=${OUT:-build/gpu_serve}
+BUDGET=${BUDGET:-500}
+CELL_S=${CELL_S:-4}
+SERVE_FLAGS=(${SERVE_FLAGS:-})
+mkdir -p "$LOG"
+START=$(date +%s)
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+cap() { local want=$1 l; l=$(left); (( l < want )) && want=$l; (( want < 1 )) && want=1; echo "$want"; }
+PYSPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOG/summary.txt"
+git_commit=$(cat COMMIT 2>/dev/null || echo unknown)
+echo "commit $git_commit; torch $($PY -c 'import torch; print(torch.__version__)'); $(nproc) CPU cores" | tee -a "$LOG/summary.txt"
+
+# ---- the server ---------------------------------------------------------------------------------
+setsid "$PY" -m service --host 127.0.0.1 --http-port 18000 --grpc-port 18001 "${SERVE_FLAGS[@]}" > "$LOG/server.txt" 2>&1 &
+SERVER=$!
+stop_server() {
+  kill -TERM "$SERVER" 2>/dev/null
+  for _ in $(seq 60); do kill -0 "$SERVER" 2>/dev/null || return; sleep 0.5; done
+  kill -KILL -- "-$SERVER" 2>/dev/null
+}
+trap stop_server EXIT
+ready=0
+for _ in $(seq "$(cap 240)"); do
+  if curl -sf -o /dev/null http://127.0.0.1:18000/v2/health/ready; then ready=1; break; fi
+  kill -0 "$SERVER" 2>/dev/null || break
+  sleep 1
+done
+echo "server ready=$ready after $(( $(date +%s) - START )) s" | tee -a "$LOG/summary.txt"
+grep -E "fused unavailable|fused layer ready|rank group ready|warm-up batch|weights ready|Traceback|ERROR" "$LOG/server.txt" | head -n 12 | tee -a "$LOG/summary.txt"
+if (( ready == 0 )); then tail -n 40 "$LOG/server.txt"; exit 1; fi
+
+# ---- 1. profile under load ----------------------------------------------------------------------
+echo "== 1. py-spy under load"
+timeout -k 5 "$(cap 60)" "$PY" bench/serve_load.py --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
+  --sizes 512 --concurrency 4 --seconds 12 --no-direct "${SERVE_FLAGS[@]}" > "$LOG/pyspy_load.txt" 2>&1 &
+LOADPID=$!
+sleep 5
+timeout -k 5 "$(cap 30)" "$PYSPY" record --pid "$SERVER" --subprocesses --rate 250 --duration 8 --format raw \
+  --output "$LOG/pyspy.txt" --nonblocking > "$LOG/pyspy_log.txt" 2>&1
+echo "py-spy rc=$?"; tail -n 3 "$LOG/pyspy_log.txt"
+wait "$LOADPID"; echo "profile load rc=$?"; grep -E "^\|" "$LOG/pyspy_load.txt" | head -n 6
+
+# ---- 2. bench/serve_load.py ---------------------------------------------------------------------
+echo "== 2. bench/serve_load.py (bf16)"
+timeout -k 10 "$(cap 240)" "$PY" bench/serve_load.py --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
+  --sizes 512,2048 --concurrency 1,4,16 --seconds "$CELL_S" --wire-dtype bf16 --json "$LOG/serve_load.json" \
+  "${SERVE_FLAGS[@]}" > "$LOG/serve_load.txt" 2>&1
+SL_RC=$?
+tail -n 20 "$LOG/serve_load.txt"
+
+# ---- 3. the issue's protocol --------------------------------------------------------------------
+echo "== 3. bench/multigpu.py load (fp32, 4 clients)"
+if (( $(left) > 40 )); then
+  timeout -k 10 "$(cap 90)" "$PY" bench/multigpu.py load --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
+    --preset seed --sizes 512,2048 --concurrency 4 --seconds 5 > "$LOG/load.txt" 2>&1
+  LOAD_RC=$?
+  grep -E "^\||steps, mean" "$LOG/load.txt"
+else
+  LOAD_RC=skipped
+fi
+stop_server
+trap - EXIT
+
+{
+  echo
+  echo "== summary: $(( $(date +%s) - START )) s; serve_load rc=$SL_RC, multigpu load rc=$LOAD_RC"
+  grep -E "^\||busy" "$LOG/serve_load.txt"
+  grep -E "^\||steps, mean" "$LOG/load.txt" 2>/dev/null
+} | tee -a "$LOG/summary.txt"

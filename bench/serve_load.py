@@ -1,0 +1,377 @@
+"""Served tokens/s and latency against the layer alone at the same step shape, in one run.
+
+    python bench/serve_load.py [--url http://HOST:8000 --grpc HOST:8001] [--protocols v2_binary,grpc]
+        [--sizes 512,2048] [--concurrency 1,4,16] [--wire-dtype bf16] [--seconds 5] [moe-serve flags ...]
+
+Without --url a `moe-serve` process is started with the remaining flags (`python -m service ...`,
+as a user would) and stopped at the end; with --url/--grpc the running server is loaded. The
+layer shape (for the direct figure and the request shapes) is what those flags or the server's
+defaults give (pass the same flags as the server's when targeting one).
+
+Load: closed loop, one client *process* per concurrent caller with one connection each, so that the
+load generator is not the bottleneck. Request bodies are built before the timed loop (v2 binary:
+the JSON header and the raw tensors; gRPC: the serialized ModelInferRequest sent as bytes), so a
+cell times the wire, the server and reading the answer, not client-side tensor conversion. Each
+answer's size is checked; one answer per cell is checked for finite values.
+
+Direct: the same layer (preset, backend, C, synthetic weights of the same seed) built in this
+process on R=1, fed the way the rank feeds it (rows already in the layer's input buffers), timed
+over --direct-steps steps at the step shape the server runs: min(R*C, T * concurrency) tokens.
+It runs after the load (never at the same time on the same device). At R > 1 the direct figure
+is bench/multigpu.py layer's job and is not printed here.
+
+The table: protocol, T, concurrency, requests, tokens/s, p50/p99 ms, the direct tokens/s at that
+step shape and the ratio; then the server's own moe_layer_seconds over the load (device busy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+WIRE = {"bf16": "BF16", "fp16": "FP16", "fp32": "FP32"}
+# bytes per value, and how a non-finite value looks in its bits (numpy dtype, mask, exponent all ones)
+WIRE_BITS = {"bf16": (2, ("uint16", 0x7FFF, 0x7F80)), "fp16": (2, ("uint16", 0x7FFF, 0x7C00)),
+             "fp32": (4, ("uint32", 0x7FFFFFFF, 0x7F800000))}
+START_TIMEOUT_S = 300.0
+
+
+# ---- request bodies (built once, before any timing) ---------------------------------------------
+
+
+def _tensors(cfg, T: int, seed: int, wire: str):
+    """Raw little-endian bytes of x [T, H] (wire dtype), ids [T, K] int32, w [T, K] fp32."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, cfg.H, generator=gen).to({"bf16": torch.bfloat16, "fp16": torch.float16,
+                                                   "fp32": torch.float32}[wire])      # [T, H]
+    ids = torch.argsort(torch.rand(T, cfg.E, generator=gen), dim=1)[:, :cfg.K].int()  # [T, K] distinct experts
+    w = torch.softmax(torch.randn(T, cfg.K, generator=gen), dim=1)                    # [T, K]
+    raw = lambda t: (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()  # noqa: E731
+    return [("hidden_states", WIRE[wire], [T, cfg.H], raw(x)), ("topk_ids", "INT32", [T, cfg.K], raw(ids)),
+            ("topk_weights", "FP32", [T, cfg.K], raw(w))]
+
+
+def v2_binary_body(model: str, tensors) -> tuple[bytes, int]:
+    header = json.dumps({"inputs": [{"name": n, "datatype": d, "shape": s, "parameters": {"binary_data_size": len(b)}}
+                                    for n, d, s, b in tensors],
+                         "outputs": [{"name": "output", "parameters": {"binary_data": True}}]}).encode()
+    return header + b"".join(b for *_, b in tensors), len(header)
+
+
+def grpc_body(model: str, tensors) -> bytes:
+    from service.api.proto import grpc_predict_v2_pb2 as pb
+
+    r = pb.ModelInferRequest(model_name=model)
+    for n, d, s, b in tensors:
+        r.inputs.add(name=n, datatype=d, shape=s)
+        r.raw_input_contents.append(b)
+    return r.SerializeToString()
+
+
+# ---- client processes ---------------------------------------------------------------------------
+
+
+def _client(conn) -> None:
+    """A client process: jobs (proto, target, path, body, header_len, out_bytes, finite, start_at,
+    stop_at) in, latencies out; one connection per job, opened and warmed up before start_at.
+    `finite` = (numpy dtype of the bits, mask, exponent all ones) checks the first answer's values."""
+    import http.client
+
+    import grpc
+    import numpy as np
+
+    while True:
+        job = conn.recv()
+        if job is None:
+            return
+        proto, target, path, body, header_len, out_bytes, finite, start_at, stop_at = job
+        if proto == "grpc":
+            channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 1 << 30),
+                                                             ("grpc.max_send_message_length", 1 << 30)])
+            call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")  # bytes in, bytes out
+
+            def once() -> bytes:
+                return call(body, timeout=120)[-out_bytes:]
+        else:
+            host, port = target.removeprefix("http://").split(":")
+            c = http.client.HTTPConnection(host, int(port), timeout=120)
+            headers = {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(header_len)}
+
+            def once() -> bytes:
+                c.request("POST", path, body=body, headers=headers)
+                r = c.getresponse()
+                data = r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status}: {data[:300]!r}")
+                return data[int(r.getheader("Inference-Header-Content-Length")):]
+        try:
+            first = once()  # warm-up: connection, first allocations
+            if len(first) != out_bytes:
+                raise RuntimeError(f"answer has {len(first)} bytes, expected {out_bytes}")
+            dtype, mask, inf = finite
+            if int((np.frombuffer(first, dtype=dtype) & mask).max()) >= inf:
+                raise RuntimeError("non-finite values in the answer")
+            lats = []
+            time.sleep(max(0.0, start_at - time.time()))
+            while time.time() < stop_at:
+                t0 = time.perf_counter()
+                got = once()
+                lats.append(time.perf_counter() - t0)
+                if len(got) != out_bytes:
+                    raise RuntimeError(f"answer has {len(got)} bytes, expected {out_bytes}")
+            conn.send(("ok", lats, time.time()))
+        except Exception as e:  # noqa: BLE001  reported by the parent
+            conn.send(("error", f"{type(e).__name__}: {e}", time.time()))
+        finally:
+            if proto == "grpc":
+                channel.close()
+            else:
+                c.close()
+
+
+class Clients:
+    def __init__(self, n: int):
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for _ in range(n):
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=_client, args=(b,), daemon=True)
+            p.start()
+            self.conns.append(a)
+            self.procs.append(p)
+
+    def run(self, c: int, job: tuple, seconds: float) -> tuple[list[float], float]:
+        start_at = time.time() + 1.0 + 0.05 * c  # room for every client's connection and warm-up
+        stop_at = start_at + seconds
+        for conn in self.conns[:c]:
+            conn.send((*job, start_at, stop_at))
+        lats, end = [], start_at
+        for conn in self.conns[:c]:
+            status, value, t = conn.recv()
+            if status != "ok":
+                raise RuntimeError(f"client failed: {value}")
+            lats += value
+            end = max(end, t)
+        return lats, end - start_at
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.send(None)
+        for p in self.procs:
+            p.join(10)
+
+
+# ---- the server -------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except OSError:
+        return 0, b""
+
+
+def start_server(flags: list[str], log_path: str):
+    http_port, grpc_port = _free_port(), _free_port()
+    cmd = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--http-port", str(http_port),
+           "--grpc-port", str(grpc_port), "--log-level", "WARNING", *flags]
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{http_port}"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"moe-serve exited with {proc.returncode}; see {log_path}")
+        if _get(url + "/v2/health/ready", 2)[0] == 200:
+            return proc, url, f"127.0.0.1:{grpc_port}"
+        time.sleep(0.3)
+    proc.kill()
+    raise TimeoutError(f"moe-serve was not ready within {START_TIMEOUT_S} s; see {log_path}")
+
+
+def wait_ready(url: str, wait_s: float) -> None:
+    deadline = time.monotonic() + wait_s
+    while _get(url + "/v2/health/ready", 2)[0] != 200:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not ready within {wait_s} s")
+        time.sleep(0.3)
+
+
+def layer_seconds(url: str) -> tuple[float, float]:
+    """(sum, count) of moe_layer_seconds over every backend label, from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = count = 0.0
+    for fam in text_string_to_metric_families(_get(url + "/metrics")[1].decode()):
+        if fam.name == "moe_layer_seconds":
+            for s in fam.samples:
+                if s.name.endswith("_sum"):
+                    total += s.value
+                elif s.name.endswith("_count"):
+                    count += s.value
+    return total, count
+
+
+# ---- the layer alone ----------------------------------------------------------------------------
+
+
+def direct_tokens_per_s(cfg, backend: str, seed: int, device: str, steps: list[int], iters: int) -> dict[int, dict]:
+    """{n: {"s": median step seconds, "tok_s": n / s, "backend": name}} of the layer alone on R=1."""
+    import torch
+
+    from service.moe.layer import make_layer
+    from service.moe.weights import synthetic_rank_weights
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    layer = make_layer(cfg, synthetic_rank_weights(cfg, 0, seed, device=dev), rank=0, device=dev, backend=backend)
+    out = {}
+    seq = 0
+    for n in steps:
+        gen = torch.Generator().manual_seed(n)
+        x = torch.randn(n, cfg.H, generator=gen).to(cfg.dtype)
+        ids = torch.argsort(torch.rand(n, cfg.E, generator=gen), dim=1)[:, :cfg.K].int()
+        w = torch.softmax(torch.randn(n, cfg.K, generator=gen), dim=1)
+        rows = (x.to(dev), ids.to(dev), w.to(dev))
+        if layer.inputs is not None:  # as the rank does: rows in the layer's own input buffers
+            rows = tuple(buf[:n].copy_(t) for buf, t in zip(layer.inputs, rows))
+        times = []
+        for i in range(iters + 5):
+            seq += 1
+            t0 = time.perf_counter()
+            if dev.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                layer.forward(*rows, seq)
+                end.record()
+                end.synchronize()
+                dt = start.elapsed_time(end) / 1e3
+            else:
+                layer.forward(*rows, seq)
+                dt = time.perf_counter() - t0
+            layer.check_seq(seq)
+            if i >= 5:
+                times.append(dt)
+        s = statistics.median(times)
+        out[n] = {"s": s, "tok_s": n / s, "backend": layer.name}
+    return out
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", help="a running server's HTTP base URL (else one is started)")
+    p.add_argument("--grpc", help="the running server's gRPC host:port")
+    p.add_argument("--model", default="moe")
+    p.add_argument("--protocols", default="v2_binary,grpc", help="v2_binary and/or grpc")
+    p.add_argument("--sizes", default="512,2048", help="tokens per request T, comma-separated")
+    p.add_argument("--concurrency", default="1,4,16", help="concurrent client processes, comma-separated")
+    p.add_argument("--wire-dtype", default="bf16", choices=sorted(WIRE), help="hidden_states and the answer on the wire")
+    p.add_argument("--seconds", type=float, default=5.0, help="timed seconds per cell")
+    p.add_argument("--direct-steps", type=int, default=50, help="timed steps of the layer alone per step shape")
+    p.add_argument("--no-direct", action="store_true", help="skip the layer alone (e.g. another process owns the GPU)")
+    p.add_argument("--json", help="write the figures here")
+    args, serve_flags = p.parse_known_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    conc = [int(c) for c in args.concurrency.split(",")]
+    protocols = args.protocols.split(",")
+
+    from service.cli import parse_settings
+
+    settings = parse_settings(serve_flags)
+    device, why = settings.resolve_device()
+    cfg = settings.layer_config(device)
+    print(f"# {cfg.describe()} on {device} ({why}); backend {settings.backend}; {os.cpu_count()} CPU cores; "
+          f"wire {args.wire_dtype}; {args.seconds:g} s per cell; concurrency {conc}", flush=True)
+    clients = Clients(max(conc))  # spawned before any CUDA use in this process
+    proc = None
+    results = []
+    try:
+        if args.url:
+            url, grpc_target = args.url, args.grpc or "127.0.0.1:8001"
+            wait_ready(url, START_TIMEOUT_S)
+        else:
+            log_path = os.path.join(tempfile.gettempdir(), f"moe-serve-load-{os.getpid()}.log")
+            proc, url, grpc_target = start_server(serve_flags, log_path)
+            print(f"# started moe-serve (log {log_path})", flush=True)
+        before = layer_seconds(url)
+        t_load = time.time()
+        wire_size, finite = WIRE_BITS[args.wire_dtype]
+        for T in sizes:
+            tensors = _tensors(cfg, T, seed=T, wire=args.wire_dtype)
+            bodies = {"v2_binary": v2_binary_body(args.model, tensors), "grpc": (grpc_body(args.model, tensors), 0)}
+            for proto in protocols:
+                body, header_len = bodies[proto]
+                target = grpc_target if proto == "grpc" else url
+                job = (proto, target, f"/v2/models/{args.model}/infer", body, header_len, T * cfg.H * wire_size,
+                       finite)
+                for c in conc:
+                    lats, wall = clients.run(c, job, args.seconds)
+                    q = statistics.quantiles(lats, n=100, method="inclusive") if len(lats) > 1 else [lats[0]] * 99
+                    row = {"protocol": proto, "T": T, "concurrency": c, "requests": len(lats),
+                           "tok_s": len(lats) * T / wall, "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3,
+                           "step_tokens": min(cfg.tokens_per_step, T * c)}
+                    results.append(row)
+                    print(f"  {proto} T={T} c={c}: {row['requests']} requests, {row['tok_s']:.0f} tok/s, "
+                          f"p50 {row['p50_ms']:.1f} ms", flush=True)
+        after = layer_seconds(url)
+        load_s = time.time() - t_load
+    finally:
+        clients.close()
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    direct = {}
+    if not args.no_direct and cfg.R == 1:
+        direct = direct_tokens_per_s(cfg, settings.backend, settings.seed, device,
+                                     sorted({r["step_tokens"] for r in results}), args.direct_steps)
+    busy_s, steps = after[0] - before[0], after[1] - before[1]
+
+    print(f"\n| protocol | T | concurrency | requests | tokens/s | p50 ms | p99 ms | direct tokens/s (step) | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        d = direct.get(r["step_tokens"])
+        r["direct_tok_s"] = d["tok_s"] if d else None
+        r["ratio"] = r["tok_s"] / d["tok_s"] if d else None
+        dtxt = f"{d['tok_s']:,.0f} ({r['step_tokens']}, {d['s'] * 1e6:.0f} us {d['backend']})" if d else "n/a"
+        rtxt = f"{r['ratio']:.0%}" if d else "n/a"
+        print(f"| {r['protocol']} | {r['T']} | {r['concurrency']} | {r['requests']} | {r['tok_s']:,.0f} "
+              f"| {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {dtxt} | {rtxt} |")
+    print(f"\nserver moe_layer_seconds over the load: {steps:.0f} steps, {busy_s:.2f} s of layer time in "
+          f"{load_s:.1f} s ({busy_s / max(load_s, 1e-9):.0%} busy, including the cells' warm-up gaps)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": cfg.describe(), "device": device, "wire": args.wire_dtype, "results": results,
+                       "direct": {str(k): v for k, v in direct.items()},
+                       "layer_busy_s": busy_s, "steps": steps, "load_s": load_s}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
