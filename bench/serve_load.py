@@ -244,6 +244,7 @@ def direct_tokens_per_s(cfg, backend: str, seed: int, device: str, steps: list[i
 
     dev = torch.device(device)
     if dev.type == "cuda":
+        dev = torch.device("cuda", dev.index or 0)  # the rank's device: GPU 0 at R=1
         torch.cuda.set_device(dev)
     layer = make_layer(cfg, synthetic_rank_weights(cfg, 0, seed, device=dev), rank=0, device=dev, backend=backend)
     out = {}

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from tests.api.common import CFG, check, inputs
+from tests.helpers import rel_err, tolerance
 from tests.serverproc import ServerProcess
 
 MAX_REQUEST_BYTES = 4 << 20
@@ -221,6 +222,78 @@ def test_concurrent_clients_get_their_own_rows(server):
     with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
         for f in [pool.submit(one, c) for c in cases]:
             f.result()
+
+
+PROTOCOLS = ("safetensors", "json", "v2_json", "v2_binary", "grpc")
+
+
+def infer_any(server, protocol: str, x, ids, w):
+    """One request over `protocol`: (status, answer or None, error text). Status is the HTTP code;
+    for gRPC 200, 400 for INVALID_ARGUMENT, else the gRPC status name."""
+    if protocol in ("safetensors", "json"):
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            r = (post_safetensors if protocol == "safetensors" else post_json)(c, x, ids, w)
+        if r.status_code != 200:
+            return r.status_code, None, r.json()["error"]
+        out = (safetensors.torch.load(r.content)["output"] if protocol == "safetensors"
+               else torch.tensor(r.json()["output"]))
+        return 200, out, ""
+    module = grpcclient if protocol == "grpc" else httpclient
+    client = (grpcclient.InferenceServerClient(server.grpc_url) if protocol == "grpc"
+              else httpclient.InferenceServerClient(server.http_hostport))
+    try:
+        result = client.infer("moe", triton_inputs(module, x, ids, w, binary=protocol != "v2_json"))
+    except InferenceServerException as err:
+        status = err.status()
+        if protocol == "grpc":
+            status = 400 if status == "StatusCode.INVALID_ARGUMENT" else status
+        return int(status) if str(status).isdigit() else status, None, str(err)
+    return 200, torch.from_numpy(result.as_numpy("output").copy()), ""
+
+
+BAD_ROWS = {  # what spoils one row of a request -> the words its 400 must contain
+    "nan": (lambda x, ids, w, t: x.index_fill_(0, torch.tensor([t]), float("nan")), "NaN"),
+    "id": (lambda x, ids, w, t: ids.index_fill_(0, torch.tensor([t]), E), "not an expert id"),
+    "weight": (lambda x, ids, w, t: w.index_fill_(0, torch.tensor([t]), float("inf")), "topk_weights contains"),
+}
+
+
+# JSON carries no NaN or infinity (the clients refuse to encode them): a bad id there.
+BAD_KIND = {"safetensors": "nan", "json": "id", "v2_json": "id", "v2_binary": "weight", "grpc": "nan"}
+
+
+def test_concurrent_protocols_bad_rows_and_solo_answers(server):
+    """Every protocol at once, good and bad requests merged into the same steps: each bad request
+    gets its own 400 naming the problem, every good one its own rows, equal to a solo run of the
+    same input (and within the tolerance of the fp32 reference)."""
+    sizes = [1, 7, 130, 300, 2, 513, 64, 9, 200, 33, 1, 77, 129, 5, 260]  # T=1, odd, past one step
+    cases = []
+    for i, T in enumerate(sizes):
+        protocol = PROTOCOLS[i % len(PROTOCOLS)]
+        bad = BAD_KIND[protocol] if i % 3 == 2 else None
+        x, ids, w = inputs(T, seed=300 + i, kind=("balanced", "skewed", "empty_expert")[i % 3])
+        if bad:
+            BAD_ROWS[bad][0](x, ids, w, T // 2)
+        cases.append((protocol, bad, x, ids, w))
+    assert {p for p, bad, *_ in cases if bad} == set(PROTOCOLS)  # every protocol gets bad requests
+    assert {p for p, bad, *_ in cases if not bad} == set(PROTOCOLS)  # and good ones
+
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(lambda c: infer_any(server, c[0], *c[2:]), cases))
+
+    for (protocol, bad, x, ids, w), (status, out, error) in zip(cases, answers):
+        if bad:
+            assert status == 400, (protocol, bad, status, error)
+            assert BAD_ROWS[bad][1] in error, (protocol, bad, error)
+            continue
+        assert status == 200, (protocol, x.shape[0], status, error)
+        check(out, x, ids, w)
+        solo_status, solo, _ = infer_any(server, protocol, x, ids, w)  # alone: a step of its own
+        assert solo_status == 200
+        # Not bit for bit: the CPU GEMMs block rows differently for another step's row count,
+        # which moves the fp32 rounding (~1e-7); rows of another request would differ by ~1.
+        err = rel_err(out.float(), solo.float())
+        assert err <= tolerance(CFG.dtype, out.dtype), (protocol, x.shape[0], err)
 
 
 # ---- bad input ---------------------------------------------------------------------------------
