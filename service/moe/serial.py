@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from service.config import BM, LayerConfig
-from service.moe.grouped import grouped_mm, prepare_weight
+from service.moe.grouped import grouped_mm, native_grouped_mm_reason, prepare_weight, real_rows
 from service.moe import routing
 from service.moe import tables as torch_tables
 from service.moe.timing import StageTimer
@@ -102,18 +102,26 @@ class GroupedGemms:
             gemm2(self.h, self.w2, tables.block_expert, config=self.configs[1], out=self.d, bias=self.b2)
             timer.mark("gemm2")
             return self.d
-        A = torch.index_select(x_g, 0, tables.row_token.clamp(min=0), out=self.A)  # [S, H]
+        if native_grouped_mm_reason(x_g.device, x_g.dtype) is None:  # one launch over whole ranges
+            rows = None
+            A = torch.index_select(x_g, 0, tables.row_token.clamp(min=0), out=self.A)  # [S, H]
+        else:  # the per-expert loop: real rows only (a step's cost follows its tokens)
+            rows = real_rows(tables.expert_offsets, tables.row_token)
+            A = self.A
+            for lo, n in zip(tables.expert_offsets.tolist(), rows):
+                if n:
+                    torch.index_select(x_g, 0, tables.row_token[lo:lo + n], out=A[lo:lo + n])
         timer.mark("scatter")
-        h = grouped_mm(A, self.w13, tables.expert_offsets)   # [S, 2*Ir]
+        h = grouped_mm(A, self.w13, tables.expert_offsets, rows)   # [S, 2*Ir]
         if self.b13 is not None or self.b2 is not None:
             # Expert of every row (blocks past the last expert carry E: clamped, their rows are unused).
             row_expert = tables.block_expert.long().clamp(max=self.w13.shape[0] - 1).repeat_interleave(BM)  # [S]
         if self.b13 is not None:
             h += self.b13[row_expert]
         timer.mark("gemm1")
-        act = self.act.apply(h[:, :Ir], h[:, Ir:])           # [S, Ir]
+        act = self.act.apply(h[:, :Ir], h[:, Ir:])                 # [S, Ir]
         timer.mark("swiglu")
-        d = grouped_mm(act, self.w2, tables.expert_offsets)  # [S, H]
+        d = grouped_mm(act, self.w2, tables.expert_offsets, rows)  # [S, H]
         if self.b2 is not None:
             d += self.b2[row_expert]
         timer.mark("gemm2")
