@@ -19,7 +19,10 @@ Exposed communication of this backend (`exposed_comm_s()`, reported in `StepStat
 is the time spent in the collectives (stages `all_gather` and `reduce_scatter`): nothing overlaps them.
 
 Gloo has no reduce-scatter; there the step all-reduces the partials and keeps its own rows
-(R times the traffic of a reduce-scatter, on the CPU path only).
+(R times the traffic of a reduce-scatter, on the CPU path only). On gloo the token all-gather and
+that all-reduce move only the first m = max(n_r) rows of every rank's block (the counts are on the
+host after the routing all-gather; the rows past n_r are padding): a step's traffic follows its
+tokens. NCCL moves whole blocks (reading m would sync the device).
 
 Kernels, chosen once per rank and logged (`GEMMS`, `build_tables` below):
 - GEMMs: on CUDA with bf16/fp16 the Triton grouped GEMM of service.kernels.grouped_gemm
@@ -119,7 +122,13 @@ class GroupedGemms:
         if self.b13 is not None:
             h += self.b13[row_expert]
         timer.mark("gemm1")
-        act = self.act.apply(h[:, :Ir], h[:, Ir:])                 # [S, Ir]
+        if rows is None:
+            act = self.act.apply(h[:, :Ir], h[:, Ir:])             # [S, Ir]
+        else:  # real rows only
+            act = torch.empty(h.shape[0], Ir, dtype=h.dtype, device=h.device)  # [S, Ir]
+            for lo, n in zip(tables.expert_offsets.tolist(), rows):
+                if n:
+                    act[lo:lo + n] = self.act.apply(h[lo:lo + n, :Ir], h[lo:lo + n, Ir:])
         timer.mark("swiglu")
         d = grouped_mm(act, self.w2, tables.expert_offsets, rows)  # [S, H]
         if self.b2 is not None:
@@ -161,6 +170,9 @@ class SerialLayer:
         self.x_g = torch.zeros(R * C, H, dtype=cfg.dtype, **kw)  # [R*C, H]
         self.out = torch.zeros(C, H, dtype=torch.float32, **kw)  # [C, H] fp32 sum of the slices
         self.partial = torch.empty(R * C, H, dtype=torch.float32, **kw)  # [R*C, H] combine output
+        self._rows = C  # rows of each rank's token block that the collectives move this step
+        if not self.nccl and R > 1:  # gloo's all-reduce of the first _rows rows of each block
+            self.reduce_buf = torch.empty(R * C, H, dtype=torch.float32, **kw)  # [R*C, H]
         if self.gemms.impl == "torch":  # the portable combine's gather buffer
             self.gathered = torch.empty(R * C, H, dtype=cfg.dtype, **kw)   # [R*C, H]
 
@@ -175,17 +187,22 @@ class SerialLayer:
             view = (lambda t: t.view(torch.uint8)) if inp.dtype == torch.bfloat16 else (lambda t: t)
             src = view(inp)
             chunks = [c.view(src.shape) for c in view(out).chunk(self.cfg.R)]
+            if src.shape[0] == self.cfg.C and src.dim() == 2:  # token blocks: the first m rows only
+                src, chunks = src[:self._rows], [c[:self._rows] for c in chunks]
             dist.all_gather(chunks, src, group=self.group)
 
     def _reduce_scatter(self, partial: torch.Tensor) -> torch.Tensor:
-        C = self.cfg.C
+        R, C = self.cfg.R, self.cfg.C
         if self.cfg.R == 1:
             return partial
         if self.nccl:
             dist.reduce_scatter_tensor(self.out, partial, group=self.group)
             return self.out
-        dist.all_reduce(partial, group=self.group)
-        return partial[self.rank * C:(self.rank + 1) * C]
+        m = self._rows
+        rows = self.reduce_buf[:R * m].view(R, m, -1)              # [R, m, H]
+        rows.copy_(partial.view(R, C, -1)[:, :m])
+        dist.all_reduce(rows, group=self.group)
+        return rows[self.rank]
 
     # -- one step --------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, seq: int,
@@ -204,6 +221,7 @@ class SerialLayer:
         self._all_gather(self.routing_g, self.routing)
         timer.mark("all_gather")
         counts, ids_g, w_g = routing.unpack(self.routing_g, C, K)  # [R], [R*C, K], [R*C, K]
+        self._rows = C if self.nccl else max(1, int(counts.max()))   # rows that travel (see above)
 
         # 2. schedule tables, identical on every rank.
         tables = build_tables(ids_g, counts, cfg.E, C, cfg.S)
