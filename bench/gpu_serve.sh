@@ -6,10 +6,14 @@
 #      collapsed stacks in pyspy.txt (summarised with bench/pyspy_summary.py)
 #   2. bench/serve_load.py against it: v2 binary and gRPC, bf16 on the wire, T=512 and 2048,
 #      concurrency 1, 4, 16; the layer alone at the same step shapes in the same run (after the load)
-#   3. bench/multigpu.py load: the issue's own protocol (fp32, 4 threads of one client process)
-#   4. a summary (summary.txt)
+#   3. bench/multigpu.py load: the issue's own protocol (fp32, 4 threads of one client process),
+#      when MULTIGPU_LOAD=1
+#   4. bench/frontend_costs.py: the host-side stages of one request, each alone (T=512, 2048)
+#   5. when SLOTS2 is set (e.g. 4): the server again with --slots $SLOTS2, serve_load at T=512
+#   6. a summary (summary.txt)
 # Every step runs under `timeout`; BUDGET (s, default 500) caps the whole.
-# Logs: $OUT (else build/gpu_serve): server.txt pyspy.txt serve_load.txt serve_load.json load.txt summary.txt
+# Logs: $OUT (else build/gpu_serve): server.txt pyspy.txt serve_load.txt serve_load.json load.txt
+# costs.txt slots.txt summary.txt
 #
 # The call (carry [".wt11", ".whl"]; the wheels listed in bench/multigpu.sh plus py-spy):
 #   cd .wt11 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -55,10 +59,11 @@ if (( ready == 0 )); then tail -n 40 "$LOG/server.txt"; exit 1; fi
 # ---- 1. profile under load ----------------------------------------------------------------------
 echo "== 1. py-spy under load"
 timeout -k 5 "$(cap 60)" "$PY" bench/serve_load.py --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
-  --sizes 512 --concurrency 4 --seconds 12 --no-direct "${SERVE_FLAGS[@]}" > "$LOG/pyspy_load.txt" 2>&1 &
+  --protocols "${PYSPY_PROTOCOLS:-grpc,v2_binary}" --sizes 512 --concurrency 4 --seconds 12 --no-direct \
+  "${SERVE_FLAGS[@]}" > "$LOG/pyspy_load.txt" 2>&1 &
 LOADPID=$!
 sleep 5
-timeout -k 5 "$(cap 30)" "$PYSPY" record --pid "$SERVER" --subprocesses --rate 250 --duration 8 --format raw \
+timeout -k 5 "$(cap 30)" "$PYSPY" record --pid "$SERVER" --subprocesses --rate 100 --duration 8 --format raw \
   --output "$LOG/pyspy.txt" --nonblocking > "$LOG/pyspy_log.txt" 2>&1
 echo "py-spy rc=$?"; tail -n 3 "$LOG/pyspy_log.txt"
 wait "$LOADPID"; echo "profile load rc=$?"; grep -E "^\|" "$LOG/pyspy_load.txt" | head -n 6
@@ -73,15 +78,34 @@ tail -n 20 "$LOG/serve_load.txt"
 
 # ---- 3. the protocol --------------------------------------------------------------------
 echo "== 3. bench/multigpu.py load (fp32, 4 clients)"
-if (( $(left) > 40 )); then
+LOAD_RC=skipped
+if [[ "${MULTIGPU_LOAD:-0}" == 1 ]] && (( $(left) > 40 )); then
   timeout -k 10 "$(cap 90)" "$PY" bench/multigpu.py load --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
     --preset seed --sizes 512,2048 --concurrency 4 --seconds 5 > "$LOG/load.txt" 2>&1
   LOAD_RC=$?
   grep -E "^\||steps, mean" "$LOG/load.txt"
-else
-  LOAD_RC=skipped
 fi
 stop_server
+
+echo "== 4. bench/frontend_costs.py"
+timeout -k 5 "$(cap 60)" "$PY" bench/frontend_costs.py --sizes 512,2048 --wire-dtype bf16 > "$LOG/costs.txt" 2>&1
+cat "$LOG/costs.txt"
+
+if [[ -n "${SLOTS2:-}" ]] && (( $(left) > 90 )); then
+  echo "== 5. the server with --slots $SLOTS2"
+  setsid "$PY" -m service --host 127.0.0.1 --http-port 18000 --grpc-port 18001 --slots "$SLOTS2" "${SERVE_FLAGS[@]}" \
+    > "$LOG/server2.txt" 2>&1 &
+  SERVER=$!
+  for _ in $(seq "$(cap 120)"); do
+    curl -sf -o /dev/null http://127.0.0.1:18000/v2/health/ready && break
+    kill -0 "$SERVER" 2>/dev/null || break
+    sleep 1
+  done
+  timeout -k 10 "$(cap 90)" "$PY" bench/serve_load.py --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
+    --sizes 512 --concurrency 4,16 --seconds "$CELL_S" --no-direct "${SERVE_FLAGS[@]}" > "$LOG/slots.txt" 2>&1
+  grep -E "^\|" "$LOG/slots.txt"
+  stop_server
+fi
 trap - EXIT
 
 {
@@ -89,4 +113,6 @@ trap - EXIT
   echo "== summary: $(( $(date +%s) - START )) s; serve_load rc=$SL_RC, multigpu load rc=$LOAD_RC"
   grep -E "^\||busy" "$LOG/serve_load.txt"
   grep -E "^\||steps, mean" "$LOG/load.txt" 2>/dev/null
+  grep -E "^\|" "$LOG/costs.txt" 2>/dev/null
+  [[ -n "${SLOTS2:-}" ]] && echo "slots $SLOTS2:" && grep -E "^\|" "$LOG/slots.txt" 2>/dev/null
 } | tee -a "$LOG/summary.txt"

@@ -1,0 +1,116 @@
+"""Per-request costs of the served path's host-side stages, each timed alone (no server, no network).
+
+    python bench/frontend_costs.py [--sizes 512,2048] [--wire-dtype bf16] [--reps 30] [--preset seed]
+
+For T tokens with hidden_states in the wire dtype: decoding a v2 binary body and a gRPC message
+(validation included), validation alone, the copy into a shared-memory slot (converting to the
+layer dtype), on a GPU the rank's copy-in from the slot (pinned as the rank pins it, and pageable
+for comparison) and its copy-out (cast on the device, then into the slot), the copy from the slot
+into the answer (in the wire dtype), and encoding the answer (v2 binary parts; gRPC: the message
+plus serializing it). Median microseconds of --reps runs, one thread. The socket I/O, the event
+loop, thread hand-offs and the layer itself are not here: bench/serve_load.py measures the whole,
+py-spy (bench/gpu_serve.sh) shows the event loop's share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from service.api import codecs
+from service.config import preset
+from service.worker.shm import create_slots, remove_slots
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def median_us(fn, reps: int, sync=None) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="512,2048")
+    p.add_argument("--wire-dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--preset", default="seed")
+    args = p.parse_args()
+    cfg = preset(args.preset, R=1, C=max(int(s) for s in args.sizes.split(",")))
+    spec = codecs.ModelSpec.of(cfg, max_tokens=1 << 20)
+    wire = DTYPES[args.wire_dtype]
+    cuda = torch.cuda.is_available()
+    slot = create_slots(cfg, 1)[0]
+    try:
+        if cuda:
+            from service.worker.rank import pin_slot
+
+            dev = torch.device("cuda", 0)
+            pin_slot(slot)
+            x_dev = torch.empty(cfg.C, cfg.H, dtype=cfg.dtype, device=dev)
+            out32 = torch.randn(cfg.C, cfg.H, device=dev)           # the layer's fp32 answer
+            out_dev = torch.empty(cfg.C, cfg.H, dtype=cfg.dtype, device=dev)
+            pageable = torch.empty(cfg.C, cfg.H, dtype=cfg.dtype)
+            sync = torch.cuda.synchronize
+        print(f"# {cfg.describe()}, wire {args.wire_dtype}, {'CUDA ' + torch.cuda.get_device_name() if cuda else 'CPU'}; "
+              f"torch {torch.__version__}; median us of {args.reps}")
+        print("| stage | " + " | ".join(f"T={T}" for T in map(int, args.sizes.split(","))) + " |")
+        print("|---|" + "---|" * len(args.sizes.split(",")))
+        rows: dict[str, list[str]] = {}
+        for T in map(int, args.sizes.split(",")):
+            gen = torch.Generator().manual_seed(T)
+            x = torch.randn(T, cfg.H, generator=gen).to(wire)
+            ids = torch.argsort(torch.rand(T, cfg.E, generator=gen), dim=1)[:, :cfg.K].int()
+            w = torch.softmax(torch.randn(T, cfg.K, generator=gen), dim=1)
+            blobs = [codecs.to_bytes(t) for t in (x, ids, w)]
+            names = [codecs.V2_NAMES[t.dtype] for t in (x, ids, w)]
+            import json
+
+            header = json.dumps({"inputs": [{"name": n, "datatype": d, "shape": list(t.shape),
+                                             "parameters": {"binary_data_size": len(b)}}
+                                            for n, d, t, b in zip(codecs.INPUT_NAMES, names, (x, ids, w), blobs)],
+                                 "parameters": {"binary_data_output": True}}).encode()
+            body = header + b"".join(blobs)
+            msg = codecs.pb.ModelInferRequest(model_name="moe")
+            for n, d, t, b in zip(codecs.INPUT_NAMES, names, (x, ids, w), blobs):
+                msg.inputs.add(name=n, datatype=d, shape=list(t.shape))
+                msg.raw_input_contents.append(b)
+            wire_msg = msg.SerializeToString()
+            req = codecs.decode_v2_http(body, str(len(header)), spec)
+            answer = torch.empty(T, cfg.H, dtype=wire)
+            t_us = {
+                "decode v2 binary (+ validate)": median_us(lambda: codecs.decode_v2_http(body, str(len(header)), spec), args.reps),
+                "decode gRPC (parse + validate)": median_us(lambda: codecs.decode_grpc(codecs.parse_grpc_request(wire_msg), spec), args.reps),
+                "  of which validate": median_us(lambda: codecs.validate(req.x, req.ids, req.w, spec), args.reps),
+                "copy into the slot (to layer dtype)": median_us(lambda: (slot.x[:T].copy_(req.x), slot.ids[:T].copy_(req.ids),
+                                                                          slot.w[:T].copy_(req.w)), args.reps),
+            }
+            if cuda:
+                t_us["rank copy-in, pinned slot (H2D)"] = median_us(lambda: x_dev[:T].copy_(slot.x[:T], non_blocking=True), args.reps, sync)
+                t_us["  the same from pageable memory"] = median_us(lambda: x_dev[:T].copy_(pageable[:T], non_blocking=True), args.reps, sync)
+                t_us["rank copy-out (cast, D2H to the slot)"] = median_us(
+                    lambda: slot.out[:T].copy_(out_dev[:T].copy_(out32[:T]), non_blocking=True), args.reps, sync)
+            t_us["copy out of the slot (to wire dtype)"] = median_us(lambda: answer.copy_(slot.out[:T]), args.reps)
+            t_us["encode v2 binary (parts)"] = median_us(lambda: codecs.encode_v2_http(answer, req, "moe"), args.reps)
+            t_us["encode + serialize gRPC"] = median_us(
+                lambda: codecs.serialize_grpc_response(codecs.encode_grpc(answer, req, "moe")), args.reps)
+            for k, v in t_us.items():
+                rows.setdefault(k, []).append(f"{v:,.0f}")
+        for k, vals in rows.items():
+            print(f"| {k} | " + " | ".join(vals) + " |")
+    finally:
+        remove_slots([slot])
+
+
+if __name__ == "__main__":
+    main()
