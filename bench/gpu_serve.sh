@@ -11,7 +11,8 @@
 #   4. bench/frontend_costs.py: the host-side stages of one request, each alone (T=512, 2048)
 #   5. when SLOTS2 is set (e.g. 4): the server again with --slots $SLOTS2, serve_load at T=512
 #   6. a summary (summary.txt)
-# Every step runs under `timeout`; BUDGET (s, default 500) caps the whole.
+# Every step runs under `timeout`; BUDGET (s, default 500) caps the whole. PROFILE=0 / COSTS=0 skip
+# steps 1 / 4.
 # Logs: $OUT (else build/gpu_serve): server.txt pyspy.txt serve_load.txt serve_load.json load.txt
 # costs.txt slots.txt summary.txt
 #
@@ -58,6 +59,7 @@ if (( ready == 0 )); then tail -n 40 "$LOG/server.txt"; exit 1; fi
 
 # ---- 1. profile under load ----------------------------------------------------------------------
 echo "== 1. py-spy under load"
+if [[ "${PROFILE:-1}" == 1 ]]; then
 timeout -k 5 "$(cap 60)" "$PY" bench/serve_load.py --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
   --protocols "${PYSPY_PROTOCOLS:-grpc,v2_binary}" --sizes 512 --concurrency 4 --seconds 12 --no-direct \
   "${SERVE_FLAGS[@]}" > "$LOG/pyspy_load.txt" 2>&1 &
@@ -67,6 +69,7 @@ timeout -k 5 "$(cap 30)" "$PYSPY" record --pid "$SERVER" --subprocesses --rate 1
   --output "$LOG/pyspy.txt" --nonblocking > "$LOG/pyspy_log.txt" 2>&1
 echo "py-spy rc=$?"; tail -n 3 "$LOG/pyspy_log.txt"
 wait "$LOADPID"; echo "profile load rc=$?"; grep -E "^\|" "$LOG/pyspy_load.txt" | head -n 6
+fi
 
 # ---- 2. bench/serve_load.py ---------------------------------------------------------------------
 echo "== 2. bench/serve_load.py (bf16)"
@@ -87,9 +90,11 @@ if [[ "${MULTIGPU_LOAD:-0}" == 1 ]] && (( $(left) > 40 )); then
 fi
 stop_server
 
-echo "== 4. bench/frontend_costs.py"
-timeout -k 5 "$(cap 60)" "$PY" bench/frontend_costs.py --sizes 512,2048 --wire-dtype bf16 > "$LOG/costs.txt" 2>&1
-cat "$LOG/costs.txt"
+if [[ "${COSTS:-1}" == 1 ]]; then
+  echo "== 4. bench/frontend_costs.py"
+  timeout -k 5 "$(cap 60)" "$PY" bench/frontend_costs.py --sizes 512,2048 --wire-dtype bf16 > "$LOG/costs.txt" 2>&1
+  cat "$LOG/costs.txt"
+fi
 
 if [[ -n "${SLOTS2:-}" ]] && (( $(left) > 90 )); then
   echo "== 5. the server with --slots $SLOTS2"

@@ -157,8 +157,26 @@ def parse_timeout_s(value: str | float | int | None, what: str) -> float | None:
 # POST /moe/forward
 
 
-def decode_forward_json(body: bytes, spec: ModelSpec) -> Decoded:
-    doc = _json_object(body)
+Body = bytes | memoryview | list  # a request body, or the chunks it arrived in (joined by the decoder)
+
+
+def join_chunks(body: Body) -> bytes | memoryview:
+    """One buffer of a body that arrived in chunks. The copy is numpy's, which releases the GIL
+    (bytes.join holds it): run in a worker thread, it leaves the event loop free meanwhile."""
+    if not isinstance(body, list):
+        return body
+    if len(body) == 1:
+        return body[0]
+    out = np.empty(sum(len(c) for c in body), dtype=np.uint8)
+    at = 0
+    for chunk in body:
+        out[at:at + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+        at += len(chunk)
+    return memoryview(out)
+
+
+def decode_forward_json(body: Body, spec: ModelSpec) -> Decoded:
+    doc = _json_object(join_chunks(body))
     _require_keys(doc, INPUT_NAMES, "the JSON body")
     x = _json_array(doc["hidden_states"], "hidden_states", np.float32)
     ids = _json_array(doc["topk_ids"], "topk_ids", None)
@@ -171,9 +189,9 @@ def encode_forward_json(out: torch.Tensor) -> bytes:
     return _json_answer({OUTPUT_NAME: out.float().tolist()})
 
 
-def decode_safetensors(body: bytes, spec: ModelSpec) -> Decoded:
+def decode_safetensors(body: Body, spec: ModelSpec) -> Decoded:
     try:
-        tensors = safetensors.torch.load(bytes(body))
+        tensors = safetensors.torch.load(bytes(join_chunks(body)))
     except Exception as e:  # the Rust parser raises its own SafetensorError and others
         raise InvalidInput(f"malformed safetensors body: {e}") from None
     _require_keys(tensors, INPUT_NAMES, "the safetensors body")
@@ -191,9 +209,9 @@ def encode_safetensors(out: torch.Tensor) -> bytes:
 # Open Inference Protocol v2 over HTTP
 
 
-def decode_v2_http(body: bytes, header_length: str | None, spec: ModelSpec) -> Decoded:
+def decode_v2_http(body: Body, header_length: str | None, spec: ModelSpec) -> Decoded:
     """A v2 infer body: JSON, or a JSON header of `header_length` bytes followed by blobs."""
-    view = memoryview(body)
+    view = memoryview(join_chunks(body))
     if header_length is None:
         header, blobs = view, view[len(view):]
     else:

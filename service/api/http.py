@@ -64,9 +64,10 @@ def _media_type(request: Request) -> str | None:
     return value.split(";", 1)[0].strip().lower() if value else None
 
 
-async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The body, refusing (413) anything over `limit` bytes before reading it all and (408) a body
-    that takes longer than `timeout_s` to arrive."""
+async def read_body(request: Request, limit: int, timeout_s: float) -> list[bytes]:
+    """The body as the chunks it arrived in (the decoders join them, off the event loop for a large
+    body), refusing (413) anything over `limit` bytes before reading it all and (408) a body that
+    takes longer than `timeout_s` to arrive."""
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding != "identity":
         raise UnsupportedMediaType(f"Content-Encoding {encoding!r} is not supported; send the body uncompressed")
@@ -86,7 +87,7 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
         raise BodyTimeout(f"the body did not arrive within {timeout_s:g} s ({size} bytes read)") from None
     except ClientDisconnect:
         raise ClientGone(f"the client disconnected after {size} bytes of the body") from None
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)  # the tensors are views of these bytes
+    return chunks
 
 
 def create_app(fe: Frontend) -> FastAPI:
@@ -136,7 +137,7 @@ def create_app(fe: Frontend) -> FastAPI:
             timeout = codecs.parse_timeout_s(request.headers.get(TIMEOUT_HEADER), "X-Request-Timeout")
             body = await read_body(request, limit, timeout or fe.settings.request_timeout_s)
             decode = codecs.decode_safetensors if media == SAFETENSORS else codecs.decode_forward_json
-            req = await fe.offload(len(body) // 4, decode, body, fe.spec)
+            req = await fe.offload(sum(map(len, body)) // 4, decode, body, fe.spec)
             req.timeout_s = timeout
             out = await fe.infer(req)
             if media == SAFETENSORS:
@@ -192,7 +193,7 @@ def create_app(fe: Frontend) -> FastAPI:
                 raise UnsupportedMediaType(f"Content-Type must be {JSON} or {OCTET_STREAM}, got {media!r}")
             timeout = codecs.parse_timeout_s(request.headers.get(TIMEOUT_HEADER), "X-Request-Timeout")
             body = await read_body(request, limit, timeout or fe.settings.request_timeout_s)
-            req = await fe.offload(len(body) // 4, codecs.decode_v2_http, body, header_length, fe.spec)
+            req = await fe.offload(sum(map(len, body)) // 4, codecs.decode_v2_http, body, header_length, fe.spec)
             req.timeout_s = timeout or req.timeout_s
             out = await fe.infer(req)
             parts, json_length = await fe.offload(out.numel(), codecs.encode_v2_http, out, req, fe.model_name)

@@ -112,6 +112,21 @@ def test_v2_binary_round_trip():
     assert torch.equal(back, x)
 
 
+def test_v2_binary_body_in_chunks():
+    """A body that arrived in chunks (cut inside the header and inside a tensor) decodes the same."""
+    x, ids, w = tensors(T=4, x_dtype=torch.bfloat16)
+    blobs = [codecs.to_bytes(x), codecs.to_bytes(ids.int()), codecs.to_bytes(w)]
+    header = json.dumps({"inputs": [
+        {"name": n, "datatype": d, "shape": list(t.shape), "parameters": {"binary_data_size": len(b)}}
+        for n, d, t, b in zip(codecs.INPUT_NAMES, ("BF16", "INT32", "FP32"), (x, ids, w), blobs)]}).encode()
+    body = header + b"".join(blobs)
+    cuts = [0, 7, len(header) + 5, len(header) + 23, len(body)]
+    chunks = [body[a:b] for a, b in zip(cuts, cuts[1:])]
+    assert bytes(codecs.join_chunks(chunks)) == body and codecs.join_chunks([body]) is body
+    req = codecs.decode_v2_http(chunks, str(len(header)), SPEC)
+    assert torch.equal(req.x, x) and torch.equal(req.ids, ids.int()) and torch.equal(req.w, w)
+
+
 def test_v2_json_output_choice():
     x, ids, w = tensors(T=2)
     doc = {"inputs": [{"name": "hidden_states", "datatype": "FP32", "shape": [2, 5], "data": x.flatten().tolist()},
