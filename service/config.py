@@ -3,8 +3,7 @@
 Dimension letters (used in every module):
     T tokens in a batch, H hidden, I total intermediate, E experts, K top-k, R ranks,
     C token capacity per rank, Ir = I / R intermediate slice per rank,
-    S rows of the gathered layout, META = 4  # int32 words in front of a rank's routing block (layout: service.moe.routing)
-BM = 128 row block.
+    S rows of the gathered layout, BM = 128 row block.
 """
 
 from __future__ import annotations
