@@ -33,8 +33,8 @@
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
 #     --platform manylinux1_x86_64 -d .whl \
 #     fastapi==0.165.0 starlette==1.10.0 opentelemetry-api==1.45.2 uvicorn==0.54.0 grpcio==1.85.1 \
-#     grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 httptools==0.9.0
-# (about 15 MB in all; httptools is uvicorn's parser, a dependency since issue 11. The tests' own
+#     grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2
+# (about 15 MB in all; bench/gpu_serve.sh also wants py-spy. The tests' own
 # client, tritonclient==2.41.0, needs python-rapidjson==1.25 geventhttpclient==2.0.12 gevent==26.9.0
 # greenlet==3.5.6 zope.event==6.2 zope.interface==8.7 brotli==1.2.1 besides.)
 set -uo pipefail
