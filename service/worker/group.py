@@ -293,6 +293,7 @@ class WorkerGroup:
                 if not self.alive:
                     raise GroupUnavailable("the rank group is not running")
                 self._reading = True
+            answers = None
             try:
                 answers = self._collect("done", self.step_deadline_s(), f"step {seq}")
                 seqs = {a[0] for a in answers}
@@ -305,8 +306,8 @@ class WorkerGroup:
             finally:
                 with self._answered:
                     self._reading = False
-                    if self._failure is None:
-                        self._answers[seqs.pop()] = answers
+                    if self._failure is None and answers is not None:
+                        self._answers[answers[0][0]] = answers
                     self._answered.notify_all()
 
     def _collect(self, kind: str, timeout: float, what: str) -> list:
