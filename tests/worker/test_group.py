@@ -185,3 +185,22 @@ def test_rank_group_listens_on_loopback_only():
         assert addresses, "the group's store should be listening"
         assert all(a.startswith(LOOPBACK) for a in addresses), addresses
         g.forward(*_batch(3, 2))  # the ranks rendezvoused through it
+
+
+def test_steps_of_several_threads_overlap_and_keep_their_rows(group):
+    """Two threads on the two slots: steps are sent while the other's runs (group.run holds no lock
+    across a step), answers reach their own thread, every batch matches the reference."""
+    import concurrent.futures
+
+    g, ref_weights = group
+    seq0 = g.seq
+
+    def worker(i: int) -> None:
+        gen = torch.Generator().manual_seed(40 + i)
+        for T in (1, g.cfg.tokens_per_step, 7, 2 * g.cfg.tokens_per_step + 3):
+            check_batch(g, ref_weights, T, ("balanced", "skewed")[i], gen)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for f in [pool.submit(worker, i) for i in range(2)]:
+            f.result()
+    assert g.seq == seq0 + 2 * (1 + 1 + 1 + 3) and g._in_flight == 0 and not g._answers
