@@ -534,11 +534,17 @@ def test_killed_rank_fails_fast_then_recovers(server, http):
     restarts = value(scrape(http)["moe_worker_restarts"], "moe_worker_restarts_total")
     pids = server.rank_pids()
     assert len(pids) == CFG.R, pids
-    x, ids, w = inputs(8 * STEP, seed=21, dtype=torch.bfloat16)  # eight steps: still running at the kill
+    # Thirteen steps (under the 4 MiB body limit); the kill comes once the first is done, so the
+    # request is surely in flight (a fixed sleep raced a faster front end).
+    x, ids, w = inputs(13 * STEP, seed=21, dtype=torch.bfloat16)
+    steps = value(scrape(http)["moe_steps"], "moe_steps_total")
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         inflight = pool.submit(post_safetensors, http, x, ids, w)
-        time.sleep(0.3)
+        deadline = time.monotonic() + 30
+        while value(scrape(http)["moe_steps"], "moe_steps_total") == steps:
+            assert time.monotonic() < deadline and not inflight.done(), "the request never ran a step"
+            time.sleep(0.005)
         os.kill(pids[1], signal.SIGKILL)
         t0 = time.monotonic()
         r = inflight.result(timeout=30)
