@@ -71,7 +71,7 @@ class Slot:
     owner_fd: int = -1  # the creator's locked descriptor (front end only); closed by remove_slots
 
     @classmethod
-    def open(cls, cfg: LayerConfig, index: int, path: str) -> "Slot":
+    def open(cls, cfg: LayerConfig, index: int, path: str) -> Slot:
         """Map an existing slot file (MAP_SHARED). A missing file or one of the wrong size is an
         error: this never creates a file."""
         layout, size = _layout(cfg)
