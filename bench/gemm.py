@@ -185,7 +185,7 @@ def bench_schedule(args, dev: torch.device) -> dict:
         out = schedule.build_tables_cuda(ids, counts, E, C, S)
         golden = torch_tables.build_tables(ids, counts, E, C, S)
         result["cuda_op_equal_to_torch_builder"] = all(
-            torch.equal(a, getattr(golden, f)) for f, a in zip(schedule.FIELDS, out))
+            torch.equal(a, getattr(golden, f)) for f, a in zip(schedule.FIELDS, out, strict=True))
         result["cuda_op_eager_us"] = do_bench(lambda: schedule.build_tables_cuda(ids, counts, E, C, S, out=out),
                                               warmup=25, rep=200) * 1e3
         with torch.cuda.stream(torch.cuda.Stream()):
@@ -253,16 +253,19 @@ def print_report(report: dict) -> None:
 
 def print_gemms(report: dict) -> None:
     print(f"dense cuBLAS 8192^3: {report['dense_tflops']:.0f} TFLOP/s")
-    print(f"{'routing':9s} {'impl':8s} {'GEMM1+SwiGLU':>14s} {'ratio':>6s} {'GEMM2':>10s} {'ratio':>6s}   (TFLOP/s, real hits)")
+    print(f"{'routing':9s} {'impl':8s} {'GEMM1+SwiGLU':>14s} {'ratio':>6s} {'GEMM2':>10s} {'ratio':>6s}   "
+          "(TFLOP/s, real hits)")
     for r in report["gemm"]:
         base = r["grouped"]
         for name in ("triton", "grouped", "loop"):
             v = r[name]
-            print(f"{r['routing']:9s} {name:8s} {v['gemm1_tflops']:14.0f} {v['gemm1_tflops'] / base['gemm1_tflops']:6.2f} "
+            print(f"{r['routing']:9s} {name:8s} {v['gemm1_tflops']:14.0f} "
+                  f"{v['gemm1_tflops'] / base['gemm1_tflops']:6.2f} "
                   f"{v['gemm2_tflops']:10.0f} {v['gemm2_tflops'] / base['gemm2_tflops']:6.2f}")
         for name in ("triton_gather", "triton_identity_gather"):
             v = r[name]
-            print(f"{r['routing']:9s} {name:8s} {v['gemm1_tflops']:14.0f} {v['gemm1_tflops'] / base['gemm1_tflops']:6.2f}")
+            print(f"{r['routing']:9s} {name:8s} {v['gemm1_tflops']:14.0f} "
+                  f"{v['gemm1_tflops'] / base['gemm1_tflops']:6.2f}")
         print(f"{'':9s} rows used {r['rows_used']} for {r['hits']} hits; max rows/expert {r['max_rows_per_expert']}; "
               f"triton vs grouped rel err {r['rel_err_vs_grouped'][0]:.1e} / {r['rel_err_vs_grouped'][1]:.1e}; "
               f"gather vs layout {r['rel_err_gather_vs_layout']:.1e}")
@@ -270,7 +273,7 @@ def print_gemms(report: dict) -> None:
 
 def print_schedule(s: dict) -> None:
     base = s["argsort_eager_us"]
-    print(f"schedule build (us; ratio = time / eager argsort chain, lower is better):")
+    print("schedule build (us; ratio = time / eager argsort chain, lower is better):")
     for key in ("argsort_eager_us", "torch_builder_eager_us", "torch_builder_graph_us", "cuda_op_eager_us",
                 "cuda_op_graph_us"):
         if key in s:
@@ -284,7 +287,8 @@ def print_schedule(s: dict) -> None:
 def print_combine(c: dict) -> None:
     print(f"top-k combine (us, GB/s of {c['bytes'] / 1e6:.0f} MB; ratio = torch loop time / time, higher is better):")
     for name in ("torch", "triton"):
-        print(f"  {name:24s} {c[name + '_us']:8.1f} {c['torch_us'] / c[name + '_us']:6.2f}x {c[name + '_gbps']:7.0f} GB/s")
+        print(f"  {name:24s} {c[name + '_us']:8.1f} {c['torch_us'] / c[name + '_us']:6.2f}x "
+              f"{c[name + '_gbps']:7.0f} GB/s")
     print(f"  triton vs torch rel err {c['rel_err_vs_torch']:.1e}")
 
 
@@ -309,7 +313,8 @@ def main() -> None:
     dev = torch.device("cuda")
     parts = set(args.parts.split(","))
     report = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "triton": triton.__version__,
-              "shape": {"tokens": args.tokens, "K": args.K, "E": args.E, "H": args.H, "Ir": args.Ir, "dtype": args.dtype},
+              "shape": {"tokens": args.tokens, "K": args.K, "E": args.E, "H": args.H, "Ir": args.Ir,
+                        "dtype": args.dtype},
               "parts": sorted(parts)}
     if "gemm" in parts:
         report["dense_tflops"] = dense_reference(dev)

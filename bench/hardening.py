@@ -117,7 +117,8 @@ def main() -> None:
         time.sleep(1.0)
         after = rss_bytes(server.pid)
         print(f"oversized gRPC: {OVERSIZED} x {len(data) >> 20} MiB -> {collections.Counter(codes)}; front end "
-              f"RSS {before >> 20} -> {after >> 20} MiB (+{(after - before) >> 20}) 1 s after; slowest live {worst:.3f} s")
+              f"RSS {before >> 20} -> {after >> 20} MiB (+{(after - before) >> 20}) 1 s after; "
+              f"slowest live {worst:.3f} s")
 
         lines0 = len(server.log().splitlines())
         socks = []

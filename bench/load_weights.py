@@ -67,7 +67,8 @@ def write(directory: Path, layout: str, E: int, H: int, I: int) -> None:  # noqa
         t[p + "experts.gate_up_proj"] = torch.cat([gate, up], 1).transpose(1, 2).contiguous().bfloat16()
         t[p + "experts.down_proj"] = down.transpose(1, 2).contiguous().bfloat16()
     save_file(t, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    json.dump({"weight_map": {k: "model.safetensors" for k in t}}, open(directory / "model.safetensors.index.json", "w"))
+    json.dump({"weight_map": {k: "model.safetensors" for k in t}},
+              open(directory / "model.safetensors.index.json", "w"))
     config = {"model_type": "qwen3_moe", "num_experts": E, "num_experts_per_tok": 8, "hidden_act": "silu"}
     if layout == "fp8":
         config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK]}

@@ -82,7 +82,7 @@ def main() -> None:
             except Exception as exc:  # OutOfResources, or a compiler failure on small-smem parts
                 print(f"{mode} {cfg}: skipped ({type(exc).__name__})")
                 continue
-            ms = do_bench(lambda: run(cfg), warmup=10, rep=100)
+            ms = do_bench(lambda run=run, cfg=cfg: run(cfg), warmup=10, rep=100)
             results.append((ms, cfg))
             print(f"{mode} {cfg}: {ms * 1e3:8.1f} us {work / ms / 1e9:6.0f} TFLOP/s")
         results.sort(key=lambda r: r[0])

@@ -84,7 +84,8 @@ def _gencode_flags() -> list[str]:
     if archs:
         versions = [a.replace("+PTX", "").strip() for a in archs.replace(",", ";").split(";") if a.strip()]
     else:
-        versions = sorted({"%d.%d" % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+        versions = sorted({"{}.{}".format(*torch.cuda.get_device_capability(i))
+                           for i in range(torch.cuda.device_count())})
     if not versions:
         raise SystemExit("no GPU visible and TORCH_CUDA_ARCH_LIST unset: pass --arch")
     flags = []

@@ -82,7 +82,8 @@ def _offline_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("forward", help="run one batch (a safetensors file) through the rank group",
                        description="Run one batch through the rank group. The weight and layer flags are the "
                        "service's (and read the same MOE_* variables).")
-    f.add_argument("--input", required=True, help="safetensors with hidden_states [T,H], topk_ids [T,K], topk_weights [T,K]")
+    f.add_argument("--input", required=True,
+                   help="safetensors with hidden_states [T,H], topk_ids [T,K], topk_weights [T,K]")
     f.add_argument("--output", required=True, help="safetensors to write: output [T,H] in the dtype of hidden_states")
     add_settings_flags(f, FORWARD_SETTINGS)
     f.set_defaults(parser=f)

@@ -15,8 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector,
-                               disable_created_metrics)
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+)
 
 # 50 microseconds to 60 seconds, roughly 1-2.5-5 per decade, with a bound at 30 s (the default
 # request deadline, request_timeout_s) and one past it, so that requests that ran into their

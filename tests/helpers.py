@@ -108,7 +108,8 @@ def random_experts(E: int, H: int, I: int, generator: torch.Generator) -> tuple[
 
 
 def slice_rank(gate: Tensor, up: Tensor, down: Tensor, r: int, R: int) -> tuple[Tensor, Tensor]:
-    """Rank r's tensor-parallel slice as RankWeights describes it: w13 [E, H, 2*Ir] (gate columns, then up), w2 [E, Ir, H]."""
+    """Rank r's tensor-parallel slice as RankWeights describes it: w13 [E, H, 2*Ir] (gate columns, then up),
+    w2 [E, Ir, H]."""
     Ir = gate.shape[1] // R
     rows = slice(r * Ir, (r + 1) * Ir)
     w13 = torch.cat([gate[:, rows, :], up[:, rows, :]], dim=1).transpose(1, 2).contiguous()  # [E, H, 2*Ir]

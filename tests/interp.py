@@ -62,4 +62,4 @@ def main(cases: Iterable[str], run_case: Callable[[str], dict]) -> None:
             out[case] = run_case(case)
         except Exception as exc:  # reported per case by the parent test
             out[case] = {"exception": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"}
-    print(json.dumps(out))
+    sys.stdout.write(json.dumps(out) + "\n")

@@ -22,7 +22,7 @@ def main() -> int:
         with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
             return 0 if response.status == 200 else 1
     except (urllib.error.URLError, OSError) as exc:  # HTTPError (503: not ready) is a URLError
-        print(f"not ready: {url}: {exc}", file=sys.stderr)
+        sys.stderr.write(f"not ready: {url}: {exc}\n")
         return 1
 
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import grpc
 
-from service.errors import (DeadlineExceeded, GroupUnavailable, InvalidInput, MoEError, Overloaded,
-                            WorkerError)
+from service.errors import DeadlineExceeded, GroupUnavailable, InvalidInput, MoEError, Overloaded, WorkerError
 
 
 class UnsupportedMediaType(InvalidInput):

@@ -174,7 +174,7 @@ class Shards:
                 h.__exit__(None, None, None)
         self._handles.clear()
 
-    def __enter__(self) -> "Shards":
+    def __enter__(self) -> Shards:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -475,7 +475,8 @@ def _inspect_fused(sh: Shards, prefix: str, interleaved: bool, E_config: int | N
         if layout != "gpt_oss":
             raise WeightsError(f"expert biases at {prefix!r} in {path!r} are known only for gpt-oss (a config.json "
                                f"with model_type 'gpt_oss' gives their activation); found layout {layout}")
-        for key, want in ((prefix + "experts.gate_up_proj_bias", [E, 2 * I]), (prefix + "experts.down_proj_bias", [E, H])):
+        for key, want in ((prefix + "experts.gate_up_proj_bias", [E, 2 * I]),
+                          (prefix + "experts.down_proj_bias", [E, H])):
             if sh.shape(key) != want:
                 raise WeightsError(f"key {key!r} in {path!r} has shape {sh.shape(key)}, expected {want}")
     return layout, E, H, I, dtype, bias
@@ -488,8 +489,8 @@ def _inspect_dbrx(sh: Shards, prefix: str, E: int | None):
         raise WeightsError(f"{keys[0]!r} in {sh.path!r} stacks all experts as [E*I, H]: the number of experts "
                            f"comes from config.json (ffn_config.moe_num_experts), which is missing")
     if any(s != shapes[0] or len(s) != 2 for s in shapes) or shapes[0][0] % E:
-        raise WeightsError(f"dbrx expert tensors {dict(zip(keys, shapes))} in {sh.path!r} are not [E*I, H] "
-                           f"with E={E}")
+        raise WeightsError(f"dbrx expert tensors {dict(zip(keys, shapes, strict=True))} in {sh.path!r} are not "
+                           f"[E*I, H] with E={E}")
     dtype = _check_dtype(sh, keys[0], False)
     return "dbrx", E, shapes[0][1], shapes[0][0] // E, dtype, False
 

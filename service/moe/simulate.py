@@ -154,7 +154,8 @@ def _kernel2(r: int, tables: Tables, act: Tensor, w2: Tensor, w_g: Tensor, count
         end = (b + 1) * BM
         ready_now = sum(1 for row in slots if row[0] >= 0 and max(row) < end)
         taken = sum(1 for g in jobs[:next_job] if slots[g][0] >= 0)
-        assert taken >= ready_now, f"rank {r}: after block {b}, {ready_now - taken} ready jobs wait behind an unready one"
+        assert taken >= ready_now, (f"rank {r}: after block {b}, {ready_now - taken} ready jobs wait behind "
+                                    f"an unready one")
     for g in jobs[next_job:]:
         assert slots[g][0] < 0, f"rank {r}: job for real token {g} never became ready"
 

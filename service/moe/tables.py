@@ -69,7 +69,7 @@ class Tables:
     def S(self) -> int:
         return self.row_token.shape[0]
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Tables":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Tables:
         return Tables(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
                          for f in dataclasses.fields(self)})
 
@@ -242,7 +242,8 @@ def check_invariants(tables: Tables, ids: Tensor, counts: Tensor, E: int, C: int
                 assert s == -1, f"padding token {g} has slot {s} at k={k}, want -1"
                 continue
             e = ids_l[g][k]
-            assert off[e] <= s < off[e + 1], f"slot {s} of hit ({g}, {k}) outside expert {e}'s rows [{off[e]}, {off[e + 1]})"
+            assert off[e] <= s < off[e + 1], (f"slot {s} of hit ({g}, {k}) outside expert {e}'s rows "
+                                              f"[{off[e]}, {off[e + 1]})")
             assert s not in seen, f"slot {s} holds both hit {seen[s]} and hit ({g}, {k}): not injective"
             seen[s] = (g, k)
             assert row_token[s] == g, f"row_token[{s}] = {row_token[s]}, want token {g}: not the inverse of slots"

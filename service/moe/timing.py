@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
@@ -36,7 +37,7 @@ class StageTimer:
         if self.cuda:
             self.marks[-1][1].synchronize()
         out: dict[str, float] = {}
-        for (_, t0), (stage, t1) in zip(self.marks, self.marks[1:]):
+        for (_, t0), (stage, t1) in itertools.pairwise(self.marks):
             dt = t0.elapsed_time(t1) / 1e3 if self.cuda else t1 - t0
             out[stage] = out.get(stage, 0.0) + dt
         return out

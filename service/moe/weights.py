@@ -95,8 +95,8 @@ def checkpoint_layer(cfg: LayerConfig, path: str | os.PathLike, *, prefix: str =
                           f"of {spec.path!r}; leave --top-k unset for a model directory")
     K = spec.K or top_k or default_k or cfg.K
     if K > spec.E:
-        raise ConfigError(f"K (top-k = {K}{'' if spec.K or top_k or default_k else ', the preset default'}) exceeds the "
-                          f"checkpoint's {spec.E} experts; set --top-k")
+        raise ConfigError(f"K (top-k = {K}{'' if spec.K or top_k or default_k else ', the preset default'}) "
+                          f"exceeds the checkpoint's {spec.E} experts; set --top-k")
     where = f"layer {spec.layer}" if spec.layer is not None else "the file"
     log.info("weights %s: %s experts at prefix %r (%s, %s, %s), K=%d%s", spec.path, where, spec.prefix, spec.layout,
              spec.dtype, spec.act.describe(), K, " from config.json" if spec.K else "")
@@ -229,7 +229,7 @@ def write_synthetic_checkpoint(path: str | os.PathLike, cfg: LayerConfig, seed: 
         raise ConfigError(f"naming must be one of {sorted(NAMINGS)}, got {naming!r}")
     tensors = {}
     for e in range(cfg.E):
-        for role, value in zip(ROLES, synthetic_expert(cfg, seed, e)):
+        for role, value in zip(ROLES, synthetic_expert(cfg, seed, e), strict=True):
             tensors[expert_key(prefix, e, role, naming)] = value.to(cfg.dtype)
     save_file(tensors, os.fspath(path), metadata={"format": "pt"})
 

@@ -44,7 +44,7 @@ def _shm_dir() -> str:
 def _layout(cfg: LayerConfig) -> tuple[dict[str, tuple[int, torch.dtype, tuple[int, ...]]], int]:
     """Field name -> (byte offset, dtype, shape); and the total size."""
     N = cfg.tokens_per_step
-    fields = {
+    fields: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
         "x": (cfg.dtype, (N, cfg.H)),         # [R*C, H] hidden states in the layer dtype
         "ids": (torch.int32, (N, cfg.K)),     # [R*C, K] expert ids
         "w": (torch.float32, (N, cfg.K)),     # [R*C, K] routing weights
@@ -71,7 +71,7 @@ class Slot:
     owner_fd: int = -1  # the creator's locked descriptor (front end only); closed by remove_slots
 
     @classmethod
-    def open(cls, cfg: LayerConfig, index: int, path: str) -> "Slot":
+    def open(cls, cfg: LayerConfig, index: int, path: str) -> Slot:
         """Map an existing slot file (MAP_SHARED). A missing file or one of the wrong size is an
         error: this never creates a file."""
         layout, size = _layout(cfg)
@@ -87,7 +87,7 @@ class Slot:
         for name, (offset, dtype, shape) in layout.items():
             nbytes = torch.Size(shape).numel() * dtype.itemsize
             views[name] = raw[offset:offset + nbytes].view(dtype).view(shape)
-        return cls(index=index, path=path, **views)
+        return cls(index=index, path=path, x=views["x"], ids=views["ids"], w=views["w"], out=views["out"])
 
 
 def _create_locked(directory: str, path: str, size: int) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -82,7 +82,7 @@ def warm_up(group, cfg: LayerConfig, expert: Expert, timeout_s: float) -> None:
     for e in chosen.tolist():
         gate, up, down, biases = expert(e)
         mine = torch.where(ids[rows] == e, 0, 1)  # this expert as expert 0 of a one-expert layer
-        one = None if biases is None else tuple(b[None] for b in biases)
+        one = None if biases is None else (biases[0][None], biases[1][None], biases[2][None])
         ref += moe_reference(x[rows], mine, w[rows], gate[None], up[None], down[None], act=cfg.act, biases=one)
     err = (out[rows] - ref).norm(dim=1) / ref.norm(dim=1)                          # [n]
     worst = int(err.argmax())

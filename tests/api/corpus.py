@@ -68,12 +68,15 @@ def forward_json_bodies() -> dict[str, bytes]:
         "bad-utf8": b"\xff\xfe{}", "nan-literal": _fwd_json().replace(b"0.", b"NaN", 1),
         "x-scalar": _fwd_json(hidden_states=1.0), "x-string": _fwd_json(hidden_states="x"),
         "x-dict": _fwd_json(hidden_states={"a": 1}), "x-3d": _fwd_json(hidden_states=[x.tolist()]),
-        "x-ragged": _fwd_json(hidden_states=[[1.0] * H, [1.0]]), "x-null-leaf": _fwd_json(hidden_states=[[None] * H] * T),
+        "x-ragged": _fwd_json(hidden_states=[[1.0] * H, [1.0]]),
+        "x-null-leaf": _fwd_json(hidden_states=[[None] * H] * T),
         "x-huge-int": _fwd_json(hidden_states=[[10**400] * H] * T), "x-inf": _fwd_json().replace(b"0.", b"1e999", 1),
         "ids-2**63": _fwd_json(topk_ids=[[2**63] * K] * T), "ids-float": _fwd_json(topk_ids=(ids + 0.5).tolist()),
-        "ids-E": _fwd_json(topk_ids=np.full((T, K), E).tolist()), "ids--1": _fwd_json(topk_ids=np.full((T, K), -1).tolist()),
+        "ids-E": _fwd_json(topk_ids=np.full((T, K), E).tolist()),
+        "ids--1": _fwd_json(topk_ids=np.full((T, K), -1).tolist()),
         "w-nan": _fwd_json().replace(b'"topk_weights": [[', b'"topk_weights": [[NaN, ', 1),
-        "w-short": _fwd_json(topk_weights=w[:1].tolist()), "T0": _fwd_json(hidden_states=[], topk_ids=[], topk_weights=[]),
+        "w-short": _fwd_json(topk_weights=w[:1].tolist()),
+        "T0": _fwd_json(hidden_states=[], topk_ids=[], topk_weights=[]),
         "extra-key": _fwd_json(other=1), "deep": b"[" * 200_000 + b"]" * 200_000,
         "answer-overflows": _fwd_json(hidden_states=huge.tolist()),  # finite input, inf/NaN answer
     }
@@ -84,7 +87,8 @@ def forward_safetensors_bodies() -> dict[str, bytes]:
     good = {"hidden_states": x, "topk_ids": ids, "topk_weights": w}
     blob = _safetensors(good)
     return {
-        "garbage": b"\x00" * 64, "truncated": blob[: len(blob) // 2], "header-len-huge": struct.pack("<Q", 2**63) + b"{}",
+        "garbage": b"\x00" * 64, "truncated": blob[: len(blob) // 2],
+        "header-len-huge": struct.pack("<Q", 2**63) + b"{}",
         "header-not-json": struct.pack("<Q", 4) + b"abcd", "offsets-past-end": _st_header(
             {"hidden_states": {"dtype": "F32", "shape": [T, H], "data_offsets": [0, 2**40]}}),
         "shape-2**63": _st_header({"hidden_states": {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [0, 0]}}),
@@ -137,7 +141,8 @@ def v2_json_bodies() -> dict[str, bytes]:
         "missing": body(_v2_inputs()[:2]), "no-data": body(_v2_inputs(data=False)),
         "parameters-list": with_x(parameters=[1]), "binary-size-negative": with_x(parameters={"binary_data_size": -1}),
         "timeout-string": body(parameters={"timeout": "soon"}), "timeout-huge": body(parameters={"timeout": 10**400}),
-        "timeout-negative": body(parameters={"timeout": -5}), "binary-output-string": body(parameters={"binary_data_output": "yes"}),
+        "timeout-negative": body(parameters={"timeout": -5}),
+        "binary-output-string": body(parameters={"binary_data_output": "yes"}),
         "outputs-unknown": body(outputs=[{"name": "nope"}]), "outputs-dict": body(outputs={}),
         "id-number": body(id=5), "deep": b'{"inputs": ' + b"[" * 200_000 + b"]" * 200_000 + b"}",
         "answer-overflows": with_x(data=huge.reshape(-1).tolist()),
@@ -149,7 +154,7 @@ def v2_binary_bodies() -> list[tuple[str, bytes, str]]:
     x, ids, w = good_arrays()
     blobs = [x.tobytes(), ids.tobytes(), w.tobytes()]
     inputs = _v2_inputs(data=False)
-    for item, blob in zip(inputs, blobs):
+    for item, blob in zip(inputs, blobs, strict=True):
         item["parameters"] = {"binary_data_size": len(blob)}
     header = json.dumps({"inputs": inputs}).encode()
     good = header + b"".join(blobs)
@@ -161,9 +166,10 @@ def v2_binary_bodies() -> list[tuple[str, bytes, str]]:
         h = json.dumps({"inputs": items}).encode()
         return h + b"".join(blobs), str(len(h))
 
-    cases = [("header-length-text", good, "abc"), ("header-length-0", good, "0"), ("header-length-negative", good, "-5"),
-             ("header-length-past-end", good, str(len(good) + 1)), ("header-length-2**64", good, str(2**64)),
-             ("truncated", good[:-7], n), ("trailing", good + b"\0" * 9, n), ("header-garbage", b"\xff" * len(header) + good[len(header):], n)]
+    cases = [("header-length-text", good, "abc"), ("header-length-0", good, "0"),
+             ("header-length-negative", good, "-5"), ("header-length-past-end", good, str(len(good) + 1)),
+             ("header-length-2**64", good, str(2**64)), ("truncated", good[:-7], n), ("trailing", good + b"\0" * 9, n),
+             ("header-garbage", b"\xff" * len(header) + good[len(header):], n)]
     for name, mutate in (
         ("size-past-end", lambda it: it[0]["parameters"].update(binary_data_size=2**62)),
         ("size-string", lambda it: it[0]["parameters"].update(binary_data_size="12")),
@@ -183,7 +189,8 @@ def _grpc_request(x=None, ids=None, w=None, raw=True, model="moe") -> pb.ModelIn
     gx, gids, gw = good_arrays()
     arrays = (gx if x is None else x, gids if ids is None else ids, gw if w is None else w)
     req = pb.ModelInferRequest(model_name=model)
-    for name, arr, dt in zip(("hidden_states", "topk_ids", "topk_weights"), arrays, ("FP32", "INT32", "FP32")):
+    for name, arr, dt in zip(("hidden_states", "topk_ids", "topk_weights"), arrays, ("FP32", "INT32", "FP32"),
+                             strict=True):
         req.inputs.add(name=name, datatype=dt, shape=list(arr.shape))
         if raw:
             req.raw_input_contents.append(arr.tobytes())
@@ -199,7 +206,8 @@ def grpc_messages() -> dict[str, bytes]:
     good = _grpc_request().SerializeToString()
     cases: dict[str, pb.ModelInferRequest | bytes] = {
         "garbage": b"\xff\xff\xff\xff\x0f", "truncated": good[:-5], "wrong-wire-type": b"\x0a\x05\x08\x01",
-        "model-unknown": _grpc_request(model="nope"), "version": pb.ModelInferRequest(model_name="moe", model_version="3"),
+        "model-unknown": _grpc_request(model="nope"),
+        "version": pb.ModelInferRequest(model_name="moe", model_version="3"),
         "empty": pb.ModelInferRequest(model_name="moe"), "ids-E": _grpc_request(ids=np.full((T, K), E, dtype=np.int32)),
         "x-nan": _grpc_request(x=np.full((T, H), np.nan, dtype=np.float32)), "typed-x-nan": _grpc_request(
             x=np.full((T, H), np.nan, dtype=np.float32), raw=False),
@@ -243,7 +251,8 @@ def cases() -> list[tuple[str, str, object]]:
     """(name, protocol, send) for every bad input."""
     out = []
     for name, body in forward_json_bodies().items():
-        out.append((name, "http_json", lambda s, b=body: _post(s, "/moe/forward", b, {"Content-Type": "application/json"})))
+        out.append((name, "http_json", lambda s, b=body: _post(
+            s, "/moe/forward", b, {"Content-Type": "application/json"})))
     for name, body in forward_safetensors_bodies().items():
         out.append((name, "http_safetensors", lambda s, b=body: _post(
             s, "/moe/forward", b, {"Content-Type": "application/x-safetensors"})))
@@ -252,12 +261,14 @@ def cases() -> list[tuple[str, str, object]]:
         out.append((name, "http_json", lambda s, h=headers: _post(s, "/moe/forward", _fwd_json(), h)))
     out.append(("length-lies-huge", "http_json", lambda s: _raw_post(s, "/moe/forward", 2**62, _fwd_json())))
     for name, body in v2_json_bodies().items():
-        out.append((name, "v2_json", lambda s, b=body: _post(s, "/v2/models/moe/infer", b, {"Content-Type": "application/json"})))
+        out.append((name, "v2_json", lambda s, b=body: _post(
+            s, "/v2/models/moe/infer", b, {"Content-Type": "application/json"})))
     out.append(("model-unknown", "v2_json", lambda s: _post(s, "/v2/models/nope/infer", b"{}", {})))
     out.append(("version-unknown", "v2_json", lambda s: _post(s, "/v2/models/moe/versions/7/infer", b"{}", {})))
     for name, body, length in v2_binary_bodies():
         out.append((name, "v2_binary", lambda s, b=body, n=length: _post(
-            s, "/v2/models/moe/infer", b, {"Inference-Header-Content-Length": n, "Content-Type": "application/octet-stream"})))
+            s, "/v2/models/moe/infer", b,
+            {"Inference-Header-Content-Length": n, "Content-Type": "application/octet-stream"})))
     for name, data in grpc_messages().items():
         out.append((name, "grpc", lambda s, d=data: grpc_send(s.grpc_url, d)))
     return out

@@ -97,7 +97,7 @@ def test_split_reassemble_and_no_mixing():
         return reqs, outs
 
     reqs, outs = run(main())
-    for (x, ids, w), out in zip(reqs, outs):
+    for (x, ids, w), out in zip(reqs, outs, strict=True):
         assert out.shape == x.shape
         assert rel_err(out, group.ref(x, ids, w)) < TOL[torch.float32]
     assert sum(group.steps) == sum(sizes)

@@ -14,8 +14,8 @@ import pytest
 import safetensors.torch
 
 from tests.api.common import check, inputs
-from tests.serverproc import ServerProcess, free_port
 from tests.api.test_e2e import post_safetensors, scrape, value
+from tests.serverproc import ServerProcess, free_port
 
 QUEUE_TOKENS = 64
 DELAY_MS = 600  # every request waits this long in the queue (the budget is never filled)

@@ -12,7 +12,14 @@ import pytest
 
 from service.config import Settings
 from tests.deploy.common import (
-    COMPOSE, DEPLOY, PROMETHEUS_CONFIG, ROOT, dockerfile_stages, duration_s, healthcheck, load_yaml,
+    COMPOSE,
+    DEPLOY,
+    PROMETHEUS_CONFIG,
+    ROOT,
+    dockerfile_stages,
+    duration_s,
+    healthcheck,
+    load_yaml,
 )
 
 INTERPOLATION = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")

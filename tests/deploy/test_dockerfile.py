@@ -15,8 +15,17 @@ import pytest
 
 from service.config import Settings
 from tests.deploy.common import (
-    DOCKERFILE, DOCKERIGNORE, ROOT, SCRIPTS, dockerfile_stages, dockerignore_patterns, duration_s, exec_form,
-    healthcheck, in_build_context, split_flags,
+    DOCKERFILE,
+    DOCKERIGNORE,
+    ROOT,
+    SCRIPTS,
+    dockerfile_stages,
+    dockerignore_patterns,
+    duration_s,
+    exec_form,
+    healthcheck,
+    in_build_context,
+    split_flags,
 )
 
 BIN = Path(sys.executable).parent  # hadolint and shellcheck come from PyPI into this environment

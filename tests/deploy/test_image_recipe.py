@@ -26,8 +26,17 @@ import httpx
 import pytest
 
 from tests.deploy.common import (
-    ROOT, SCRIPTS, Stage, arg_declaration, assignments, dockerfile_stages, dockerignore_patterns, exec_form,
-    healthcheck, in_build_context, split_flags,
+    ROOT,
+    SCRIPTS,
+    Stage,
+    arg_declaration,
+    assignments,
+    dockerfile_stages,
+    dockerignore_patterns,
+    exec_form,
+    healthcheck,
+    in_build_context,
+    split_flags,
 )
 from tests.serverproc import START_TIMEOUT_S, ServerProcess
 
@@ -127,7 +136,8 @@ def replay(stage: Stage, fs: StageFs, args: dict[str, str | None], base_env: dic
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2 * STEP_TIMEOUT_S + START_TIMEOUT_S + 120)  # the 300 s default would cut a cold-cache install short
+# the 300 s default would cut a cold-cache install short
+@pytest.mark.timeout(2 * STEP_TIMEOUT_S + START_TIMEOUT_S + 120)
 def test_image_recipe_installs_starts_and_gets_ready():
     global_args, stages = dockerfile_stages()
     base_env = {k: v for k, v in os.environ.items()

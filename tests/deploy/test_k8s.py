@@ -15,7 +15,13 @@ from cloudcoil.models.prometheus_operator import v1 as monitoring
 
 from service.config import Settings
 from tests.deploy.common import (
-    DEPLOY, K8S, dockerfile_stages, duration_s, hardening_problems, load_yaml, load_yaml_all,
+    DEPLOY,
+    K8S,
+    dockerfile_stages,
+    duration_s,
+    hardening_problems,
+    load_yaml,
+    load_yaml_all,
 )
 
 KUBERNETES_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())  # oldest we support, newest shipped

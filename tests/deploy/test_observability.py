@@ -15,8 +15,17 @@ from cloudcoil.models.prometheus_operator import v1 as monitoring
 
 from service.config import Settings
 from tests.deploy.common import (
-    ALERTS, DASHBOARD, K8S, PROMETHEUS_CONFIG, PROMETHEUS_OWN, TARGET_LABELS, grouping_labels, load_yaml,
-    load_yaml_all, scrape, selectors,
+    ALERTS,
+    DASHBOARD,
+    K8S,
+    PROMETHEUS_CONFIG,
+    PROMETHEUS_OWN,
+    TARGET_LABELS,
+    grouping_labels,
+    load_yaml,
+    load_yaml_all,
+    scrape,
+    selectors,
 )
 from tests.serverproc import ServerProcess
 

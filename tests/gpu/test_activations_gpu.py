@@ -64,7 +64,7 @@ def test_backend_matches_reference(name, backend):
         ref = moe_reference(x.float(), ids.to(dev), w.to(dev), gate, up, down, act=cfg.act, biases=b)
         assert torch.isfinite(out).all()
         err = rel_err(out, ref)
-        print(f"{name} {backend} T={T} {kind}: rel err {err:.2e}")
+        print(f"{name} {backend} T={T} {kind}: rel err {err:.2e}")  # noqa: T201 (the figures, for pytest -s)
         assert err <= TOL[torch.bfloat16], (name, backend, T, kind, err)
         if cfg.act.limit is not None and T > 1:
             share = float((x.float() @ gate[0].T > cfg.act.limit).float().mean())

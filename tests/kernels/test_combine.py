@@ -120,7 +120,8 @@ def test_compiles(arch, dtype):
            "stride_d": "i32", "stride_s": "i32", "stride_w": "i32", "stride_o": "i32",
            "K": "constexpr", "BLOCK_H": "constexpr"}
     aligned = [["tt.divisibility", 16]]
-    attrs = {(i,): aligned for i, name in enumerate(sig) if name.endswith("_ptr") or name in ("H", "stride_d", "stride_o")}
+    attrs = {(i,): aligned for i, name in enumerate(sig)
+             if name.endswith("_ptr") or name in ("H", "stride_d", "stride_o")}
     src = ASTSource(_combine_kernel, sig, {"K": 8, "BLOCK_H": BLOCK_H}, attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=NUM_WARPS))
     ptx = kernel.asm["ptx"]

@@ -309,9 +309,10 @@ def test_builders_under_cuda_graph(builder):
     def run():
         if builder == "cuda_op":
             written = schedule.build_tables_cuda(ids, counts, E, C, S, out=_buffers(out))
-            assert all(a is b for a, b in zip(written, _buffers(out)))  # written in place, returned
+            assert all(a is b for a, b in zip(written, _buffers(out), strict=True))  # written in place, returned
         else:
-            for buf, result in zip(_buffers(out), _buffers(torch_tables.build_tables(ids, counts, E, C, S))):
+            for buf, result in zip(_buffers(out), _buffers(torch_tables.build_tables(ids, counts, E, C, S)),
+                                   strict=True):
                 buf.copy_(result)
 
     stream = torch.cuda.Stream()

@@ -27,7 +27,7 @@ from service.moe.checkpoint import inspect_layer
 from service.moe.serial import SerialLayer
 from service.moe.weights import checkpoint_layer, load_rank_weights
 from tests.helpers import TOL, one_thread, rel_err, routing  # noqa: F401  (one_thread: fixture)
-from tests.hf_models import E, H, I, X_SCALE, build, expert_output, experts_module
+from tests.hf_models import X_SCALE, E, H, I, build, expert_output, experts_module
 
 R = 2
 T = 37
@@ -215,7 +215,7 @@ def test_fp8_block_quantized_checkpoint(models, tmp_path, one_thread):  # noqa: 
     ex = experts_module(model, 1)
     with torch.no_grad():
         for e in range(E):
-            get = lambda n: dequant[f"model.layers.1.mlp.experts.{e}.{n}_proj.weight"]  # noqa: E731
+            get = lambda n, e=e: dequant[f"model.layers.1.mlp.experts.{e}.{n}_proj.weight"]  # noqa: E731
             ex.gate_up_proj[e] = torch.cat([get("gate"), get("up")])
             ex.down_proj[e] = get("down")
         assert check_model(model, str(out_dir), 1, T)

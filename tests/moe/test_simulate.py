@@ -39,14 +39,15 @@ def run_case(cfg, counts, routing_kind, gen, rank_weights=None, full=None, seq=1
     if rank_weights is None:
         rank_weights = [slice_rank(*full, r, cfg.R) for r in range(cfg.R)]
     outs = simulate_fused(xs, ids, ws, rank_weights, cfg, seq=seq)
-    refs = [moe_reference(x, i, w, *full) for x, i, w in zip(xs, ids, ws)]
+    refs = [moe_reference(x, i, w, *full) for x, i, w in zip(xs, ids, ws, strict=True)]
     return outs, refs
 
 
 def assert_shards_close(outs, refs, counts, tol):
     assert len(outs) == len(refs) == len(counts)
-    for r, (out, ref) in enumerate(zip(outs, refs)):
-        assert out.dtype == torch.float32 and out.shape == ref.shape, f"rank {r}: {tuple(out.shape)} vs {tuple(ref.shape)}"
+    for r, (out, ref) in enumerate(zip(outs, refs, strict=True)):
+        assert out.dtype == torch.float32 and out.shape == ref.shape, (f"rank {r}: {tuple(out.shape)} vs "
+                                                                       f"{tuple(ref.shape)}")
         assert torch.isfinite(out).all(), f"rank {r}: non-finite output (a garbage row was read)"
         err = rel_err(out, ref)
         assert err <= tol, f"rank {r} (n={counts[r]}): relative error {err:.2e} > {tol:.0e}"

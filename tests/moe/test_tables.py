@@ -35,7 +35,8 @@ def make_counts(R: int, C: int, kind: str, gen: torch.Generator) -> torch.Tensor
     raise ValueError(kind)
 
 
-def global_routing(E: int, K: int, R: int, C: int, counts: torch.Tensor, kind: str, gen: torch.Generator) -> torch.Tensor:
+def global_routing(E: int, K: int, R: int, C: int, counts: torch.Tensor, kind: str,
+                   gen: torch.Generator) -> torch.Tensor:
     """ids [R*C, K] int64: real rows from `routing`, padding rows garbage (out of range too) that must be ignored."""
     ids = torch.randint(-5, E + 5, (R * C, K), generator=gen)                     # [R*C, K]
     for r in range(R):

@@ -40,7 +40,7 @@ def make_cfg(R: int = 2, dtype: torch.dtype = torch.float32, **changes) -> Layer
 
 def full_synthetic(cfg: LayerConfig, seed: int = SEED):
     experts = [synthetic_expert(cfg, seed, e) for e in range(cfg.E)]
-    return [torch.stack(m) for m in zip(*experts)]  # gate [E, I, H], up [E, I, H], down [E, H, I]
+    return [torch.stack(m) for m in zip(*experts, strict=True)]  # gate [E, I, H], up [E, I, H], down [E, H, I]
 
 
 def expected_slice(gate, up, down, rank: int, Ir: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +54,7 @@ def hf_tensors(cfg: LayerConfig, prefix: str = "", naming: str = "hf", seed: int
     gate, up, down = full_synthetic(cfg, seed)
     out = {}
     for e in range(cfg.E):
-        for role, m in zip(W.ROLES, (gate, up, down)):
+        for role, m in zip(W.ROLES, (gate, up, down), strict=True):
             out[expert_key(prefix, e, role, naming)] = m[e].to(cfg.dtype).contiguous()
     return out
 
@@ -132,10 +132,10 @@ def test_synthetic_expert_deterministic_rounded_and_scaled():
         assert m.dtype == torch.float32
         assert torch.equal(m, m.to(torch.bfloat16).float())  # already rounded to cfg.dtype
     again = synthetic_expert(cfg, SEED, 3)
-    assert all(torch.equal(a, b) for a, b in zip((gate, up, down), again))
+    assert all(torch.equal(a, b) for a, b in zip((gate, up, down), again, strict=True))
     # Independent of R, K, C: every rank of every group shape sees the same experts.
     other = synthetic_expert(make_cfg(R=4, K=3, C=7, dtype=torch.bfloat16), SEED, 3)
-    assert all(torch.equal(a, b) for a, b in zip((gate, up, down), other))
+    assert all(torch.equal(a, b) for a, b in zip((gate, up, down), other, strict=True))
     assert not torch.equal(gate, synthetic_expert(cfg, SEED, 4)[0])
     assert not torch.equal(gate, synthetic_expert(cfg, SEED + 1, 3)[0])
     assert not torch.equal(gate, up)

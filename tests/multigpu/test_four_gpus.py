@@ -126,6 +126,7 @@ def test_four_ranks_match_reference(backend, cfg, full_weights_gpu):
             group.release(slot)
     assert stats.backend == backend and stats.layer_s > 0 and stats.exposed_comm_s >= 0
     assert all(checked), f"some rank never had rows to check: {checked}"
-    print(f"\n{backend}: {BATCHES} batches, {steps} steps on {GPUS} GPUs; worst rel err per rank "
-          f"{', '.join(f'{e:.2e}' for e in worst)} (tolerance {TOL[cfg.dtype]:.0e}); shards checked {checked}; "
-          f"a full step: layer {stats.layer_s * 1e6:.0f} us, exposed comm {stats.exposed_comm_s * 1e6:.0f} us (rank 0)")
+    print(  # noqa: T201 (the run's report: errors per rank and a step's timings, for pytest -s on the GPU host)
+        f"\n{backend}: {BATCHES} batches, {steps} steps on {GPUS} GPUs; worst rel err per rank "
+        f"{', '.join(f'{e:.2e}' for e in worst)} (tolerance {TOL[cfg.dtype]:.0e}); shards checked {checked}; "
+        f"a full step: layer {stats.layer_s * 1e6:.0f} us, exposed comm {stats.exposed_comm_s * 1e6:.0f} us (rank 0)")

@@ -52,7 +52,8 @@ def test_files_are_removed_exactly_when_their_creator_is_gone():
     assert stale and os.path.exists(stale), dead.stderr
     mine = create_slots(SMALL, 1)[0]
     prefix = ["unshare", "--pid", "--fork", "--kill-child"] if _unshare_pid_works() else []
-    other = subprocess.Popen([*prefix, sys.executable, "-c", CREATE_AND_WAIT, "wait"], stdout=subprocess.PIPE, text=True)
+    other = subprocess.Popen([*prefix, sys.executable, "-c", CREATE_AND_WAIT, "wait"], stdout=subprocess.PIPE,
+                             text=True)
     try:
         theirs = other.stdout.readline().strip()
         assert theirs and os.path.exists(theirs)

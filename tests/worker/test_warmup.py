@@ -62,9 +62,8 @@ def test_an_answer_from_other_weights_fails_it():
 def test_a_model_directory_passes(tmp_path, model_type):
     """The warm-up's reference reads the checkpoint's own experts block (deepseek_v3: layer 1, after a
     dense layer 0) with its activation and biases (gpt_oss: clamped, biased), as the ranks do."""
-    from tests.hf_models import build
-
     from service.moe.weights import checkpoint_layer
+    from tests.hf_models import build
 
     build(model_type, tmp_path)
     base = LayerConfig(E=8, H=40, I=30, K=2, R=2, C=5, dtype=torch.float32)
