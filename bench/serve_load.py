@@ -354,7 +354,7 @@ def main() -> int:
                                      sorted({r["step_tokens"] for r in results}), args.direct_steps)
     busy_s, steps = after[0] - before[0], after[1] - before[1]
 
-    print(f"\n| protocol | T | concurrency | requests | tokens/s | p50 ms | p99 ms | direct tokens/s (step) | ratio |")
+    print("\n| protocol | T | concurrency | requests | tokens/s | p50 ms | p99 ms | direct tokens/s (step) | ratio |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         d = direct.get(r["step_tokens"])

@@ -29,7 +29,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -54,7 +54,7 @@ class ModelSpec:
     max_tokens: int     # the most tokens one request may carry (the queue limit)
 
     @classmethod
-    def of(cls, cfg: LayerConfig, max_tokens: int) -> "ModelSpec":
+    def of(cls, cfg: LayerConfig, max_tokens: int) -> ModelSpec:
         return cls(E=cfg.E, H=cfg.H, K=cfg.K, dtype=cfg.dtype, max_tokens=max_tokens)
 
 

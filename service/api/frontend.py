@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

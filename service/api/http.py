@@ -20,8 +20,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from service.api import codecs
-from service.api.error_map import (RETRY_AFTER_S, BodyTimeout, ClientGone, PayloadTooLarge, UnsupportedMediaType,
-                                   classify, message)
+from service.api.error_map import (
+    RETRY_AFTER_S,
+    BodyTimeout,
+    ClientGone,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+    classify,
+    message,
+)
 from service.api.frontend import Frontend
 from service.errors import MoEError
 

@@ -189,7 +189,7 @@ class WorkerGroup:
             conn.close()
         self._procs, self._conns = [], []
 
-    def __enter__(self) -> "WorkerGroup":
+    def __enter__(self) -> WorkerGroup:
         self.start()
         return self
 
