@@ -62,7 +62,8 @@ def main() -> None:
             out_dev = torch.empty(cfg.C, cfg.H, dtype=cfg.dtype, device=dev)
             pageable = torch.empty(cfg.C, cfg.H, dtype=cfg.dtype)
             sync = torch.cuda.synchronize
-        print(f"# {cfg.describe()}, wire {args.wire_dtype}, {'CUDA ' + torch.cuda.get_device_name() if cuda else 'CPU'}; "
+        print(f"# {cfg.describe()}, wire {args.wire_dtype}, "
+              f"{'CUDA ' + torch.cuda.get_device_name() if cuda else 'CPU'}; "
               f"torch {torch.__version__}; median us of {args.reps}")
         print("| stage | " + " | ".join(f"T={T}" for T in map(int, args.sizes.split(","))) + " |")
         print("|---|" + "---|" * len(args.sizes.split(",")))
@@ -76,28 +77,31 @@ def main() -> None:
             names = [codecs.V2_NAMES[t.dtype] for t in (x, ids, w)]
             import json
 
-            header = json.dumps({"inputs": [{"name": n, "datatype": d, "shape": list(t.shape),
-                                             "parameters": {"binary_data_size": len(b)}}
-                                            for n, d, t, b in zip(codecs.INPUT_NAMES, names, (x, ids, w), blobs)],
-                                 "parameters": {"binary_data_output": True}}).encode()
+            inputs = [{"name": n, "datatype": d, "shape": list(t.shape), "parameters": {"binary_data_size": len(b)}}
+                      for n, d, t, b in zip(codecs.INPUT_NAMES, names, (x, ids, w), blobs, strict=True)]
+            header = json.dumps({"inputs": inputs, "parameters": {"binary_data_output": True}}).encode()
             body = header + b"".join(blobs)
             msg = codecs.pb.ModelInferRequest(model_name="moe")
-            for n, d, t, b in zip(codecs.INPUT_NAMES, names, (x, ids, w), blobs):
+            for n, d, t, b in zip(codecs.INPUT_NAMES, names, (x, ids, w), blobs, strict=True):
                 msg.inputs.add(name=n, datatype=d, shape=list(t.shape))
                 msg.raw_input_contents.append(b)
             wire_msg = msg.SerializeToString()
             req = codecs.decode_v2_http(body, str(len(header)), spec)
             answer = torch.empty(T, cfg.H, dtype=wire)
             t_us = {
-                "decode v2 binary (+ validate)": median_us(lambda: codecs.decode_v2_http(body, str(len(header)), spec), args.reps),
-                "decode gRPC (parse + validate)": median_us(lambda: codecs.decode_grpc(codecs.parse_grpc_request(wire_msg), spec), args.reps),
+                "decode v2 binary (+ validate)": median_us(
+                    lambda: codecs.decode_v2_http(body, str(len(header)), spec), args.reps),
+                "decode gRPC (parse + validate)": median_us(
+                    lambda: codecs.decode_grpc(codecs.parse_grpc_request(wire_msg), spec), args.reps),
                 "  of which validate": median_us(lambda: codecs.validate(req.x, req.ids, req.w, spec), args.reps),
-                "copy into the slot (to layer dtype)": median_us(lambda: (slot.x[:T].copy_(req.x), slot.ids[:T].copy_(req.ids),
-                                                                          slot.w[:T].copy_(req.w)), args.reps),
+                "copy into the slot (to layer dtype)": median_us(
+                    lambda: (slot.x[:T].copy_(req.x), slot.ids[:T].copy_(req.ids), slot.w[:T].copy_(req.w)), args.reps),
             }
             if cuda:
-                t_us["rank copy-in, pinned slot (H2D)"] = median_us(lambda: x_dev[:T].copy_(slot.x[:T], non_blocking=True), args.reps, sync)
-                t_us["  the same from pageable memory"] = median_us(lambda: x_dev[:T].copy_(pageable[:T], non_blocking=True), args.reps, sync)
+                t_us["rank copy-in, pinned slot (H2D)"] = median_us(
+                    lambda: x_dev[:T].copy_(slot.x[:T], non_blocking=True), args.reps, sync)
+                t_us["  the same from pageable memory"] = median_us(
+                    lambda: x_dev[:T].copy_(pageable[:T], non_blocking=True), args.reps, sync)
                 t_us["rank copy-out (cast, D2H to the slot)"] = median_us(
                     lambda: slot.out[:T].copy_(out_dev[:T].copy_(out32[:T]), non_blocking=True), args.reps, sync)
             t_us["copy out of the slot (to wire dtype)"] = median_us(lambda: answer.copy_(slot.out[:T]), args.reps)

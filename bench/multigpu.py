@@ -402,7 +402,8 @@ def _wait_ready(url: str, wait_s: float, server_pid: int | None) -> float:
 
 
 def _tensors(cfg: LayerConfig, T: int, seed: int):
-    """fp32 hidden states, int32 ids, fp32 weights as numpy arrays (bench/serve_load.py --wire-dtype fp32 sends the same)."""
+    """fp32 hidden states, int32 ids, fp32 weights as numpy arrays
+    (bench/serve_load.py --wire-dtype fp32 sends the same)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(T, cfg.H, generator=gen)                                                  # [T, H]
     ids = torch.stack([torch.randperm(cfg.E, generator=gen)[:cfg.K] for _ in range(T)]).int()  # [T, K]

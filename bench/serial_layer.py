@@ -88,7 +88,7 @@ def time_layer(layer, cfg: LayerConfig, iters: int, rate: float) -> dict:
             for k, v in stages.items():
                 per_stage.setdefault(k, []).append(v)
     med = {k: statistics.median(v) for k, v in per_stage.items()}
-    total = statistics.median([sum(vals) for vals in zip(*per_stage.values())])
+    total = statistics.median([sum(vals) for vals in zip(*per_stage.values(), strict=True)])
     flops = 2 * T * cfg.K * cfg.H * 3 * cfg.Ir  # GEMM1 (2*Ir columns) + GEMM2, real rows only
     return {"stages": med, "total": total, "flops": flops, "floor": flops / rate}
 
@@ -112,7 +112,7 @@ def cpu_preset(iters: int) -> dict:
     with WorkerGroup(cfg, device="cpu") as group:
         for _ in range(3):
             group.forward(x, ids, w)
-        walls, layers = [], []
+        walls = []
         for _ in range(iters):
             t0 = time.perf_counter()
             group.forward(x, ids, w)

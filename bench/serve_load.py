@@ -102,14 +102,14 @@ def _client(conn) -> None:
                                                              ("grpc.max_send_message_length", 1 << 30)])
             call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")  # bytes in, bytes out
 
-            def once() -> bytes:
+            def once(call=call, body=body, out_bytes=out_bytes) -> bytes:  # bound: B023
                 return call(body, timeout=120)[-out_bytes:]
         else:
             host, port = target.removeprefix("http://").split(":")
             c = http.client.HTTPConnection(host, int(port), timeout=120)
             headers = {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(header_len)}
 
-            def once() -> bytes:
+            def once(c=c, path=path, body=body, headers=headers) -> bytes:  # bound: B023
                 c.request("POST", path, body=body, headers=headers)
                 r = c.getresponse()
                 data = r.read()
@@ -256,7 +256,7 @@ def direct_tokens_per_s(cfg, backend: str, seed: int, device: str, steps: list[i
         w = torch.softmax(torch.randn(n, cfg.K, generator=gen), dim=1)
         rows = (x.to(dev), ids.to(dev), w.to(dev))
         if layer.inputs is not None:  # as the rank does: rows in the layer's own input buffers
-            rows = tuple(buf[:n].copy_(t) for buf, t in zip(layer.inputs, rows))
+            rows = tuple(buf[:n].copy_(t) for buf, t in zip(layer.inputs, rows, strict=True))
         times = []
         for i in range(iters + 5):
             seq += 1
@@ -290,7 +290,8 @@ def main() -> int:
     p.add_argument("--protocols", default="v2_binary,grpc", help="v2_binary and/or grpc")
     p.add_argument("--sizes", default="512,2048", help="tokens per request T, comma-separated")
     p.add_argument("--concurrency", default="1,4,16", help="concurrent client processes, comma-separated")
-    p.add_argument("--wire-dtype", default="bf16", choices=sorted(WIRE), help="hidden_states and the answer on the wire")
+    p.add_argument("--wire-dtype", default="bf16", choices=sorted(WIRE),
+                   help="hidden_states and the answer on the wire")
     p.add_argument("--seconds", type=float, default=5.0, help="timed seconds per cell")
     p.add_argument("--direct-steps", type=int, default=50, help="timed steps of the layer alone per step shape")
     p.add_argument("--no-direct", action="store_true", help="skip the layer alone (e.g. another process owns the GPU)")
