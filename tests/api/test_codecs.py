@@ -98,7 +98,8 @@ def test_v2_binary_round_trip():
     blobs = [codecs.to_bytes(x), codecs.to_bytes(ids.int()), codecs.to_bytes(w)]
     header = json.dumps({"id": "a", "parameters": {"timeout": 2_500_000, "binary_data_output": True}, "inputs": [
         {"name": n, "datatype": d, "shape": list(t.shape), "parameters": {"binary_data_size": len(b)}}
-        for n, d, t, b in zip(codecs.INPUT_NAMES, ("BF16", "INT32", "FP32"), (x, ids, w), blobs)]}).encode()
+        for n, d, t, b in zip(codecs.INPUT_NAMES, ("BF16", "INT32", "FP32"), (x, ids, w), blobs, strict=True)
+    ]}).encode()
     req = codecs.decode_v2_http(header + b"".join(blobs), str(len(header)), SPEC)
     assert torch.equal(req.x, x) and torch.equal(req.ids, ids.int()) and torch.equal(req.w, w)
     assert req.request_id == "a" and req.timeout_s == 2.5 and req.binary_output and req.out_dtype == torch.bfloat16
@@ -118,10 +119,11 @@ def test_v2_binary_body_in_chunks():
     blobs = [codecs.to_bytes(x), codecs.to_bytes(ids.int()), codecs.to_bytes(w)]
     header = json.dumps({"inputs": [
         {"name": n, "datatype": d, "shape": list(t.shape), "parameters": {"binary_data_size": len(b)}}
-        for n, d, t, b in zip(codecs.INPUT_NAMES, ("BF16", "INT32", "FP32"), (x, ids, w), blobs)]}).encode()
+        for n, d, t, b in zip(codecs.INPUT_NAMES, ("BF16", "INT32", "FP32"), (x, ids, w), blobs, strict=True)
+    ]}).encode()
     body = header + b"".join(blobs)
     cuts = [0, 7, len(header) + 5, len(header) + 23, len(body)]
-    chunks = [body[a:b] for a, b in zip(cuts, cuts[1:])]
+    chunks = [body[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
     assert bytes(codecs.join_chunks(chunks)) == body and codecs.join_chunks([body]) is body
     req = codecs.decode_v2_http(chunks, str(len(header)), SPEC)
     assert torch.equal(req.x, x) and torch.equal(req.ids, ids.int()) and torch.equal(req.w, w)
@@ -145,7 +147,7 @@ def test_v2_json_output_choice():
 
 def grpc_request(x, ids, w, raw=True):
     r = pb.ModelInferRequest(model_name="moe", id="g")
-    for name, dt, t in zip(codecs.INPUT_NAMES, ("FP32", "INT64", "FP32"), (x, ids, w)):
+    for name, dt, t in zip(codecs.INPUT_NAMES, ("FP32", "INT64", "FP32"), (x, ids, w), strict=True):
         item = r.inputs.add(name=name, datatype=dt, shape=list(t.shape))
         if raw:
             r.raw_input_contents.append(codecs.to_bytes(t))
@@ -259,9 +261,10 @@ NESTED = "[" * DEEP + "]" * DEEP
 
 @pytest.mark.parametrize("body, decode", [
     (NESTED, codecs.decode_forward_json),
-    ('{"hidden_states": %s, "topk_ids": [[0, 1]], "topk_weights": [[0.5, 0.5]]}' % NESTED, codecs.decode_forward_json),
+    ('{"hidden_states": ' + NESTED + ', "topk_ids": [[0, 1]], "topk_weights": [[0.5, 0.5]]}',
+     codecs.decode_forward_json),
     (NESTED, lambda b, spec: codecs.decode_v2_http(b, None, spec)),
-    ('{"inputs": [{"name": "hidden_states", "datatype": "FP32", "shape": [1, 5], "data": %s}]}' % NESTED,
+    ('{"inputs": [{"name": "hidden_states", "datatype": "FP32", "shape": [1, 5], "data": ' + NESTED + '}]}',
      lambda b, spec: codecs.decode_v2_http(b, None, spec)),
 ], ids=["forward", "forward-hidden_states", "v2", "v2-data"])
 def test_deeply_nested_json_is_a_named_400(body, decode):

@@ -281,7 +281,7 @@ def test_concurrent_protocols_bad_rows_and_solo_answers(server):
     with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
         answers = list(pool.map(lambda c: infer_any(server, c[0], *c[2:]), cases))
 
-    for (protocol, bad, x, ids, w), (status, out, error) in zip(cases, answers):
+    for (protocol, bad, x, ids, w), (status, out, error) in zip(cases, answers, strict=True):
         if bad:
             assert status == 400, (protocol, bad, status, error)
             assert BAD_ROWS[bad][1] in error, (protocol, bad, error)

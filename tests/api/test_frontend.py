@@ -49,7 +49,7 @@ def test_grpc_decodes_large_requests_off_the_event_loop(monkeypatch):
     for T in (3, big):
         x, ids, w = inputs(T, seed=T)
         request = codecs.pb.ModelInferRequest(model_name=fe.model_name)
-        for name, dt, t in zip(codecs.INPUT_NAMES, ("FP32", "INT64", "FP32"), (x, ids, w)):
+        for name, dt, t in zip(codecs.INPUT_NAMES, ("FP32", "INT64", "FP32"), (x, ids, w), strict=True):
             request.inputs.add(name=name, datatype=dt, shape=list(t.shape))
             request.raw_input_contents.append(codecs.to_bytes(t))
         response = asyncio.run(InferenceServicer(fe).ModelInfer(request, Context())).to_message()
