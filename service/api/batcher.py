@@ -89,7 +89,7 @@ class Batcher:
         self._queued = 0  # tokens not yet sent to a step
         self._jobs: set[_Job] = set()  # accepted and not answered
         self._group = None
-        self._refusal: BaseException = GroupUnavailable("the rank group is starting")
+        self._refusal: BaseException | None = GroupUnavailable("the rank group is starting")
         self._slots = asyncio.Semaphore(slots)
         self._pool = concurrent.futures.ThreadPoolExecutor(slots, thread_name_prefix="moe-step")
         self._wakeup = asyncio.Event()
@@ -285,7 +285,8 @@ class Batcher:
         for p in pieces:
             p.job.done += p.rows
             if p.job.done == p.job.T and not p.job.future.done():
-                self.metrics.observe_request_compute(tuple(p.job.compute))
+                copy_in, layer, copy_out = p.job.compute
+                self.metrics.observe_request_compute((copy_in, layer, copy_out))
                 p.job.future.set_result(None)
 
     def _execute(self, group, pieces: list[_Piece], T: int):

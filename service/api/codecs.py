@@ -172,7 +172,7 @@ def join_chunks(body: Body) -> bytes | memoryview:
     for chunk in body:
         out[at:at + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
         at += len(chunk)
-    return memoryview(out)
+    return out.data
 
 
 def decode_forward_json(body: Body, spec: ModelSpec) -> Decoded:
@@ -266,7 +266,7 @@ def decode_v2_http(body: Body, header_length: str | None, spec: ModelSpec) -> De
 def encode_v2_http(out: torch.Tensor, req: Decoded, model_name: str) -> tuple[list, int | None]:
     """The response body as parts to send one after the other (the output's bytes are a view of
     `out`, not a copy) and, with binary output, the JSON header's length."""
-    tensor = {"name": OUTPUT_NAME, "datatype": V2_NAMES[out.dtype], "shape": list(out.shape)}
+    tensor: dict[str, object] = {"name": OUTPUT_NAME, "datatype": V2_NAMES[out.dtype], "shape": list(out.shape)}
     doc: dict = {"model_name": model_name, "outputs": [tensor]}
     if req.request_id is not None:
         doc["id"] = req.request_id
@@ -430,7 +430,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
-    return memoryview(t.numpy()).cast("B")
+    return t.numpy().data.cast("B")
 
 
 def to_bytes(t: torch.Tensor) -> bytes:
@@ -575,7 +575,8 @@ def _grpc_contents(contents: pb.InferTensorContents, dtype: torch.dtype, shape: 
     field, np_dtype = fields[dtype]
     others = sorted(f.name for f, _ in contents.ListFields() if f.name != field)
     if others:
-        raise InvalidInput(f"input '{name}' is {V2_NAMES[dtype]}: its values belong in {field}, not {', '.join(others)}")
+        raise InvalidInput(f"input '{name}' is {V2_NAMES[dtype]}: its values belong in {field}, "
+                           f"not {', '.join(others)}")
     values = getattr(contents, field)
     # Count first (len() of a repeated field is O(1)): a request that declares [1, H] but carries
     # millions of values is refused before they are converted, which holds the event loop.

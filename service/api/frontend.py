@@ -136,7 +136,7 @@ class Frontend:
         phases are the times of the steps a request's rows ran in (copy into the slot, the layer,
         copy out; Triton too charges a batch's times to each request in it). Durations are
         {"count", "ns"}."""
-        def duration(count: float, seconds: float) -> dict:
+        def duration(count: float | None, seconds: float | None) -> dict:  # None: never observed
             return {"count": int(count or 0), "ns": round((seconds or 0.0) * 1e9)}
 
         columns = {"moe_request_duration_seconds_count": 0, "moe_request_duration_seconds_sum": 1}
@@ -145,18 +145,18 @@ class Frontend:
             for sample in family.samples:
                 if sample.name in columns:
                     (success if sample.labels["status"] == "200" else fail)[columns[sample.name]] += sample.value
-        sample = self.metrics.registry.get_sample_value
+        value = self.metrics.registry.get_sample_value
         empty = duration(0, 0.0)
         return {"model_stats": [{
             "name": self.model_name,
             "version": MODEL_VERSION,
             "last_inference": self._last_inference_ms,
             "inference_count": self._inference_count,
-            "execution_count": int(sample("moe_steps_total") or 0),
+            "execution_count": int(value("moe_steps_total") or 0),
             "inference_stats": {
                 "success": duration(*success),
                 "fail": duration(*fail),
-                "queue": duration(sample("moe_queue_time_seconds_count"), sample("moe_queue_time_seconds_sum")),
+                "queue": duration(value("moe_queue_time_seconds_count"), value("moe_queue_time_seconds_sum")),
                 **{phase: dataclasses.asdict(d) for phase, d in self.metrics.request_compute.items()},
                 "cache_hit": empty,
                 "cache_miss": empty,

@@ -216,7 +216,7 @@ def create_app(fe: Frontend) -> FastAPI:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         # OpenMetrics for scrapers that ask for it (Accept), the Prometheus text format otherwise
-        encode, media_type = choose_encoder(request.headers.get("accept"))
+        encode, media_type = choose_encoder(request.headers.get("accept", ""))
         return Response(encode(fe.metrics.registry), media_type=media_type)
 
     return app

@@ -96,7 +96,7 @@ class WorkerGroup:
         self._reading = False                   # a thread is reading the ranks' next answer
         self._answers: dict[int, list] = {}     # seq -> the ranks' answers, until its thread takes them
         self._in_flight = 0                     # steps sent and not yet taken by their thread
-        self._store = None
+        self._store: torch.distributed.TCPStore | None = None  # the ranks' rendezvous, while started
         self._failure: WorkerError | None = None
         self._step_walls: collections.deque[float] = collections.deque(maxlen=STEP_HISTORY)
 
@@ -326,7 +326,7 @@ class WorkerGroup:
                     continue  # read the pipe first: a dying rank sends its traceback before exiting
                 rank = next(r for r, c in pending.items() if c is obj)
                 try:
-                    msg = obj.recv()
+                    msg = pending[rank].recv()
                 except (EOFError, OSError):
                     code = self._procs[rank].exitcode
                     raise WorkerError(f"{what}: rank {rank} died (exit code {code})", rank=rank) from None

@@ -105,7 +105,7 @@ def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
     store = dist.TCPStore(opts.store_host, opts.store_port, world_size=None, is_master=False,
                           timeout=timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=cfg.R, timeout=timeout,
-                            **({"device_id": device} if backend == "nccl" else {}))
+                            device_id=device if backend == "nccl" else None)
     t0 = time.perf_counter()
     if opts.weights:
         weights = load_rank_weights(opts.weights, cfg, rank, prefix=opts.weights_prefix, device=device)
@@ -151,7 +151,7 @@ def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
         wall0 = time.perf_counter()
         x, ids, w = slot.x[rows], slot.ids[rows], slot.w[rows]
         if device.type == "cuda":  # DMA from the pinned slot, in stream order before the step
-            x, ids, w = (buf[:n].copy_(src, non_blocking=True) for buf, src in zip(inputs, (x, ids, w)))
+            x, ids, w = (buf[:n].copy_(src, non_blocking=True) for buf, src in zip(inputs, (x, ids, w), strict=True))
         out = layer.forward(x, ids, w, seq, timer)
         if device.type == "cuda":  # cast on the device (half the bytes to move), DMA into the slot
             slot.out[rows].copy_(out_dev[:n].copy_(out), non_blocking=True)
