@@ -5,8 +5,9 @@ ModelInfer answers in `raw_output_contents`. It has its own (de)serializers (cod
 codecs.serialize_grpc_response): the tensors' bytes are viewed in the received message and the
 answer is joined once, instead of protobuf copying every blob on the way in and on the way out.
 The deadline is the smallest of the client's gRPC deadline, the request's `timeout` parameter
-(microseconds) and the server default. Every error is mapped by `_failure`, which asks `service.api.error_map` for the code, and the call fails
-through `_reject`: set code and details, return nothing. Never `context.abort()`: it raises, and
+(microseconds) and the server default. Every error is mapped by `_failure`, which asks
+`service.api.error_map` for the code, and the call fails through `_reject`: set code and
+details, return nothing. Never `context.abort()`: it raises, and
 grpc.aio keeps that exception in a reference cycle with the call's coroutine frames, and so the
 request, until a full gc pass (measured: 12 refused 48 MiB messages held 634 MiB).
 A message that does not parse is INVALID_ARGUMENT (`LenientParsing`), not grpc's UNKNOWN.
