@@ -71,10 +71,16 @@ def _media_type(request: Request) -> str | None:
     return value.split(";", 1)[0].strip().lower() if value else None
 
 
+# A body gets at least this long to arrive, whatever the request's deadline: a deadline shorter than
+# the body's transfer is the work's 504 (checked once the body is in), not a slow client's 408.
+MIN_BODY_TIMEOUT_S = 1.0
+
+
 async def read_body(request: Request, limit: int, timeout_s: float) -> list[bytes]:
     """The body as the chunks it arrived in (the decoders join them, off the event loop for a large
     body), refusing (413) anything over `limit` bytes before reading it all and (408) a body that
-    takes longer than `timeout_s` to arrive."""
+    takes longer than `timeout_s` (at least MIN_BODY_TIMEOUT_S) to arrive."""
+    timeout_s = max(timeout_s, MIN_BODY_TIMEOUT_S)
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding != "identity":
         raise UnsupportedMediaType(f"Content-Encoding {encoding!r} is not supported; send the body uncompressed")
