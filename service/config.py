@@ -135,6 +135,14 @@ def preset(name: str, **overrides) -> LayerConfig:
     return cfg.replace(**overrides) if overrides else cfg
 
 
+def httptools_installed() -> bool:
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def cuda_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
@@ -174,6 +182,7 @@ class Settings(BaseSettings):
     slots: int = Field(2, ge=1, le=16, description="shared-memory batch slots")
     max_connections: int = Field(1000, ge=1, description="open connections per protocol; at the limit HTTP closes the longest-idle one, gRPC refuses new ones")
     idle_timeout_s: float = Field(30.0, gt=0, description="a connection without a request in flight (idle, or still sending its headers) is closed after this")
+    http_impl: Literal["httptools", "h11"] | None = Field(None, validate_default=True, description="HTTP/1.1 parser of the HTTP server: `httptools` (C, faster for large bodies) or `h11` (pure Python); default httptools when it is installed, else h11")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
         "INFO", description="logging level: DEBUG, INFO, WARNING, ERROR, CRITICAL (any case)")
 
@@ -187,6 +196,15 @@ class Settings(BaseSettings):
     def _known_preset(cls, v: str | None) -> str | None:
         if v is not None and v not in PRESETS:
             raise ValueError(f"must be one of {sorted(PRESETS)}")
+        return v
+
+    @field_validator("http_impl")
+    @classmethod
+    def _http_impl_installed(cls, v: str | None) -> str:
+        if v is None:
+            return "httptools" if httptools_installed() else "h11"
+        if v == "httptools" and not httptools_installed():
+            raise ValueError("httptools is not installed (pip install httptools), choose h11")
         return v
 
     @model_validator(mode="after")

@@ -32,7 +32,7 @@ import uvicorn
 
 from service import logfilter
 from service.api.batcher import Batcher
-from service.api.connections import BoundedH11, ensure_file_limit
+from service.api.connections import bounded_protocol, ensure_file_limit
 from service.api.frontend import Frontend
 from service.api.grpc import GrpcServer
 from service.api.http import create_app
@@ -127,7 +127,7 @@ class Server:
         await grpc_server.start()
         self.grpc_port = grpc_server.port
         self.fe.on_ready_change.append(lambda ready: loop.create_task(grpc_server.set_serving(ready)))
-        protocol = functools.partial(BoundedH11, idle_timeout_s=s.idle_timeout_s, max_connections=s.max_connections)
+        protocol = functools.partial(bounded_protocol(s.http_impl), idle_timeout_s=s.idle_timeout_s, max_connections=s.max_connections)
         config = uvicorn.Config(create_app(self.fe), host=s.host, port=s.http_port, log_config=None,
                                 access_log=False, lifespan="off", http=protocol,
                                 timeout_graceful_shutdown=max(1, int(s.drain_timeout_s)))
@@ -145,8 +145,8 @@ class Server:
             from prometheus_client import start_http_server
 
             metrics_server, _ = start_http_server(s.metrics_port, addr=s.host, registry=self.metrics.registry)
-        log.info("serving HTTP on %s:%d, gRPC on %s:%d%s (pid %d)", s.host, self.http_port, s.host,
-                 self.grpc_port, f", metrics on :{s.metrics_port}" if s.metrics_port else "", os.getpid())
+        log.info("serving HTTP (%s) on %s:%d, gRPC on %s:%d%s (pid %d)", s.http_impl, s.host, self.http_port,
+                 s.host, self.grpc_port, f", metrics on :{s.metrics_port}" if s.metrics_port else "", os.getpid())
 
         supervisor = loop.create_task(self._supervise())
         await self._stop.wait()

@@ -1,4 +1,4 @@
-"""HTTP connections with bounds: uvicorn's h11 protocol plus the two limits it lacks.
+"""HTTP connections with bounds: uvicorn's HTTP protocols (httptools or h11) plus the two limits they lack.
 
 uvicorn closes a keep-alive connection `timeout_keep_alive` after a response, but a connection
 that never sends a request, or trickles its headers a byte at a time, stays open forever, and
@@ -9,7 +9,10 @@ file limit every accept() failed and was logged). Here:
 - at `max_connections` a new connection closes the longest-idle one to make room; when every one
   has a request in flight, the new one is closed instead.
 uvicorn's `limit_concurrency` is not used: it answers 503 to every request while idle sockets
-fill the limit, health checks included. `ensure_file_limit` raises the process's descriptor limit
+fill the limit, health checks included. The bounds are one mixin, `ConnectionBounds`, on either
+protocol: both keep the request being answered as `self.cycle` (httptools: the newest one, a
+pipelined request behind it waits in `self.pipeline` and is answered after it), so "busy" means
+the same on both. `ensure_file_limit` raises the process's descriptor limit
 so that both protocols' caps fit under it: past it every accept() fails (and logs).
 """
 
@@ -18,8 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
-
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -40,17 +42,28 @@ def ensure_file_limit(max_connections: int) -> int:
     return soft
 
 
-class BoundedH11(H11Protocol):
+HTTP_IMPLS = ("httptools", "h11")
+
+
+class ConnectionBounds:
+    """The idle timer and the connection cap, mixed in before a uvicorn HTTP protocol class."""
+
+    # Provided by the uvicorn protocol it is mixed into.
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    connections: set
+    cycle: Any
+
     def __init__(self, *args, idle_timeout_s: float, max_connections: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.idle_timeout_s, self.max_connections = idle_timeout_s, max_connections
         self._idle_since = self.loop.time()
         self._idle_timer: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
         if len(self.connections) > self.max_connections:
-            idle = [c for c in self.connections if isinstance(c, BoundedH11) and c is not self and not c.busy
+            idle = [c for c in self.connections if isinstance(c, ConnectionBounds) and c is not self and not c.busy
                     and not c.transport.is_closing()]
             victim = min(idle, key=lambda c: c._idle_since) if idle else self
             log.warning("%d HTTP connections open (max_connections): closing %s", len(self.connections),
@@ -76,11 +89,28 @@ class BoundedH11(H11Protocol):
             self.transport.close()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        super().on_response_complete()  # type: ignore[misc]
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
-        super().connection_lost(exc)
+        super().connection_lost(exc)  # type: ignore[misc]
+
+
+def bounded_protocol(http_impl: str) -> type[asyncio.Protocol]:
+    """uvicorn's protocol class for `http_impl` (one of HTTP_IMPLS) with the bounds mixed in.
+    httptools is imported here, only when asked for: without it h11 still works."""
+    base: type[asyncio.Protocol]
+    if http_impl == "h11":
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        base = H11Protocol
+    elif http_impl == "httptools":
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        base = HttpToolsProtocol
+    else:
+        raise ValueError(f"http_impl must be one of {HTTP_IMPLS}, got {http_impl!r}")
+    return type(f"Bounded{base.__name__}", (ConnectionBounds, base), {})
