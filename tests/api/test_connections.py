@@ -1,10 +1,18 @@
-"""The descriptor limit is raised to fit both protocols' connection caps, or the shortfall is logged."""
+"""The descriptor limit is raised to fit both protocols' connection caps, or the shortfall is logged;
+the HTTP protocol is httptools or h11 (--http-impl), both with the same bounds (their behaviour on a
+real server: tests/api/test_hardening.py, on each)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+
+import pytest
+
+from service.api.connections import ConnectionBounds, bounded_protocol
+from service.cli import parse_settings
 
 PROBE = textwrap.dedent("""
     import logging, resource, sys
@@ -30,3 +38,54 @@ def test_soft_limit_raised_to_fit_both_caps():
 def test_a_hard_limit_too_low_is_reported():
     out = probe(hard=300, max_connections=500)
     assert "soft 300" in out and "WARNING max_connections=500 per protocol needs about 1256" in out, out
+
+
+# Runs with httptools made unimportable (a None entry in sys.modules fails its import).
+WITHOUT_HTTPTOOLS = textwrap.dedent("""
+    import sys
+    sys.modules["httptools"] = None
+    from service.cli import main, parse_settings
+    if sys.argv[1:] == ["default"]:
+        print("http_impl", parse_settings([]).http_impl, flush=True)
+    else:
+        sys.exit(main(sys.argv[1:]))
+""")
+
+
+def without_httptools(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "MOE_HTTP_IMPL"}
+    return subprocess.run([sys.executable, "-c", WITHOUT_HTTPTOOLS, *args], capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+def test_http_impl_defaults_to_httptools_when_installed(monkeypatch):
+    monkeypatch.delenv("MOE_HTTP_IMPL", raising=False)
+    assert parse_settings([]).http_impl == "httptools"
+    assert parse_settings(["--http-impl", "h11"]).http_impl == "h11"
+    monkeypatch.setenv("MOE_HTTP_IMPL", "h11")
+    assert parse_settings([]).http_impl == "h11"
+
+
+def test_without_httptools_the_default_is_h11():
+    proc = without_httptools("default")
+    assert proc.returncode == 0 and "http_impl h11" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_an_explicit_httptools_without_the_package_is_a_start_error():
+    proc = without_httptools("--http-impl", "httptools")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--http-impl: Value error, httptools is not installed" in proc.stderr, proc.stderr
+
+
+def test_an_unknown_http_impl_is_refused():
+    with pytest.raises(SystemExit) as exc:
+        parse_settings(["--http-impl", "uvloop"])
+    assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("http_impl,base", [("httptools", "HttpToolsProtocol"), ("h11", "H11Protocol")])
+def test_both_protocols_carry_the_same_bounds(http_impl, base):
+    cls = bounded_protocol(http_impl)
+    assert [c.__name__ for c in cls.__mro__[1:3]] == ["ConnectionBounds", base]
+    for name in ("connection_made", "connection_lost", "on_response_complete", "busy"):
+        assert getattr(cls, name) is getattr(ConnectionBounds, name), name

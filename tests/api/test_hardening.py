@@ -26,13 +26,30 @@ MAX_CONNECTIONS = 32
 GRPC_MAX_MESSAGE_BYTES = 64 << 20
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with ServerProcess.serving(tmp_path_factory.mktemp("hardening") / "server.log",
+def _serving(tmp_path_factory, http_impl: str):
+    with ServerProcess.serving(tmp_path_factory.mktemp(f"hardening-{http_impl}") / "server.log",
+                               "--http-impl", http_impl,
                                "--idle-timeout-s", str(IDLE_TIMEOUT_S), "--max-connections", str(MAX_CONNECTIONS),
                                "--max-request-bytes", str(4 << 20),
                                "--grpc-max-message-bytes", str(GRPC_MAX_MESSAGE_BYTES)) as proc:
+        assert f"serving HTTP ({http_impl})" in proc.log(), proc.log()[-3000:]
         yield proc
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from _serving(tmp_path_factory, "httptools")
+
+
+@pytest.fixture(scope="module")
+def h11_server(tmp_path_factory):
+    """A second server on h11, started only for the connection tests: they run on both protocols."""
+    yield from _serving(tmp_path_factory, "h11")
+
+
+@pytest.fixture(params=["httptools", "h11"])
+def http_server(request):
+    return request.getfixturevalue("server" if request.param == "httptools" else "h11_server")
 
 
 def answers_correctly(server) -> None:
@@ -133,15 +150,15 @@ def _closed_within(sock: socket.socket, seconds: float) -> bool:
         return False
 
 
-def test_idle_and_slow_connections_are_bounded(server):
-    log_before = len(server.log().splitlines())
-    idle = [socket.create_connection(("127.0.0.1", server.http_port)) for _ in range(3 * MAX_CONNECTIONS)]
-    grpc_idle = [socket.create_connection(("127.0.0.1", server.grpc_port)) for _ in range(3 * MAX_CONNECTIONS)]
+def test_idle_and_slow_connections_are_bounded(http_server):
+    log_before = len(http_server.log().splitlines())
+    idle = [socket.create_connection(("127.0.0.1", http_server.http_port)) for _ in range(3 * MAX_CONNECTIONS)]
+    grpc_idle = [socket.create_connection(("127.0.0.1", http_server.grpc_port)) for _ in range(3 * MAX_CONNECTIONS)]
     try:
         t0 = time.monotonic()
-        assert httpx.get(server.url + "/v2/health/live", timeout=5).json() == {"live": True}
+        assert httpx.get(http_server.url + "/v2/health/live", timeout=5).json() == {"live": True}
         assert time.monotonic() - t0 < 2
-        slow = socket.create_connection(("127.0.0.1", server.http_port))
+        slow = socket.create_connection(("127.0.0.1", http_server.http_port))
         slow.sendall(b"GET /v2/health/live HTTP/1.1\r\n")
         for _ in range(int(IDLE_TIMEOUT_S / 0.25) + 4):  # a header byte every 0.25 s
             time.sleep(0.25)
@@ -155,17 +172,17 @@ def test_idle_and_slow_connections_are_bounded(server):
     finally:
         for s in idle + grpc_idle:
             s.close()
-    with grpc.insecure_channel(server.grpc_url) as channel:
+    with grpc.insecure_channel(http_server.grpc_url) as channel:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
-    new_lines = server.log().splitlines()[log_before:]
+    new_lines = http_server.log().splitlines()[log_before:]
     assert len(new_lines) < 40, "\n".join(new_lines[-40:])
-    answers_correctly(server)
+    answers_correctly(http_server)
 
 
-def test_a_body_slower_than_the_deadline_gets_408(server):
-    with socket.create_connection(("127.0.0.1", server.http_port), timeout=10) as s:
+def test_a_body_slower_than_the_deadline_gets_408(http_server):
+    with socket.create_connection(("127.0.0.1", http_server.http_port), timeout=10) as s:
         t0 = time.monotonic()
         s.sendall(b"POST /moe/forward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"X-Request-Timeout: 1\r\nContent-Length: 100000\r\n\r\n{")
@@ -177,19 +194,19 @@ def test_a_body_slower_than_the_deadline_gets_408(server):
     assert took < 3
 
 
-def test_client_gone_mid_body_is_not_a_server_error(server):
-    log_before = len(server.log().splitlines())
-    gone_before = metric(server, "http_json", "499")
+def test_client_gone_mid_body_is_not_a_server_error(http_server):
+    log_before = len(http_server.log().splitlines())
+    gone_before = metric(http_server, "http_json", "499")
     for path in ("/moe/forward", "/v2/models/moe/infer"):
-        with socket.create_connection(("127.0.0.1", server.http_port)) as s:
+        with socket.create_connection(("127.0.0.1", http_server.http_port)) as s:
             s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       f"Content-Length: 100000\r\n\r\n".encode() + b"[" * 1000)
             time.sleep(0.2)
     time.sleep(0.5)
-    new = "\n".join(server.log().splitlines()[log_before:])
+    new = "\n".join(http_server.log().splitlines()[log_before:])
     assert "ERROR" not in new and "Traceback" not in new, new
-    assert metric(server, "http_json", "499") == gone_before + 1
-    assert metric(server, "http_json", "500") == metric(server, "v2_json", "500") == 0
+    assert metric(http_server, "http_json", "499") == gone_before + 1
+    assert metric(http_server, "http_json", "500") == metric(http_server, "v2_json", "500") == 0
 
 
 def test_404_on_model_routes_is_quiet(server):
