@@ -10,11 +10,14 @@
 #      when MULTIGPU_LOAD=1
 #   4. bench/frontend_costs.py: the host-side stages of one request, each alone (T=512, 2048)
 #   5. when SLOTS2 is set (e.g. 4): the server again with --slots $SLOTS2, serve_load at T=512
-#   6. a summary (summary.txt)
+#   6. when HTTP_IMPLS is set (e.g. "h11 httptools"): the same v2 binary load (bf16, T=512 and 2048,
+#      concurrency 1, 4, 16) against a server started with each --http-impl in turn, by
+#      bench/serve_load.py (it starts and stops each server); the tables side by side in the summary
+#   7. a summary (summary.txt)
 # Every step runs under `timeout`; BUDGET (s, default 500) caps the whole. PROFILE=0 / COSTS=0 skip
-# steps 1 / 4.
+# steps 1 / 4; MAIN=0 skips steps 1-3 (and their server), e.g. to run step 6 alone.
 # Logs: $OUT (else build/gpu_serve): server.txt pyspy.txt serve_load.txt serve_load.json load.txt
-# costs.txt slots.txt summary.txt
+# costs.txt slots.txt http_<impl>.txt http_<impl>.json summary.txt
 #
 # The call (carry [".wt11", ".whl"]; the wheels listed in bench/multigpu.sh plus py-spy):
 #   cd .wt11 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -38,6 +41,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 git_commit=$(cat COMMIT 2>/dev/null || echo unknown)
 echo "commit $git_commit; torch $($PY -c 'import torch; print(torch.__version__)'); $(nproc) CPU cores" | tee -a "$LOG/summary.txt"
 
+SL_RC=skipped LOAD_RC=skipped
+if [[ "${MAIN:-1}" == 1 ]]; then
 # ---- the server ---------------------------------------------------------------------------------
 setsid "$PY" -m service --host 127.0.0.1 --http-port 18000 --grpc-port 18001 "${SERVE_FLAGS[@]}" > "$LOG/server.txt" 2>&1 &
 SERVER=$!
@@ -81,7 +86,6 @@ tail -n 20 "$LOG/serve_load.txt"
 
 # ---- 3. the issue's protocol --------------------------------------------------------------------
 echo "== 3. bench/multigpu.py load (fp32, 4 clients)"
-LOAD_RC=skipped
 if [[ "${MULTIGPU_LOAD:-0}" == 1 ]] && (( $(left) > 40 )); then
   timeout -k 10 "$(cap 90)" "$PY" bench/multigpu.py load --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
     --preset seed --sizes 512,2048 --concurrency 4 --seconds 5 > "$LOG/load.txt" 2>&1
@@ -89,6 +93,7 @@ if [[ "${MULTIGPU_LOAD:-0}" == 1 ]] && (( $(left) > 40 )); then
   grep -E "^\||steps, mean" "$LOG/load.txt"
 fi
 stop_server
+fi  # MAIN
 
 if [[ "${COSTS:-1}" == 1 ]]; then
   echo "== 4. bench/frontend_costs.py"
@@ -113,6 +118,16 @@ if [[ -n "${SLOTS2:-}" ]] && (( $(left) > 90 )); then
 fi
 trap - EXIT
 
+read -ra HTTP_IMPLS <<< "${HTTP_IMPLS:-}"
+for impl in "${HTTP_IMPLS[@]}"; do
+  (( $(left) > 60 )) || { echo "== 6. --http-impl $impl skipped: budget spent"; continue; }
+  echo "== 6. v2 binary against --http-impl $impl"
+  timeout -k 10 "$(cap 200)" "$PY" bench/serve_load.py --protocols v2_binary --sizes 512,2048 --concurrency 1,4,16 \
+    --seconds "$CELL_S" --wire-dtype bf16 --no-direct --json "$LOG/http_$impl.json" --http-impl "$impl" \
+    "${SERVE_FLAGS[@]}" > "$LOG/http_$impl.txt" 2>&1
+  echo "rc=$?"; grep -E "^\|" "$LOG/http_$impl.txt"
+done
+
 {
   echo
   echo "== summary: $(( $(date +%s) - START )) s; serve_load rc=$SL_RC, multigpu load rc=$LOAD_RC"
@@ -120,4 +135,5 @@ trap - EXIT
   grep -E "^\||steps, mean" "$LOG/load.txt" 2>/dev/null
   grep -E "^\|" "$LOG/costs.txt" 2>/dev/null
   [[ -n "${SLOTS2:-}" ]] && echo "slots $SLOTS2:" && grep -E "^\|" "$LOG/slots.txt" 2>/dev/null
+  for impl in "${HTTP_IMPLS[@]}"; do echo "--http-impl $impl:"; grep -E "^\|" "$LOG/http_$impl.txt" 2>/dev/null; done
 } | tee -a "$LOG/summary.txt"

@@ -318,7 +318,7 @@ def main() -> int:
         else:
             log_path = os.path.join(tempfile.gettempdir(), f"moe-serve-load-{os.getpid()}.log")
             proc, url, grpc_target = start_server(serve_flags, log_path)
-            print(f"# started moe-serve (log {log_path})", flush=True)
+            print(f"# started moe-serve (--http-impl {settings.http_impl}, log {log_path})", flush=True)
         before = layer_seconds(url)
         t_load = time.time()
         wire_size, finite = WIRE_BITS[args.wire_dtype]
