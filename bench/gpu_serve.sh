@@ -23,6 +23,8 @@
 #   cd .wt11 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 #     --target /tmp/site ../.whl/*.whl && export PYTHONPATH=$PWD:/tmp/site || exit; python3 csrc/build.py; \
 #     bash bench/gpu_serve.sh
+# h11 against httptools alone (step 6, both servers in one call; the .whl list includes httptools):
+#   the same, ending in `MAIN=0 COSTS=0 HTTP_IMPLS="h11 httptools" bash bench/gpu_serve.sh`
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
@@ -131,7 +133,7 @@ done
 {
   echo
   echo "== summary: $(( $(date +%s) - START )) s; serve_load rc=$SL_RC, multigpu load rc=$LOAD_RC"
-  grep -E "^\||busy" "$LOG/serve_load.txt"
+  grep -E "^\||busy" "$LOG/serve_load.txt" 2>/dev/null
   grep -E "^\||steps, mean" "$LOG/load.txt" 2>/dev/null
   grep -E "^\|" "$LOG/costs.txt" 2>/dev/null
   [[ -n "${SLOTS2:-}" ]] && echo "slots $SLOTS2:" && grep -E "^\|" "$LOG/slots.txt" 2>/dev/null
