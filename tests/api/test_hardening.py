@@ -209,6 +209,33 @@ def test_client_gone_mid_body_is_not_a_server_error(http_server):
     assert metric(http_server, "http_json", "500") == metric(http_server, "v2_json", "500") == 0
 
 
+def test_at_the_cap_with_every_connection_busy_the_new_one_is_closed(http_server):
+    busy = []
+    try:
+        for _ in range(MAX_CONNECTIONS):  # each with a request in flight: its body still to come
+            s = socket.create_connection(("127.0.0.1", http_server.http_port))
+            s.sendall(b"POST /moe/forward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"X-Request-Timeout: 20\r\nContent-Length: 100000\r\n\r\n{")
+            busy.append(s)
+            time.sleep(0.02)  # the server parses the head before the next one connects
+        newcomer = socket.create_connection(("127.0.0.1", http_server.http_port))
+        with newcomer:
+            assert _closed_within(newcomer, 2), "a connection past the cap stayed open"
+        assert not any(_closed_within(s, 0.01) for s in busy), "a busy connection was closed for the newcomer"
+    finally:
+        for s in busy:
+            s.close()
+    t0 = time.monotonic()
+    while True:  # the server sees the busy ones go; then a new connection is answered again
+        try:
+            assert httpx.get(http_server.url + "/v2/health/live", timeout=5).json() == {"live": True}
+            break
+        except httpx.TransportError:
+            assert time.monotonic() - t0 < 5, "no connection accepted after the busy ones closed"
+            time.sleep(0.1)
+    answers_correctly(http_server)
+
+
 def test_404_on_model_routes_is_quiet(server):
     log_before = len(server.log().splitlines())
     for path in ("/v2/models/nope", "/v2/models/nope/ready", "/v2/models/moe/versions/2"):
