@@ -42,9 +42,6 @@ def ensure_file_limit(max_connections: int) -> int:
     return soft
 
 
-HTTP_IMPLS = ("httptools", "h11")
-
-
 class ConnectionBounds:
     """The idle timer and the connection cap, mixed in before a uvicorn HTTP protocol class."""
 
@@ -100,7 +97,7 @@ class ConnectionBounds:
 
 
 def bounded_protocol(http_impl: str) -> type[asyncio.Protocol]:
-    """uvicorn's protocol class for `http_impl` (one of HTTP_IMPLS) with the bounds mixed in.
+    """uvicorn's protocol class for `http_impl` (Settings.http_impl) with the bounds mixed in.
     httptools is imported here, only when asked for: without it h11 still works."""
     base: type[asyncio.Protocol]
     if http_impl == "h11":
@@ -112,5 +109,5 @@ def bounded_protocol(http_impl: str) -> type[asyncio.Protocol]:
 
         base = HttpToolsProtocol
     else:
-        raise ValueError(f"http_impl must be one of {HTTP_IMPLS}, got {http_impl!r}")
+        raise ValueError(f"http_impl must be httptools or h11, got {http_impl!r}")
     return type(f"Bounded{base.__name__}", (ConnectionBounds, base), {})
