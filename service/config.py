@@ -171,6 +171,8 @@ class Settings(BaseSettings):
     backend: Literal["auto", "serial", "fused"] = Field("auto", description="layer backend; `auto`: fused where it can run, else serial (the reason is logged at start)")
 
     batch_delay_ms: float = Field(2.0, ge=0, description="how long the batcher waits to fill a step")
+    batch_idle_wait: bool = Field(False, description="also wait batch_delay_ms when no step is running "
+                                  "(off: an idle group takes a step at once; steps fill while one runs)")
     queue_tokens: int = Field(65536, ge=1, description="queued tokens beyond which requests get 503; also the most tokens one request may carry (a larger one gets 413)")
     max_request_bytes: int = Field(256 << 20, ge=1024, description="largest HTTP request body; a larger one gets 413")
     grpc_max_message_bytes: int = Field(256 << 20, ge=1024, description="largest gRPC message, received or sent")

@@ -85,7 +85,8 @@ class Server:
         self.metrics = Metrics()
         self.batcher = Batcher(budget=cfg.tokens_per_step, delay_s=settings.batch_delay_ms / 1e3,
                                queue_tokens=settings.queue_tokens, slots=settings.slots, metrics=self.metrics,
-                               on_failure=self._on_step_failure, slot_timeout_s=settings.step_timeout_s)
+                               on_failure=self._on_step_failure, slot_timeout_s=settings.step_timeout_s,
+                               idle_wait=settings.batch_idle_wait)
         self.fe = Frontend(settings, cfg, self.metrics, self.batcher)
         self.group = None
         self.http_port: int | None = None

@@ -7,7 +7,10 @@ budget is full; a request larger than what is left is split, its remaining rows 
 next step, and its answer is reassembled row by row into its own output tensor (rows of
 different requests never share an output). The batcher waits up to `delay_s` after the
 oldest queued request arrived for more rows (Triton's max_queue_delay: a full budget
-dispatches at once). At most `slots` steps are in flight: while one runs, the next is filled.
+dispatches at once), but only while another step is running unless `idle_wait`: when the group
+is idle, waiting adds latency and gains nothing (at concurrency 1 every request would pay the whole
+delay), and under load the rows that arrive while a step runs fill the next one. At most `slots`
+steps are in flight: while one runs, the next is filled.
 
 A step runs in a worker thread: it copies the rows into the group's shared-memory slot views
 (slot.x[:T] ...), converting them to the group's dtype on the way (the one copy in: the request's
@@ -78,9 +81,10 @@ class Batcher:
 
     def __init__(self, *, budget: int, delay_s: float, queue_tokens: int, slots: int,
                  metrics: Metrics, on_failure: Callable[[object, BaseException], None] | None = None,
-                 slot_timeout_s: float = 60.0):
+                 slot_timeout_s: float = 60.0, idle_wait: bool = True):
         self.budget = budget
         self.delay_s = delay_s
+        self.idle_wait = idle_wait
         self.queue_tokens = queue_tokens
         self.metrics = metrics
         self.on_failure = on_failure
@@ -234,7 +238,10 @@ class Batcher:
         return self._queue[0] if self._queue else None
 
     async def _fill(self, head: _Job) -> None:
-        """Wait for a full budget, or until the oldest request has waited delay_s."""
+        """Wait for a full budget, or until the oldest request has waited delay_s; not at all when
+        no step is running, unless idle_wait."""
+        if not self.idle_wait and not self._steps:
+            return
         while self._queued < self.budget:
             left = head.arrival + self.delay_s - time.monotonic()
             if left <= 0:

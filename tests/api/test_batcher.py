@@ -123,6 +123,30 @@ def test_queue_delay_and_full_budget():
     assert full < 0.15 and partial >= 0.19
 
 
+def test_an_idle_group_takes_a_step_at_once_and_busy_ones_batch():
+    """Without idle_wait a partial step goes at once when no step runs; requests that arrive while
+    one runs share the next step (the delay still bounds how long they wait for company)."""
+    group = FakeGroup(CFG, step_s=0.2)
+
+    async def main():
+        b = await started(group, delay_s=0.5, idle_wait=False)
+        t0 = time.monotonic()
+        await b.submit(*batch(2, 1), timeout_s=10)  # idle: no 0.5 s wait, one 0.2 s step
+        alone = time.monotonic() - t0
+        first = asyncio.create_task(b.submit(*batch(3, 2), timeout_s=10))
+        await asyncio.sleep(0.05)  # the first step is running now
+        rest = [asyncio.create_task(b.submit(*batch(T, 3 + T), timeout_s=10)) for T in (1, 4)]
+        outs = await asyncio.gather(first, *rest)
+        await b.close()
+        return alone, outs
+
+    alone, outs = run(main())
+    assert alone < 0.45, alone
+    assert group.steps == [2, 3, 5], group.steps  # the two latecomers in one step
+    for (T, seed), out in zip([(3, 2), (1, 4), (4, 7)], outs, strict=True):
+        assert rel_err(out, group.ref(*batch(T, seed))) < TOL[torch.float32]
+
+
 def test_overload_is_immediate_and_accepted_requests_finish():
     group = FakeGroup(CFG)
 

@@ -18,7 +18,7 @@ from tests.api.test_e2e import post_safetensors, scrape, value
 from tests.serverproc import ServerProcess, free_port
 
 QUEUE_TOKENS = 64
-DELAY_MS = 600  # every request waits this long in the queue (the budget is never filled)
+DELAY_MS = 600  # every request waits this long in the queue (the budget is never filled; idle wait on)
 
 
 METRICS_PORT = free_port()
@@ -37,6 +37,7 @@ def process_running(pid: int) -> bool:
 def server(tmp_path_factory):
     proc = ServerProcess.module(tmp_path_factory.mktemp("overload") / "server.log",
                                 "--queue-tokens", str(QUEUE_TOKENS), "--batch-delay-ms", str(DELAY_MS),
+                                "--batch-idle-wait", "true",
                                 "--drain-timeout-s", "20", env={"MOE_METRICS_PORT": str(METRICS_PORT)})
     try:
         proc.wait_ready()
