@@ -111,7 +111,7 @@ class LayerConfig:
         hits = self.R * self.C * self.K
         return -(-(hits + self.E * (BM - 1)) // BM) * BM
 
-    def replace(self, **changes) -> "LayerConfig":
+    def replace(self, **changes) -> LayerConfig:
         return dataclasses.replace(self, **changes)
 
     def describe(self) -> str:
@@ -154,7 +154,8 @@ class Settings(BaseSettings):
 
     host: str = Field("0.0.0.0", description="address the HTTP and gRPC servers bind")
     http_port: int = Field(8000, ge=0, le=65535, description="HTTP port: `/moe/forward`, the v2 routes, `/metrics`")
-    grpc_port: int = Field(8001, ge=0, le=65535, description="gRPC port: `inference.GRPCInferenceService` and `grpc.health.v1`")
+    grpc_port: int = Field(8001, ge=0, le=65535,
+        description="gRPC port: `inference.GRPCInferenceService` and `grpc.health.v1`")
     metrics_port: int = Field(0, ge=0, le=65535, description="separate /metrics port; 0 = only on the HTTP port")
     model_name: str = Field("moe", description="model name in the v2 routes and gRPC calls")
 
@@ -162,29 +163,48 @@ class Settings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="`auto`: cuda when torch sees a GPU, else cpu")
     world_size: int | None = Field(None, ge=1, description="ranks R; default the preset's (capped by GPUs)")
     capacity: int | None = Field(None, ge=1, description="tokens per rank and step C; default the preset's")
-    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="compute dtype; default the preset's")
-    weights: str | None = Field(None, description="a safetensors file, a `*.safetensors.index.json` or a Hugging Face model directory (config.json + shards); synthetic weights when unset")
-    weights_prefix: str = Field("", description="key prefix of the experts in a file without config.json, e.g. `model.layers.0.mlp.`")
-    layer: int | None = Field(None, ge=0, description="decoder layer to serve from a model directory; default the first with routed experts")
-    top_k: int | None = Field(None, ge=1, description="experts per token K for weights without config.json (default the preset's); a model directory's config.json gives it")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None,
+        description="compute dtype; default the preset's")
+    weights: str | None = Field(None,
+        description="a safetensors file, a `*.safetensors.index.json` or a Hugging Face model directory (config.json "
+                    "+ shards); synthetic weights when unset")
+    weights_prefix: str = Field("",
+        description="key prefix of the experts in a file without config.json, e.g. `model.layers.0.mlp.`")
+    layer: int | None = Field(None, ge=0,
+        description="decoder layer to serve from a model directory; default the first with routed experts")
+    top_k: int | None = Field(None, ge=1,
+        description="experts per token K for weights without config.json (default the preset's); a model directory's "
+                    "config.json gives it")
     seed: int = Field(0, description="seed of the synthetic weights")
-    backend: Literal["auto", "serial", "fused"] = Field("auto", description="layer backend; `auto`: fused where it can run, else serial (the reason is logged at start)")
+    backend: Literal["auto", "serial", "fused"] = Field("auto",
+        description="layer backend; `auto`: fused where it can run, else serial (the reason is logged at start)")
 
     batch_delay_ms: float = Field(2.0, ge=0, description="how long the batcher waits to fill a step")
     batch_idle_wait: bool = Field(False, description="also wait batch_delay_ms when no step is running "
                                   "(off: an idle group takes a step at once; steps fill while one runs)")
-    queue_tokens: int = Field(65536, ge=1, description="queued tokens beyond which requests get 503; also the most tokens one request may carry (a larger one gets 413)")
+    queue_tokens: int = Field(65536, ge=1,
+        description="queued tokens beyond which requests get 503; also the most tokens one request may carry (a "
+                    "larger one gets 413)")
     max_request_bytes: int = Field(256 << 20, ge=1024, description="largest HTTP request body; a larger one gets 413")
     grpc_max_message_bytes: int = Field(256 << 20, ge=1024, description="largest gRPC message, received or sent")
     request_timeout_s: float = Field(30.0, gt=0, description="default per-request deadline")
-    step_timeout_s: float = Field(60.0, gt=0, description="a step slower than this fails the group (the bound once steps are measured: 10x the slowest recent step, at least 5 s)")
+    step_timeout_s: float = Field(60.0, gt=0,
+        description="a step slower than this fails the group (the bound once steps are measured: 10x the slowest "
+                    "recent step, at least 5 s)")
     start_timeout_s: float = Field(300.0, gt=0, description="rank group start-up limit")
     drain_timeout_s: float = Field(20.0, ge=0, description="SIGTERM grace period for in-flight requests")
-    restart_backoff_s: float = Field(1.0, ge=0, description="first delay before restarting a failed rank group; doubles on each failure, up to 30 s")
+    restart_backoff_s: float = Field(1.0, ge=0,
+        description="first delay before restarting a failed rank group; doubles on each failure, up to 30 s")
     slots: int = Field(2, ge=1, le=16, description="shared-memory batch slots")
-    max_connections: int = Field(1000, ge=1, description="open connections per protocol; at the limit HTTP closes the longest-idle one, gRPC refuses new ones")
-    idle_timeout_s: float = Field(30.0, gt=0, description="a connection without a request in flight (idle, or still sending its headers) is closed after this")
-    http_impl: Literal["httptools", "h11"] | None = Field(None, validate_default=True, description="HTTP/1.1 parser of the HTTP server: `httptools` (C, faster for large bodies) or `h11` (pure Python); default httptools when it is installed, else h11")
+    max_connections: int = Field(1000, ge=1,
+        description="open connections per protocol; at the limit HTTP closes the longest-idle one, gRPC refuses new "
+                    "ones")
+    idle_timeout_s: float = Field(30.0, gt=0,
+        description="a connection without a request in flight (idle, or still sending its headers) is closed after "
+                    "this")
+    http_impl: Literal["httptools", "h11"] | None = Field(None, validate_default=True,
+        description="HTTP/1.1 parser of the HTTP server: `httptools` (C, faster for large bodies) or `h11` (pure "
+                    "Python); default httptools when it is installed, else h11")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
         "INFO", description="logging level: DEBUG, INFO, WARNING, ERROR, CRITICAL (any case)")
 
@@ -210,13 +230,13 @@ class Settings(BaseSettings):
         return v
 
     @model_validator(mode="after")
-    def _layer_needs_weights(self) -> "Settings":
+    def _layer_needs_weights(self) -> Settings:
         if self.layer is not None and not self.weights:
             raise ValueError("layer picks a decoder layer of --weights (a model directory); no weights are set")
         return self
 
     @model_validator(mode="after")
-    def _ports_differ(self) -> "Settings":
+    def _ports_differ(self) -> Settings:
         ports = [p for p in (self.http_port, self.grpc_port, self.metrics_port) if p]
         if len(ports) != len(set(ports)):
             raise ValueError(f"http_port, grpc_port and metrics_port must differ, got {ports}")
