@@ -1,4 +1,4 @@
-"""Persistent grouped GEMM over the gathered layout, with a gate hook and an epilogue hook.
+"""Persistent grouped GEMM over the gathered layout (the serial layer's GEMMs; its tile is the fused kernels').
 
 Dimension letters: S rows of the gathered layout, H hidden, Ir intermediate slice of this rank,
 E experts, BM = 128 rows per block, N output columns, K reduction depth.
@@ -37,17 +37,9 @@ nobody uses: it reads row s mod N, spread so that padding rows do not all hit on
 GEMM1 then needs no scattered copy of the tokens: the K copies of a token are the same row of a
 small matrix that stays in L2. Entries must lie in [-1, N): not checked (that would cost a sync).
 
-Hooks (compile-time, ThunderKittens style; the GEMM does not know where its data comes from):
-    GATE      before a tile's loads, wait until `counters[block]` reaches `target[0]` (acquire,
-              system scope, wrap-safe >=; bounded: after `max_spins` polls the program records
-              `block + 1` in `error[0]` and stops taking tiles instead of hanging).
-    EPILOGUE  after a tile is stored: CTA barrier, then one release atomic add of 1 on
-              `tile_counters[block]` (system scope), so a block is complete when its counter
-              has grown by n_tiles.
-    USE_PTX   picks the primitives (`wait_geq`, `signal_add` of service/kernels/sync.py, which
-              explains their memory ordering): inline PTX (one `ld.global.acquire.sys` per thread
-              per poll, no barrier per poll; `red.release.sys` by thread 0) or `tl.atomic_*` with
-              sem and scope, which the interpreter runs (it has no inline asm).
+No hooks: the fused kernels (service/kernels/fused_kernels.py) wait and signal in their own
+loops (a row block's remote-token arrivals, kernel 2's per-tile marks of used and unused blocks),
+so a gate and an epilogue hook here were exercised by tests alone and were removed.
 
 The tile itself is `gemm_tile`, a jit function the fused kernels run too (Triton inlines it).
 
@@ -65,11 +57,6 @@ import triton
 import triton.language as tl
 
 from service.config import BM, Activation
-from service.kernels.sync import signal_add, wait_geq
-
-# A poll is ~0.2 us on an H200 (system-scope acquire), so 2**24 polls bound a wait at a few
-# seconds: far beyond any honest arrival, short enough that a dead peer becomes an error.
-DEFAULT_MAX_SPINS = 1 << 24
 
 # GEMM1 epilogue variants (the ACT constexpr; 0 = no activation, GEMM2), by Activation.kind.
 ACT_SILU, ACT_GELU_TANH, ACT_GPT_OSS = tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
@@ -97,6 +84,9 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     BM: int = BM
+    # Weights read through a TMA tensor descriptor ([BK, BN] boxes of W viewed as [E*K, n_w]) instead
+    # of per-thread pointer loads; needs K % BK == 0 and 16-byte aligned rows (`weight_operand`).
+    w_desc: bool = False
 
     def __post_init__(self) -> None:
         assert self.BM == BM, f"the gathered layout fixes BM = {BM}, got {self.BM}"
@@ -105,25 +95,18 @@ class GemmConfig:
             assert value >= 16 and value & (value - 1) == 0, f"{name} must be a power of two >= 16, got {value}"
 
 
-@dataclasses.dataclass(frozen=True)
-class Gate:
-    """Wait before a row block's loads until `counters[block] >= target[0]`."""
-
-    counters: torch.Tensor  # [S/BM] int32, monotonic (never reset; targets grow with the batch sequence number)
-    target: torch.Tensor    # [1] int32 on the device, so a captured graph sees each batch's value
-    max_spins: int = DEFAULT_MAX_SPINS
-
-
-@dataclasses.dataclass(frozen=True)
-class Epilogue:
-    """After a tile is stored, add 1 to `tile_counters[block]` with a release."""
-
-    tile_counters: torch.Tensor  # [S/BM] int32, monotonic
-
-
 # ---------------------------------------------------------------------------------------------
 # The tile (also run by the fused kernels, service/kernels/fused_kernels.py).
 # ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, w, acc, IEEE: tl.constexpr):
+    if IEEE:
+        acc = tl.dot(a, w, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, w, acc)
+    return acc
 
 
 @triton.jit
@@ -133,11 +116,7 @@ def _load_dot(a, w_ptrs, w_ok, acc, EVEN: tl.constexpr, IEEE: tl.constexpr):
         w = tl.load(w_ptrs)
     else:
         w = tl.load(w_ptrs, mask=w_ok, other=0.0)
-    if IEEE:
-        acc = tl.dot(a, w, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, w, acc)
-    return acc
+    return _dot(a, w, acc, IEEE)
 
 
 @triton.jit
@@ -162,7 +141,7 @@ def gated_act(g, u, limit, alpha, ACT: tl.constexpr, CLAMP: tl.constexpr):
 @triton.jit
 def gemm_tile(a_ptr, a_rows, w_ptr, out_ptr, bias_ptr, block, expert, pn, ready, N, K, up_col, limit, alpha,
               stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
-              ACT: tl.constexpr, CLAMP: tl.constexpr, BIAS: tl.constexpr,
+              ACT: tl.constexpr, CLAMP: tl.constexpr, BIAS: tl.constexpr, W_DESC: tl.constexpr,
               IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """out[rows of row block `block`, column tile `pn`] = A @ W[expert] (ACT > 0: gated_act(gate, up),
@@ -170,8 +149,12 @@ def gemm_tile(a_ptr, a_rows, w_ptr, out_ptr, bias_ptr, block, expert, pn, ready,
     `a_ptr + a_rows` ([BM] int64 element offsets: `rows * stride_am` for a contiguous A, or any
     gather of rows, e.g. a token per row); output rows are the block's. BIAS adds
     bias[expert, cols] (and bias[expert, up_col + cols] to the up half) before the activation.
-    `ready` is the gate's verdict, always 1 here (callers skip the tile on 0). Triton inlines it
-    into the caller."""
+    W_DESC: `w_ptr` is a tensor descriptor of W as [E*K, n_w] with [BK, BN] boxes (`weight_operand`),
+    so the weight tiles come through the TMA copy engine; box columns past n_w read zeros, and gate
+    columns past N (which read up columns) only feed output columns the store masks.
+    `ready` is the caller's gate verdict, 1 when it calls (a data dependency, see below). Triton
+    inlines it into the caller."""
+    tl.static_assert(EVEN_K or not W_DESC, "weight descriptors need K % BK == 0 (a box must not cross experts)")
     k_steps = tl.cdiv(K, BK)
     # (ready - 1) == 0: a data dependency of the row offsets on the gate's result, insurance
     # against a compiler hoisting the A loads above the wait (times 16, so the offsets keep their
@@ -182,24 +165,33 @@ def gemm_tile(a_ptr, a_rows, w_ptr, out_ptr, bias_ptr, block, expert, pn, ready,
     cols = tl.max_contiguous(tl.multiple_of(cols, BN), BN)
     ks = tl.arange(0, BK)  # [BK]
     a_ptrs = a_ptr + a_rows[:, None] + ks[None, :] * stride_ak  # [BM, BK]
-    w_base = w_ptr + expert.to(tl.int64) * stride_we
-    g_ptrs = w_base + ks[:, None] * stride_wk + cols[None, :] * stride_wn  # [BK, BN]
     acc = tl.zeros((BM, BN), dtype=tl.float32)  # gate (GEMM1) or output (GEMM2)
     acc_up = tl.zeros((BM, BN), dtype=tl.float32)  # up half, GEMM1 only
     col_ok = cols[None, :] < N  # [1, BN] masks the last column tile when N % BN != 0
-    for kk in range(0, k_steps):
-        k_left = K - kk * BK  # masks the last K step when K % BK != 0
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
-        w_ok = (ks[:, None] < k_left) & col_ok  # [BK, BN], used unless EVEN_K and EVEN_N
-        acc = _load_dot(a, g_ptrs, w_ok, acc, EVEN_K and EVEN_N, IEEE)
-        if ACT != 0:
-            u_ptrs = g_ptrs + up_col * stride_wn  # the matching up columns, Ir to the right
-            acc_up = _load_dot(a, u_ptrs, w_ok, acc_up, EVEN_K and EVEN_N, IEEE)
-        a_ptrs += BK * stride_ak
-        g_ptrs += BK * stride_wk
+    if W_DESC:
+        w_row = expert * K  # first row of W[expert] in the [E*K, n_w] view
+        for kk in range(0, k_steps):
+            a = tl.load(a_ptrs)  # EVEN_K (asserted above)
+            acc = _dot(a, w_ptr.load([w_row + kk * BK, pn * BN]), acc, IEEE)
+            if ACT != 0:
+                acc_up = _dot(a, w_ptr.load([w_row + kk * BK, up_col + pn * BN]), acc_up, IEEE)
+            a_ptrs += BK * stride_ak
+    else:
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        g_ptrs = w_base + ks[:, None] * stride_wk + cols[None, :] * stride_wn  # [BK, BN]
+        for kk in range(0, k_steps):
+            k_left = K - kk * BK  # masks the last K step when K % BK != 0
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
+            w_ok = (ks[:, None] < k_left) & col_ok  # [BK, BN], used unless EVEN_K and EVEN_N
+            acc = _load_dot(a, g_ptrs, w_ok, acc, EVEN_K and EVEN_N, IEEE)
+            if ACT != 0:
+                u_ptrs = g_ptrs + up_col * stride_wn  # the matching up columns, Ir to the right
+                acc_up = _load_dot(a, u_ptrs, w_ok, acc_up, EVEN_K and EVEN_N, IEEE)
+            a_ptrs += BK * stride_ak
+            g_ptrs += BK * stride_wk
     if BIAS:
         b_ptrs = bias_ptr + expert.to(tl.int64) * stride_be + cols  # [BN]
         acc += tl.load(b_ptrs, mask=cols < N, other=0.0).to(tl.float32)[None, :]
@@ -221,55 +213,35 @@ def gemm_tile(a_ptr, a_rows, w_ptr, out_ptr, bias_ptr, block, expert, pn, ready,
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, w_ptr, out_ptr,            # A [S, K], W [E, K, n_w], out [S, N]
+    a_ptr, w_ptr, out_ptr,            # A [S, K], W [E, K, n_w] (W_DESC: its descriptor), out [S, N]
     bias_ptr,                         # BIAS: [E, n_w] added before the activation (GEMM1) or to out (GEMM2)
     block_expert_ptr,                 # [S/BM] int32, E = unused block
     row_token_ptr,                    # GATHER: [S] int32 row of A for output row s (-1: padding)
-    counters_ptr, target_ptr,         # GATE: [S/BM] int32, [1] int32
-    tile_counters_ptr,                # EPILOGUE: [S/BM] int32
-    error_ptr,                        # [1] int32: block + 1 of a timed-out wait, else untouched
     num_blocks, N, K, num_experts, num_a_rows,
     up_col,                           # ACT > 0: column of W where the up half starts (Ir)
     limit, alpha,                     # fp32: the activation's clamp bound and gpt-oss's alpha
-    max_spins,
     stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
-    ACT: tl.constexpr, CLAMP: tl.constexpr, BIAS: tl.constexpr,
-    GATHER: tl.constexpr, GATE: tl.constexpr, EPILOGUE: tl.constexpr,
-    USE_PTX: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    ACT: tl.constexpr, CLAMP: tl.constexpr, BIAS: tl.constexpr, W_DESC: tl.constexpr, GATHER: tl.constexpr,
+    IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BN)
     num_tiles = num_blocks * n_tiles
-    alive = pid * 0 + 1  # int32 scalar; 0 once a gate timed out: take no more tiles
-    if GATE:
-        target = tl.load(target_ptr)
-
-    # Plain range (no flatten): each tile's wait stays ahead of that tile's loads and is never
-    # software-pipelined into the previous tile (see notes/triton-and-symmetric-memory.md).
     for tile in range(pid, num_tiles, NUM_PROGRAMS):
         block = tile // n_tiles  # row blocks in order = experts in order
         pn = tile % n_tiles
         expert = tl.load(block_expert_ptr + block)
-        if (expert < num_experts) & (alive != 0):  # expert == E: block past the last expert, no rows
-            ready = alive
-            if GATE:
-                ready = wait_geq(counters_ptr + block, target, max_spins, USE_PTX)
-                if ready == 0:
-                    tl.atomic_max(error_ptr, block + 1)  # the host reports it; the group restarts
-                    alive = ready
-            if ready != 0:
-                rows = block.to(tl.int64) * BM + tl.arange(0, BM)  # [BM]
-                if GATHER:
-                    # Padding rows read row s mod M: any valid row, but spread. All on one row,
-                    # a quarter of the layout would hammer one L2 slice (measured: GEMM1 1.4x slower).
-                    rt = tl.load(row_token_ptr + rows)
-                    rows = tl.where(rt >= 0, rt, rows % num_a_rows).to(tl.int64)  # [BM] rows of A
-                gemm_tile(a_ptr, rows * stride_am, w_ptr, out_ptr, bias_ptr, block, expert, pn, ready, N, K, up_col,
-                          limit, alpha, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
-                          ACT, CLAMP, BIAS, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
-                if EPILOGUE:
-                    signal_add(tile_counters_ptr + block, 1, USE_PTX)
+        if expert < num_experts:  # expert == E: block past the last expert, no rows
+            rows = block.to(tl.int64) * BM + tl.arange(0, BM)  # [BM]
+            if GATHER:
+                # Padding rows read row s mod M: any valid row, but spread. All on one row,
+                # a quarter of the layout would hammer one L2 slice (measured: GEMM1 1.4x slower).
+                rt = tl.load(row_token_ptr + rows)
+                rows = tl.where(rt >= 0, rt, rows % num_a_rows).to(tl.int64)  # [BM] rows of A
+            gemm_tile(a_ptr, rows * stride_am, w_ptr, out_ptr, bias_ptr, block, expert, pn, 1, N, K, up_col,
+                      limit, alpha, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
+                      ACT, CLAMP, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,7 +255,7 @@ def _interpreting() -> bool:
     return triton.knobs.runtime.interpret
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # the interpreter runs programs one after another; a few show the persistent walk
@@ -292,11 +264,27 @@ def _num_sms(device: torch.device) -> int:
 def grid_size(num_blocks: int, n: int, config: GemmConfig, device: torch.device, num_programs: int | None = None) -> int:
     """min(#SMs, tiles at capacity): every program resident, no idle programs."""
     tiles = num_blocks * triton.cdiv(n, config.BN)
-    return max(1, min(num_programs or _num_sms(device), tiles))
+    return max(1, min(num_programs or num_sms(device), tiles))
 
 
-def _launch(a, w, out, block_expert, *, n, up_col, act, bias, config, gate, epilogue, error, num_programs, use_ptx,
-            row_token=None):
+def weight_operand(w: torch.Tensor, config: GemmConfig):
+    """What a kernel's `w_ptr` gets for W [E, K, n_w]: W itself, or with `config.w_desc` a TMA
+    tensor descriptor of W as [E*K, n_w] with [BK, BN] boxes (ValueError when W cannot have one:
+    the switch is never dropped silently)."""
+    if not config.w_desc:
+        return w
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    E, K, n_w = w.shape
+    if K % config.BK or w.stride(2) != 1 or w.stride(0) != K * w.stride(1):
+        raise ValueError(f"a weight descriptor needs K % BK == 0 and rows of W [E, K, n_w] one after another, got "
+                         f"K={K}, BK={config.BK}, strides {w.stride()}")
+    if (w.stride(1) * w.element_size()) % 16 or w.data_ptr() % 16:
+        raise ValueError(f"a weight descriptor needs 16-byte aligned rows, got n_w={n_w} {w.dtype}")
+    return TensorDescriptor(w, [E * K, n_w], [w.stride(1), 1], [config.BK, config.BN])
+
+
+def _launch(a, w, out, block_expert, *, n, up_col, act, bias, config, num_programs, row_token=None):
     K = a.shape[1]
     S = a.shape[0] if row_token is None else row_token.shape[0]
     E = w.shape[0]
@@ -324,44 +312,20 @@ def _launch(a, w, out, block_expert, *, n, up_col, act, bias, config, gate, epil
         if a.shape[0] == 0:
             raise ValueError("a gathered launch needs at least one row of A (padding rows read one)")
         tensors.append(row_token)
-    if gate is not None:
-        if gate.counters.shape != (S // BM,) or gate.counters.dtype != torch.int32:
-            raise ValueError("gate.counters must be int32 [S/BM]")
-        if gate.target.numel() != 1 or gate.target.dtype != torch.int32:
-            raise ValueError("gate.target must be an int32 tensor with one element")
-        tensors += [gate.counters, gate.target]
-    if epilogue is not None:
-        if epilogue.tile_counters.shape != (S // BM,) or epilogue.tile_counters.dtype != torch.int32:
-            raise ValueError("epilogue.tile_counters must be int32 [S/BM]")
-        tensors.append(epilogue.tile_counters)
-    if error is not None:
-        if error.numel() != 1 or error.dtype != torch.int32:
-            raise ValueError("error must be an int32 tensor with one element")
-        tensors.append(error)
     if len({t.device for t in tensors}) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted({str(t.device) for t in tensors})}")
-    if (gate is not None) and error is None:
-        raise ValueError("a gated launch needs an error flag tensor: a timed-out wait must be reported")
     if a.device.type != "cuda" and not _interpreting():
         raise RuntimeError("the Triton grouped GEMM needs a CUDA device or TRITON_INTERPRET=1")
-    if use_ptx is None:
-        use_ptx = not _interpreting()
-    if use_ptx and _interpreting():
-        raise ValueError("use_ptx needs the compiler: the interpreter has no inline asm")
 
-    dummy = block_expert  # pointer for the hooks that are compiled out
     P = grid_size(S // BM, n, config, a.device, num_programs)
     epi = epilogue_args(act)
     _grouped_gemm_kernel[(P,)](
-        a, w, out, bias if bias is not None else out, block_expert, row_token if row_token is not None else dummy,
-        gate.counters if gate else dummy, gate.target if gate else dummy,
-        epilogue.tile_counters if epilogue else dummy,
-        error if error is not None else dummy,
-        S // BM, n, K, E, a.shape[0], up_col, epi["limit"], epi["alpha"], gate.max_spins if gate else 0,
+        a, weight_operand(w, config), out, bias if bias is not None else out, block_expert,
+        row_token if row_token is not None else block_expert,  # a dummy pointer when GATHER is off
+        S // BM, n, K, E, a.shape[0], up_col, epi["limit"], epi["alpha"],
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         bias.stride(0) if bias is not None else 0,
-        ACT=epi["ACT"], CLAMP=epi["CLAMP"], BIAS=bias is not None,
-        GATHER=row_token is not None, GATE=gate is not None, EPILOGUE=epilogue is not None, USE_PTX=use_ptx,
+        ACT=epi["ACT"], CLAMP=epi["CLAMP"], BIAS=bias is not None, W_DESC=config.w_desc, GATHER=row_token is not None,
         IEEE=a.dtype == torch.float32, EVEN_K=K % config.BK == 0, EVEN_N=n % config.BN == 0,
         BM=BM, BN=config.BN, BK=config.BK, NUM_PROGRAMS=P,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -369,8 +333,7 @@ def _launch(a, w, out, block_expert, *, n, up_col, act, bias, config, gate, epil
     return out
 
 
-def gemm1_swiglu(a, w13, block_expert, *, config: GemmConfig, out=None, gate: Gate | None = None,
-                 epilogue: Epilogue | None = None, error=None, num_programs=None, use_ptx=None, row_token=None,
+def gemm1_swiglu(a, w13, block_expert, *, config: GemmConfig, out=None, num_programs=None, row_token=None,
                  act: Activation = Activation(), bias=None):
     """act [S, Ir] = act(A @ W13[e][:, :Ir] (+ b13[e, :Ir]), A @ W13[e][:, Ir:] (+ b13[e, Ir:])) per row
     block (e = block_expert[b]); `act` defaults to silu(g) * u.
@@ -385,12 +348,11 @@ def gemm1_swiglu(a, w13, block_expert, *, config: GemmConfig, out=None, gate: Ga
     if out is None:
         S = a.shape[0] if row_token is None else row_token.shape[0]
         out = torch.empty((S, Ir), dtype=a.dtype, device=a.device)
-    return _launch(a, w13, out, block_expert, n=Ir, up_col=Ir, act=act, bias=bias, config=config, gate=gate,
-                   epilogue=epilogue, error=error, num_programs=num_programs, use_ptx=use_ptx, row_token=row_token)
+    return _launch(a, w13, out, block_expert, n=Ir, up_col=Ir, act=act, bias=bias, config=config,
+                   num_programs=num_programs, row_token=row_token)
 
 
-def gemm2(act, w2, block_expert, *, config: GemmConfig, out=None, gate: Gate | None = None,
-          epilogue: Epilogue | None = None, error=None, num_programs=None, use_ptx=None, bias=None):
+def gemm2(act, w2, block_expert, *, config: GemmConfig, out=None, num_programs=None, bias=None):
     """D [S, H] = act @ W2[e] (+ b2[e]) per row block (e = block_expert[b]).
 
     act [S, Ir], w2 [E, Ir, H], block_expert [S/BM] int32, bias b2 [E, H] or None. Rows of unused
@@ -401,8 +363,8 @@ def gemm2(act, w2, block_expert, *, config: GemmConfig, out=None, gate: Gate | N
     H = w2.shape[2]
     if out is None:
         out = torch.empty((act.shape[0], H), dtype=act.dtype, device=act.device)
-    return _launch(act, w2, out, block_expert, n=H, up_col=0, act=None, bias=bias, config=config, gate=gate,
-                   epilogue=epilogue, error=error, num_programs=num_programs, use_ptx=use_ptx)
+    return _launch(act, w2, out, block_expert, n=H, up_col=0, act=None, bias=bias, config=config,
+                   num_programs=num_programs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Cross-program and cross-GPU synchronisation primitives (Triton jit helpers) for the fused kernels
-and the grouped GEMM's gate and epilogue hooks (service/kernels/grouped_gemm.py).
+(service/kernels/fused_kernels.py).
 
 Every helper takes `USE_PTX: tl.constexpr`:
     True   inline PTX (GPU builds): per-thread `ld.global.acquire.sys` polls with no CTA barrier per
@@ -41,35 +41,6 @@ def _ld_acquire_ptx(ptr):
 def reached(flag, target):
     """flag >= target, wrap-safe over int32."""
     return (flag - target) >= 0
-
-
-@triton.jit
-def wait_geq(ptr, target, max_spins, USE_PTX: tl.constexpr):
-    """Wait until the int32 at `ptr` reaches `target` (bounded). Returns int32 1, or 0 on timeout.
-
-    The verdict is uniform over the CTA: it comes from a scalar atomic (one thread issues it with
-    acquire at system scope and broadcasts it through shared memory behind a CTA barrier), so every
-    thread's later loads are ordered after an acquire that saw the flag. The PTX path polls
-    barrier-free first, then confirms once that way and never polls again: each thread counts its
-    own polls, so at the timeout boundary the counts may differ between threads, and a loop of
-    barrier-carrying atomics after the polls could leave some threads in a barrier the others never
-    reach. One confirmation is enough: thread 0 issues it after its own polls, and a monotonic flag
-    it saw reached still reads reached (coherence of one address).
-    """
-    if USE_PTX:
-        seen = _ld_acquire_ptx(ptr)
-        spins = 0
-        while ((seen - target) < 0) & (spins < max_spins):
-            seen = _ld_acquire_ptx(ptr)
-            spins += 1
-        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-    else:
-        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-        spins = 0
-        while ((seen - target) < 0) & (spins < max_spins):
-            seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-            spins += 1
-    return reached(seen, target).to(tl.int32)
 
 
 @triton.jit

@@ -11,6 +11,9 @@ count (rows before padding) the entry was tuned for; lookup takes the nearest ke
      "triton_version": "3.6.0", "tuned": false, "source": "...",
      "configs": {"16384": {"BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4}}}
 
+An entry may add `"w_desc": true`: the weights are then read through TMA tensor descriptors
+(GemmConfig.w_desc).
+
 `bench/tune_gemm.py` writes these files on a GPU. The request path only reads them (cached);
 when no file matches, a default chosen by the device's shared memory is used and logged once.
 """
@@ -56,11 +59,15 @@ def config_path(device: str, mode: str, E: int, H: int, N: int, directory: Path 
 
 def config_from_dict(entry: dict) -> GemmConfig:
     return GemmConfig(BN=int(entry["BN"]), BK=int(entry["BK"]),
-                      num_warps=int(entry["num_warps"]), num_stages=int(entry["num_stages"]))
+                      num_warps=int(entry["num_warps"]), num_stages=int(entry["num_stages"]),
+                      w_desc=bool(entry.get("w_desc", False)))
 
 
 def config_to_dict(config: GemmConfig) -> dict:
-    return {"BN": config.BN, "BK": config.BK, "num_warps": config.num_warps, "num_stages": config.num_stages}
+    out = {"BN": config.BN, "BK": config.BK, "num_warps": config.num_warps, "num_stages": config.num_stages}
+    if config.w_desc:
+        out["w_desc"] = True
+    return out
 
 
 @functools.lru_cache(maxsize=None)

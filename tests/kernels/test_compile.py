@@ -1,5 +1,6 @@
 """Compile-only checks without a GPU: the Triton grouped GEMM for sm_90 and sm_120 (shared memory
-per block asserted, acquire/release instructions present in the PTX) and csrc/ with nvcc.
+per block asserted, tensor cores and, with weight descriptors, the TMA copy in the PTX, no
+system-scope operation) and csrc/ with nvcc.
 
 Run as a script to print the shared-memory table: `python tests/kernels/test_compile.py`.
 """
@@ -18,7 +19,7 @@ import triton
 
 ROOT = Path(__file__).resolve().parents[2]
 SMEM_LIMIT = {90: 232448, 120: 101376}  # bytes of shared memory per block (opt-in maximum)
-CONSTEXPRS = ("ACT", "CLAMP", "BIAS", "GATHER", "GATE", "EPILOGUE", "USE_PTX", "IEEE", "EVEN_K", "EVEN_N", "BM", "BN", "BK", "NUM_PROGRAMS")
+CONSTEXPRS = ("ACT", "CLAMP", "BIAS", "W_DESC", "GATHER", "IEEE", "EVEN_K", "EVEN_N", "BM", "BN", "BK", "NUM_PROGRAMS")
 # What the runtime specialises at launch for the seed shape: 16-byte aligned pointers, strides
 # and sizes divisible by 16, unit inner strides. Without these hints no cp.async pipelining.
 DIVISIBLE = ("stride_am", "stride_we", "stride_wk", "stride_om", "N", "K", "up_col")
@@ -29,10 +30,11 @@ DEVICE_ARCH = {"NVIDIA_H200": 90, "NVIDIA_H100_80GB_HBM3": 90, "NVIDIA_GeForce_R
 interpreting = pytest.mark.skipif(triton.knobs.runtime.interpret, reason="compile-only needs the compiler, not TRITON_INTERPRET")
 
 
-def compile_gemm(arch: int, *, swiglu: bool, config, gate=True, epilogue=True, use_ptx=True, dtype="bf16", gather=False,
+def compile_gemm(arch: int, *, swiglu: bool, config, dtype="bf16", gather=False,
                  act: int = 1, clamp: bool = False, bias: bool = False):
     """triton.compile of the kernel for GPUTarget('cuda', arch, 32), as a launch would specialise it.
-    swiglu: GEMM1 with activation `act` (grouped_gemm.ACT_CODES), else GEMM2 (ACT = 0)."""
+    swiglu: GEMM1 with activation `act` (grouped_gemm.ACT_CODES), else GEMM2 (ACT = 0); with
+    config.w_desc, w_ptr is a tensor descriptor with [BK, BN] boxes."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -43,6 +45,8 @@ def compile_gemm(arch: int, *, swiglu: bool, config, gate=True, epilogue=True, u
     for i, name in enumerate(names):
         if name in CONSTEXPRS or name in UNIT:
             sig[name] = "constexpr"
+        elif name == "w_ptr" and config.w_desc:
+            sig[name] = f"tensordesc<{dtype}[{config.BK}, {config.BN}]>"
         elif name.endswith("_ptr"):
             sig[name] = f"*{dtype}" if name in ("a_ptr", "w_ptr", "out_ptr", "bias_ptr") else "*i32"
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -52,7 +56,8 @@ def compile_gemm(arch: int, *, swiglu: bool, config, gate=True, epilogue=True, u
             sig[name] = "i32"
             if name in DIVISIBLE:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    constexprs = dict(ACT=act if swiglu else 0, CLAMP=clamp, BIAS=bias, GATHER=gather, GATE=gate, EPILOGUE=epilogue, USE_PTX=use_ptx, IEEE=dtype == "fp32",
+    constexprs = dict(ACT=act if swiglu else 0, CLAMP=clamp, BIAS=bias, W_DESC=config.w_desc, GATHER=gather,
+                      IEEE=dtype == "fp32",
                       EVEN_K=True, EVEN_N=True, BM=BM, BN=config.BN, BK=config.BK, NUM_PROGRAMS=132,
                       **{name: 1 for name in UNIT})
     src = ASTSource(_grouped_gemm_kernel, sig, constexprs, attrs)
@@ -90,22 +95,21 @@ def test_config_fits_shared_memory(arch, mode, config):
 
 @interpreting
 @pytest.mark.parametrize("arch", [90, 120])
-@pytest.mark.parametrize("use_ptx", [True, False])
-def test_acquire_release_in_ptx(arch, use_ptx):
-    from service.kernels.grouped_gemm import GemmConfig
+@pytest.mark.parametrize("mode", ["gemm1", "gemm2"])
+def test_weight_descriptor_compiles(arch, mode):
+    """GemmConfig.w_desc on the default tiles of both targets: the weights come through the TMA
+    copy (cp.async.bulk.tensor), the tile still fits the shared memory, sm_90 keeps wgmma."""
+    import dataclasses
 
-    config = GemmConfig(BN=64, BK=64, num_warps=4, num_stages=2)
-    ptx = compile_gemm(arch, swiglu=True, config=config, use_ptx=use_ptx).asm["ptx"]
-    # The confirming scalar atomic (both paths) is an acquire load at system scope.
-    assert "ld.global.sys.acquire" in ptx or "atom.global.sys.acquire" in ptx, "no system-scope acquire"
-    if use_ptx:
-        assert "ld.global.acquire.sys.b32" in ptx, "PTX poll missing"
-        assert "red.release.sys.global.add.s32" in ptx, "PTX release signal missing"
-    else:
-        assert "atom.global.sys.release" in ptx or "red.global.sys.release" in ptx, "no system-scope release"
-    # The signal must follow a CTA barrier (Triton 3.6 adds none before a release atomic).
-    release_at = max(ptx.find("red.release.sys"), ptx.find("atom.global.sys.release"), ptx.find("red.global.sys.release"))
-    assert "bar.sync" in ptx[:release_at], "no CTA barrier before the release"
+    from service.kernels import tuning
+
+    config = dataclasses.replace(tuning._DEFAULTS[("large" if arch == 90 else "small", mode)], w_desc=True)
+    kernel = compile_gemm(arch, swiglu=mode == "gemm1", config=config, gather=mode == "gemm1")
+    ptx = kernel.asm["ptx"]
+    assert "cp.async.bulk.tensor" in ptx, "w_desc build without TMA loads"
+    assert kernel.metadata.shared <= SMEM_LIMIT[arch], f"{mode} w_desc needs {kernel.metadata.shared} B"
+    if arch == 90:
+        assert "wgmma" in ptx, "sm_90 build without wgmma"
 
 
 @interpreting
@@ -128,12 +132,12 @@ def test_epilogue_variants_compile(arch, variant):
 
 
 @interpreting
-def test_no_hooks_no_sync_instructions():
+def test_no_sync_instructions():
     from service.kernels.grouped_gemm import GemmConfig
 
     config = GemmConfig(BN=64, BK=64, num_warps=4, num_stages=2)
-    ptx = compile_gemm(90, swiglu=False, config=config, gate=False, epilogue=False).asm["ptx"]
-    assert ".sys" not in ptx, "hooks compiled out must leave no system-scope operations"
+    ptx = compile_gemm(90, swiglu=True, config=config, gather=True).asm["ptx"]
+    assert ".sys" not in ptx, "the grouped GEMM synchronises with nobody: no system-scope operations"
 
 
 # ---------------------------------------------------------------------------------------------
