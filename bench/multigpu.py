@@ -321,7 +321,7 @@ def _report(gathered: list[list[dict]], base: LayerConfig, args, dev: torch.devi
 
 
 def _dry_run(args) -> None:
-    from service.moe.fused import Layout
+    from service.moe.fused_buffers import Layout
 
     base = _layer_shape(args)
     how = "gloo, CPU" if args.cpu_smoke else "NCCL + symmetric memory, one GPU each"

@@ -28,7 +28,8 @@ never keep a producer off the machine.
               JOIN the GEMM programs take jobs too once their tiles are done (all-hands tail).
 
 Bounded waits record the first failure in error[0] (atomic CAS from 0, so the first one stays):
-    ERR_BARRIER + peer, ERR_GATE + block, ERR_JOB + first token of the grab, ERR_WATERMARK.
+    ERR_BARRIER + peer, ERR_GATE + block, ERR_JOB + first token of the grab, ERR_WATERMARK
+(the constants below: one definition for the kernels, the host's `describe_error` and the tests).
 Every kernel but the stage copy does nothing when error[0] is set at its start: after a failure the step is void,
 the host raises and the group restarts.
 
@@ -42,27 +43,38 @@ stats [4] int64 nanoseconds (GPU %globaltimer, 0 in the interpreter), rewritten 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
 from service.config import BM, Activation
 from service.config import META as config_META
-from service.kernels.grouped_gemm import epilogue_args, gemm_tile
-from service.kernels.sync import now_ns, signal_add, store_release, wait_all_geq, wait_geq
+from service.kernels.grouped_gemm import GemmConfig, epilogue_args, gemm_tile, weight_operand
+from service.kernels.sync import now_ns, signal_add, store_release, wait_all_geq
 
 META = tl.constexpr(config_META)  # int32 words in front of a routing block (layout: service.moe.routing)
 
-ERR_BARRIER = 1 << 24     # + peer rank whose barrier signal never came
-ERR_GATE = 2 << 24        # + row block whose remote tokens never all arrived (kernel 1)
-ERR_JOB = 3 << 24         # + first global token of a job whose rows never completed (kernel 2)
-ERR_WATERMARK = 4 << 24   # final reduce: some source never published
-ERR_NAMES = {1: "barrier", 2: "kernel-1 gate", 3: "kernel-2 job", 4: "final-reduce watermark"}
+# Error codes: kind << 24, plus a detail in the low 24 bits. Compile-time constants the kernels
+# add their detail to; the host reads them as ints (`.value`).
+ERR_DETAIL_BITS = 24
+ERR_BARRIER = tl.constexpr(1 << ERR_DETAIL_BITS)    # + peer rank whose barrier signal never came
+ERR_GATE = tl.constexpr(2 << ERR_DETAIL_BITS)       # + row block whose remote tokens never all arrived (kernel 1)
+ERR_JOB = tl.constexpr(3 << ERR_DETAIL_BITS)        # + first global token of a job whose rows never completed (kernel 2)
+ERR_WATERMARK = tl.constexpr(4 << ERR_DETAIL_BITS)  # final reduce: some source never published
+ERR_NAMES = {ERR_BARRIER.value: "barrier", ERR_GATE.value: "kernel-1 gate", ERR_JOB.value: "kernel-2 job",
+             ERR_WATERMARK.value: "final-reduce watermark"}
+
+
+def error_kind(code: int) -> int:
+    """The ERR_* constant of an error word (its detail masked off)."""
+    return code >> ERR_DETAIL_BITS << ERR_DETAIL_BITS
 
 
 def describe_error(code: int) -> str:
-    kind, detail = code >> 24, code & 0xFFFFFF
-    return f"{ERR_NAMES.get(kind, 'unknown')} wait timed out (detail {detail})"
+    detail = code & ((1 << ERR_DETAIL_BITS) - 1)
+    return f"{ERR_NAMES.get(error_kind(code), 'unknown')} wait timed out (detail {detail})"
 
 
 @triton.jit
@@ -149,7 +161,7 @@ def _exchange_kernel(region_ptr, region_off, routing_g_ptr, ctl_ptr, error_ptr, 
             # Name the first missing peer (a plain read: the verdict is already made).
             seen = tl.load(my_slots, mask=rmask, other=0)
             missing = tl.min(tl.where(rmask & ((seen - seq) < 0), rr, RP), axis=0)
-            tl.atomic_cas(error_ptr, 0, (1 << 24) + missing)
+            tl.atomic_cas(error_ptr, 0, ERR_BARRIER + missing)
         # Routing blocks (after the acquire above; stale but well-formed when it timed out).
         offs = tl.arange(0, BL)
         for r in range(0, R):
@@ -166,14 +178,14 @@ def _exchange_kernel(region_ptr, region_off, routing_g_ptr, ctl_ptr, error_ptr, 
 
 @triton.jit
 def _ag_gemm1_kernel(
-    region_ptr, region_off, w_ptr, act_ptr,  # our region, [R] int64 (16 B units), W13 [E, H, 2*Ir], act [S, Ir]
+    region_ptr, region_off, w_ptr, act_ptr,  # our region, [R] int64 (16 B units), W13 [E, H, 2*Ir] (or its descriptor), act [S, Ir]
     bias_ptr,                             # BIAS: b13 [E, 2*Ir] gate, then up bias
     slots_ptr, pull_ptr, row_token_ptr, block_expert_ptr,  # [N, K], [N], [S], [NB] int32
     arrived_ptr,                          # [N + 1] int32 per pulled token, monotonic; [N] is a dummy
     ctl_ptr, error_ptr, stats_ptr,        # [1] int32 seq, [1] int32, [4] int64
     rank, N, C, H, NB, Ir, E, tok_off, pull_off, max_spins, limit, alpha,
     stride_we, stride_wk, stride_om, stride_be,
-    ACT: tl.constexpr, CLAMP: tl.constexpr, BIAS: tl.constexpr,
+    ACT: tl.constexpr, CLAMP: tl.constexpr, BIAS: tl.constexpr, W_DESC: tl.constexpr,
     TB: tl.constexpr, BH: tl.constexpr, K: tl.constexpr,
     NUM_COMM: tl.constexpr, NUM_PROGRAMS: tl.constexpr, USE_PTX: tl.constexpr, SYNC: tl.constexpr,
     IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
@@ -187,7 +199,7 @@ def _ag_gemm1_kernel(
     pid = tl.program_id(0)
     seq = tl.load(ctl_ptr)
     parity = (seq & 1).to(tl.int64)
-    mine = region_ptr.to(tl.pointer_type(w_ptr.dtype.element_ty))
+    mine = region_ptr.to(tl.pointer_type(act_ptr.dtype.element_ty))
     if tl.load(error_ptr) == 0:
         if pid < NUM_COMM:
             # -- comm: pull the remote real tokens in pull_order, TB per iteration -------------
@@ -200,7 +212,7 @@ def _ag_gemm1_kernel(
                 owner = g // C
                 # Padding tokens (slot -1, last in pull_order) and our own tokens move nothing.
                 move = (idx < N) & (owner != rank) & (tl.load(slots_ptr + g * K) >= 0)  # [TB]
-                src = (region_of(region_ptr, region_off, owner, w_ptr.dtype.element_ty)
+                src = (region_of(region_ptr, region_off, owner, act_ptr.dtype.element_ty)
                        + tok_off + (parity * C + (g - owner * C)) * H)  # [TB] the tokens in their owners' buffers
                 dst = mine + pull_off + g.to(tl.int64) * H  # [TB]
                 for h0 in range(0, H, BH):
@@ -233,7 +245,7 @@ def _ag_gemm1_kernel(
                         ready = wait_all_geq(arrived_ptr + tl.where(local, N, g), local == 0, seq, max_spins, USE_PTX)
                     waited += now_ns(USE_PTX) - t0
                     if ready == 0:
-                        tl.atomic_cas(error_ptr, 0, (2 << 24) + block)
+                        tl.atomic_cas(error_ptr, 0, ERR_GATE + block)
                         alive = ready
                     else:
                         # A padding row reads our row s mod C: valid, and spread (one shared
@@ -243,7 +255,7 @@ def _ag_gemm1_kernel(
                                           pull_off + g.to(tl.int64) * H)  # [BM] element offsets in our region
                         gemm_tile(mine, a_rows, w_ptr, act_ptr, bias_ptr, block, expert, pn, ready, Ir, H, Ir,
                                   limit, alpha, 1, stride_we, stride_wk, 1, stride_om, 1, stride_be,
-                                  ACT, CLAMP, BIAS, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
+                                  ACT, CLAMP, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
             tl.atomic_add(stats_ptr + 1, waited, sem="relaxed")
 
 
@@ -254,7 +266,7 @@ def _ag_gemm1_kernel(
 
 @triton.jit
 def _gemm2_push_kernel(
-    region_ptr, region_off, act_ptr, w_ptr, d_ptr,  # our region, [R] int64, act [S, Ir], W2 [E, Ir, H], D [S, H]
+    region_ptr, region_off, act_ptr, w_ptr, d_ptr,  # our region, [R] int64, act [S, Ir], W2 [E, Ir, H] (or its descriptor), D [S, H]
     bias_ptr,                             # BIAS: b2 [E, H] (rank 0 only: the planes add up to one copy)
     block_expert_ptr, slots_ptr, job_ptr, routing_g_ptr,  # [NB], [N, K], [N], [R, L] int32
     tiles_ptr,                            # [NB] int32 finished column tiles per block, monotonic
@@ -262,7 +274,7 @@ def _gemm2_push_kernel(
     ctl_ptr, error_ptr, stats_ptr,
     rank, R, C, H, NB, Ir, E, L, stage_off, wm_off, max_spins,
     stride_am, stride_we, stride_wk, stride_om, stride_be,
-    BIAS: tl.constexpr,
+    BIAS: tl.constexpr, W_DESC: tl.constexpr,
     K: tl.constexpr, KP: tl.constexpr, BH: tl.constexpr, JT: tl.constexpr,
     NUM_COMPUTE: tl.constexpr, NUM_PROGRAMS: tl.constexpr, JOIN: tl.constexpr, USE_PTX: tl.constexpr,
     SYNC: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
@@ -290,7 +302,7 @@ def _gemm2_push_kernel(
                     rows = block.to(tl.int64) * BM + tl.arange(0, BM)  # [BM]
                     gemm_tile(act_ptr, rows * stride_am, w_ptr, d_ptr, bias_ptr, block, expert, pn, 1, H, Ir, 0,
                               0.0, 0.0, 1, stride_we, stride_wk, 1, stride_om, 1, stride_be,
-                              0, False, BIAS, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
+                              0, False, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
                 signal_add(tiles_ptr + block, 1, USE_PTX)  # CTA barrier, release (local flag)
             t_join = now_ns(USE_PTX)
         if (pid >= NUM_COMPUTE) | JOIN:
@@ -317,7 +329,7 @@ def _gemm2_push_kernel(
                 if SYNC:
                     ok = wait_all_geq(tiles_ptr + srow // BM, lq, target, max_spins, USE_PTX)
                 if ok == 0:
-                    tl.atomic_cas(error_ptr, 0, (3 << 24) + tl.load(job_ptr + j0))
+                    tl.atomic_cas(error_ptr, 0, ERR_JOB + tl.load(job_ptr + j0))
                     go = ok != 0
                 else:
                     oq = gq // C
@@ -388,7 +400,7 @@ def _final_reduce_kernel(stage_ptr, wm_ptr, out_ptr, routing_g_ptr, disp_ptr, pu
         if pid == 0:
             tl.store(stats_ptr + 3, now_ns(USE_PTX) - t0)
         if ok == 0:
-            tl.atomic_cas(error_ptr, 0, 4 << 24)
+            tl.atomic_cas(error_ptr, 0, ERR_WATERMARK)
         else:
             rows = row0 + tl.arange(0, BR)  # [BR]
             rm = rows < n
@@ -403,105 +415,179 @@ def _final_reduce_kernel(stage_ptr, wm_ptr, out_ptr, routing_g_ptr, disp_ptr, pu
 
 
 # ---------------------------------------------------------------------------------------------
-# Launchers (keyword-only: many tensors).
+# Launchers: one argument structure (ThunderKittens' `globals`), one launch plan.
 # ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StepArgs:
+    """Everything one rank's step touches, as the kernels see it: sizes, this rank's symmetric
+    region with its peers' distances and the element offsets of its parts, the local buffers and
+    the weights. Built once per rank (service.moe.fused_buffers.RankBuffers.args); a captured
+    graph replays on exactly these tensors."""
+
+    rank: int
+    R: int
+    C: int
+    H: int
+    K: int
+    E: int
+    Ir: int
+    L: int                     # int32 words of one routing block: META + 2*C*K
+    region: torch.Tensor       # uint8 [nbytes] this rank's symmetric region
+    region_off: torch.Tensor   # [R] int64 every region's distance from ours, in 16-byte units
+    tok_off: int               # element offsets in any rank's region: tokens, pulled (layer dtype),
+    pull_off: int
+    rt_off: int                # routing, staging, watermarks, barrier slots (int32 / fp32 words)
+    stage_off: int
+    wm_off: int
+    bar_off: int
+    x_in: torch.Tensor         # [C, H] this step's inputs, written by the caller
+    ids_in: torch.Tensor       # [C, K] int32
+    w_in: torch.Tensor         # [C, K] fp32
+    pulled: torch.Tensor       # [N, H] view of our region: remote tokens pulled by kernel 1
+    staging: torch.Tensor      # [R, C, H] fp32 view of our region: plane s = pushes from rank s
+    wm: torch.Tensor           # [R] int32 view of our region
+    routing_g: torch.Tensor    # [R, L] int32 every rank's routing block
+    act: torch.Tensor          # [S, Ir]
+    D: torch.Tensor            # [S, H]
+    out: torch.Tensor          # [C, H] fp32
+    arrived: torch.Tensor      # [N + 1] int32 pulled-token arrivals; [N] a dummy
+    tiles: torch.Tensor        # [NB] int32 finished GEMM2 column tiles per block
+    disp: torch.Tensor         # [1] int32 job dispenser
+    pushed: torch.Tensor       # [R] int32 jobs pushed per owner this step
+    ctl: torch.Tensor          # [4] int32 seq, n, batch seq low, batch seq high
+    error: torch.Tensor        # [1] int32
+    stats: torch.Tensor        # [4] int64 ns (module docstring)
+    w13: torch.Tensor          # [E, H, 2*Ir]
+    w2: torch.Tensor           # [E, Ir, H]
+    b13: torch.Tensor | None = None  # [E, 2*Ir]
+    b2: torch.Tensor | None = None   # [E, H] (rank 0 only)
+    activation: Activation = Activation()
+
+    def __post_init__(self) -> None:
+        """The layouts the kernels assume (checked once here, not per launch)."""
+        R, C, H, K, E, Ir, N = self.R, self.C, self.H, self.K, self.E, self.Ir, self.R * self.C
+        S = self.act.shape[0]
+        assert S % BM == 0 and self.act.shape == (S, Ir) and self.D.shape == (S, H), "act [S, Ir] and D [S, H]"
+        assert self.w13.shape == (E, H, 2 * Ir) and self.w2.shape == (E, Ir, H), "w13 [E, H, 2*Ir] and w2 [E, Ir, H]"
+        for t in (self.act, self.D, self.w13, self.w2, self.pulled):
+            assert t.stride(-1) == 1, "unit inner strides"
+        assert self.pulled.shape == (N, H) and self.staging.shape == (R, C, H) and self.staging.is_contiguous()
+        assert self.staging.dtype == torch.float32 and self.out.shape == (C, H) and self.out.is_contiguous()
+        assert self.x_in.shape == (C, H) and self.x_in.is_contiguous()
+        assert self.ids_in.shape == (C, K) and self.ids_in.dtype == torch.int32 and self.ids_in.is_contiguous()
+        assert self.w_in.shape == (C, K) and self.w_in.dtype == torch.float32 and self.w_in.is_contiguous()
+        assert self.routing_g.shape == (R, self.L) and self.routing_g.dtype == torch.int32
+        assert self.arrived.shape == (N + 1,) and self.arrived.dtype == torch.int32
+        assert self.b13 is None or (self.b13.shape == (E, 2 * Ir) and self.b13.dtype == self.w13.dtype
+                                    and self.b13.stride(1) == 1)
+        assert self.b2 is None or (self.b2.shape == (E, H) and self.b2.dtype == self.w2.dtype and self.b2.stride(1) == 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How the kernels are launched: grid sizes, roles, tiles, bounds (service.moe.fused_plan
+    chooses them for a device)."""
+
+    num_programs: int
+    num_comm1: int      # kernel 1 programs that pull (0 when R = 1: nothing is remote)
+    num_compute2: int   # kernel 2 programs that run GEMM2 (the rest take jobs from the start)
+    join: bool          # GEMM2 programs take jobs after their tiles
+    config1: GemmConfig
+    config2: GemmConfig
+    max_spins: int = 1 << 22  # ~1 s at ~0.2 us per system-scope poll: far beyond an honest wait
+    use_ptx: bool = True
+    sync: bool = True   # False: every wait removed (benchmarks' compute-only run; garbage output)
+    # Columns a kernel-2 job loads per step (K rows of them at once). Swept on an H200 at the seed
+    # share, R=1 (bench/RESULTS.md): 512 -> job tail 360 us, 1024 -> 134, 2048 -> 66, 4096 -> 61.
+    job_cols: int = 2048
+    # Tokens a kernel-2 job takes per dispenser grab (their K rows load together; the fixed
+    # costs of a job are paid once per grab). H200, seed share, R=1, job_cols 2048
+    # (bench/RESULTS.md): 1 -> job tail 72 us, 2 -> 52, 4 -> 39 (fused 978 -> 919 us); narrower
+    # columns lose (4 x 1024: 102, 8 x 512: 316).
+    job_tokens: int = 4
+    # Tokens a kernel-1 puller moves per iteration. H200, seed share, R=1, when kernel 1 still
+    # wrote K rows per token (bench/RESULTS.md): 4 -> 1.17x serial, 8 -> 1.13x, 16 -> 1.21x.
+    pull_tokens: int = 8
+
+    def __post_init__(self) -> None:
+        assert 0 < self.num_compute2 <= self.num_programs and (self.join or self.num_compute2 < self.num_programs), \
+            "kernel 2: nobody takes jobs"
+        assert self.job_tokens >= 1 and self.job_tokens & (self.job_tokens - 1) == 0, \
+            f"job_tokens must be a power of two, got {self.job_tokens}"
 
 
 def _p2(x: int) -> int:
     return triton.next_power_of_2(max(1, x))
 
 
-def _interpreting() -> bool:
-    return triton.knobs.runtime.interpret
-
-
 STAGE_ROWS = 4  # rows per stage program
-
-
-def stage(*, x, ids, w, region, ctl, C, L, tok_off, rt_off):
-    """tokens[seq & 1][:n] <- x[:n], routing[seq & 1] ids / weights <- ids[:n], w[:n] (n = ctl[1]).
-    x [C, H], ids [C, K] int32, w [C, K] fp32: this rank's input buffers."""
-    H = x.shape[1]
-    K = ids.shape[1]
-    assert x.shape[0] == C and ids.shape == (C, K) and w.shape == (C, K) and x.is_contiguous()
-    assert ids.dtype == torch.int32 and w.dtype == torch.float32 and ids.is_contiguous() and w.is_contiguous()
-    _stage_kernel[(triton.cdiv(C, STAGE_ROWS),)](x, ids, w, region, ctl, C, H, L, tok_off, rt_off,
-                                                 K=K, BR=STAGE_ROWS, BH=min(_p2(H), 1024),
-                                                 BRK=_p2(STAGE_ROWS * K), num_warps=4)
-
-
-def exchange(*, region, region_off, routing_g, ctl, error, stats, rank, R, L, rt_off, bar_off, max_spins, use_ptx, sync=True):
-    """routing_g [R, L] int32 <- every rank's routing block of this step, after the barrier."""
-    assert routing_g.shape == (R, L) and routing_g.dtype == torch.int32
-    _exchange_kernel[(1,)](region, region_off, routing_g, ctl, error, stats, rank, R, L, rt_off, bar_off, max_spins,
-                           RP=_p2(R), BL=1024, USE_PTX=use_ptx, SYNC=sync, num_warps=4)
-
-
-def ag_gemm1(*, region, region_off, pulled, w13, act, tables, arrived, ctl, error, stats, rank, R, C, tok_off, pull_off,
-             config, num_programs, num_comm, max_spins, use_ptx, pull_tokens, sync=True,
-             activation: Activation = Activation(), b13=None):
-    """Kernel 1: act [S, Ir] = activation(A @ W13 (+ b13)) with A's rows read from the owners' token
-    buffers (remote tokens pulled once into `pulled` [R*C, H], a view of this rank's region)."""
-    N, H = pulled.shape
-    E, _, two_ir = w13.shape
-    Ir = two_ir // 2
-    S = tables.row_token.shape[0]
-    K = tables.slots.shape[1]
-    NB = S // BM
-    assert act.shape == (S, Ir) and pulled.stride(1) == 1 and w13.stride(2) == 1 and act.stride(1) == 1
-    assert arrived.shape == (N + 1,) and arrived.dtype == torch.int32
-    assert 0 <= num_comm < num_programs and (num_comm > 0 or R == 1), "kernel 1 needs compute programs, and pullers when R > 1"
-    assert b13 is None or (b13.shape == (E, two_ir) and b13.dtype == w13.dtype and b13.stride(1) == 1)
-    epi = epilogue_args(activation)
-    _ag_gemm1_kernel[(num_programs,)](
-        region, region_off, w13, act, b13 if b13 is not None else act,
-        tables.slots, tables.pull_order, tables.row_token, tables.block_expert,
-        arrived, ctl, error, stats,
-        rank, N, C, H, NB, Ir, E, tok_off, pull_off, max_spins, epi["limit"], epi["alpha"],
-        w13.stride(0), w13.stride(1), act.stride(0), b13.stride(0) if b13 is not None else 0,
-        ACT=epi["ACT"], CLAMP=epi["CLAMP"], BIAS=b13 is not None,
-        TB=pull_tokens, BH=min(_p2(H), 1024), K=K, NUM_COMM=num_comm, NUM_PROGRAMS=num_programs,
-        USE_PTX=use_ptx, SYNC=sync,
-        IEEE=w13.dtype == torch.float32, EVEN_K=H % config.BK == 0, EVEN_N=Ir % config.BN == 0,
-        BM=BM, BN=config.BN, BK=config.BK, num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-
-
-def gemm2_push(*, region, region_off, act, w2, D, tables, routing_g, tiles, disp, pushed, ctl, error, stats,
-               rank, R, C, L, stage_off, wm_off, config, num_programs, num_compute, join, max_spins, use_ptx,
-               job_cols, job_tokens, sync=True, b2=None):
-    """Kernel 2: D [S, H] = act @ W2 (+ b2), then every global token's top-k sum pushed to its owner."""
-    S, Ir = act.shape
-    E, _, H = w2.shape
-    K = tables.slots.shape[1]
-    NB = S // BM
-    assert D.shape == (S, H) and act.stride(1) == 1 and w2.stride(2) == 1 and D.stride(1) == 1
-    assert 0 < num_compute <= num_programs and (join or num_compute < num_programs), "nobody takes jobs"
-    assert job_tokens >= 1 and job_tokens & (job_tokens - 1) == 0, f"job_tokens must be a power of two, got {job_tokens}"
-    assert b2 is None or (b2.shape == (E, H) and b2.dtype == w2.dtype and b2.stride(1) == 1)
-    _gemm2_push_kernel[(num_programs,)](
-        region, region_off, act, w2, D, b2 if b2 is not None else D,
-        tables.block_expert, tables.slots, tables.job_order, routing_g,
-        tiles, disp, pushed, ctl, error, stats,
-        rank, R, C, H, NB, Ir, E, L, stage_off, wm_off, max_spins,
-        act.stride(0), w2.stride(0), w2.stride(1), D.stride(0), b2.stride(0) if b2 is not None else 0,
-        BIAS=b2 is not None, K=K, KP=_p2(K), BH=min(_p2(H), job_cols), JT=job_tokens, NUM_COMPUTE=num_compute, NUM_PROGRAMS=num_programs,
-        JOIN=join, USE_PTX=use_ptx, SYNC=sync,
-        IEEE=act.dtype == torch.float32, EVEN_K=Ir % config.BK == 0, EVEN_N=H % config.BN == 0,
-        BM=BM, BN=config.BN, BK=config.BK, num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-
-
 REDUCE_ROWS = 4  # rows per final-reduce program
 
 
-def final_reduce(*, staging, wm, out, routing_g, disp, pushed, arrived, ctl, error, stats, rank, R, C, L, max_spins,
-                 use_ptx, sync=True):
+def stage(a: StepArgs) -> None:
+    """tokens[seq & 1][:n] <- x_in[:n], routing[seq & 1] ids / weights <- ids_in[:n], w_in[:n] (n = ctl[1])."""
+    _stage_kernel[(triton.cdiv(a.C, STAGE_ROWS),)](
+        a.x_in, a.ids_in, a.w_in, a.region, a.ctl, a.C, a.H, a.L, a.tok_off, a.rt_off,
+        K=a.K, BR=STAGE_ROWS, BH=min(_p2(a.H), 1024), BRK=_p2(STAGE_ROWS * a.K), num_warps=4)
+
+
+def exchange(a: StepArgs, plan: Plan) -> None:
+    """routing_g [R, L] int32 <- every rank's routing block of this step, after the barrier."""
+    _exchange_kernel[(1,)](a.region, a.region_off, a.routing_g, a.ctl, a.error, a.stats, a.rank, a.R, a.L, a.rt_off,
+                           a.bar_off, plan.max_spins, RP=_p2(a.R), BL=1024, USE_PTX=plan.use_ptx, SYNC=plan.sync,
+                           num_warps=4)
+
+
+def ag_gemm1(a: StepArgs, plan: Plan, tables) -> None:
+    """Kernel 1: act [S, Ir] = activation(A @ W13 (+ b13)) with A's rows read from the owners' token
+    buffers (remote tokens pulled once into `pulled` [R*C, H], a view of this rank's region)."""
+    N = a.R * a.C
+    NB = tables.row_token.shape[0] // BM
+    config = plan.config1
+    assert tables.slots.shape[1] == a.K and tables.row_token.shape[0] == a.act.shape[0]
+    assert 0 <= plan.num_comm1 < plan.num_programs and (plan.num_comm1 > 0 or a.R == 1), \
+        "kernel 1 needs compute programs, and pullers when R > 1"
+    epi = epilogue_args(a.activation)
+    b13 = a.b13
+    _ag_gemm1_kernel[(plan.num_programs,)](
+        a.region, a.region_off, weight_operand(a.w13, config), a.act, b13 if b13 is not None else a.act,
+        tables.slots, tables.pull_order, tables.row_token, tables.block_expert,
+        a.arrived, a.ctl, a.error, a.stats,
+        a.rank, N, a.C, a.H, NB, a.Ir, a.E, a.tok_off, a.pull_off, plan.max_spins, epi["limit"], epi["alpha"],
+        a.w13.stride(0), a.w13.stride(1), a.act.stride(0), b13.stride(0) if b13 is not None else 0,
+        ACT=epi["ACT"], CLAMP=epi["CLAMP"], BIAS=b13 is not None, W_DESC=config.w_desc,
+        TB=plan.pull_tokens, BH=min(_p2(a.H), 1024), K=a.K, NUM_COMM=plan.num_comm1, NUM_PROGRAMS=plan.num_programs,
+        USE_PTX=plan.use_ptx, SYNC=plan.sync,
+        IEEE=a.w13.dtype == torch.float32, EVEN_K=a.H % config.BK == 0, EVEN_N=a.Ir % config.BN == 0,
+        BM=BM, BN=config.BN, BK=config.BK, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def gemm2_push(a: StepArgs, plan: Plan, tables) -> None:
+    """Kernel 2: D [S, H] = act @ W2 (+ b2), then every global token's top-k sum pushed to its owner."""
+    NB = a.act.shape[0] // BM
+    config = plan.config2
+    b2 = a.b2
+    _gemm2_push_kernel[(plan.num_programs,)](
+        a.region, a.region_off, a.act, weight_operand(a.w2, config), a.D, b2 if b2 is not None else a.D,
+        tables.block_expert, tables.slots, tables.job_order, a.routing_g,
+        a.tiles, a.disp, a.pushed, a.ctl, a.error, a.stats,
+        a.rank, a.R, a.C, a.H, NB, a.Ir, a.E, a.L, a.stage_off, a.wm_off, plan.max_spins,
+        a.act.stride(0), a.w2.stride(0), a.w2.stride(1), a.D.stride(0), b2.stride(0) if b2 is not None else 0,
+        BIAS=b2 is not None, W_DESC=config.w_desc, K=a.K, KP=_p2(a.K), BH=min(_p2(a.H), plan.job_cols),
+        JT=plan.job_tokens, NUM_COMPUTE=plan.num_compute2, NUM_PROGRAMS=plan.num_programs,
+        JOIN=plan.join, USE_PTX=plan.use_ptx, SYNC=plan.sync,
+        IEEE=a.act.dtype == torch.float32, EVEN_K=a.Ir % config.BK == 0, EVEN_N=a.H % config.BN == 0,
+        BM=BM, BN=config.BN, BK=config.BK, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def final_reduce(a: StepArgs, plan: Plan) -> None:
     """out [C, H] fp32 (rows < n) = sum of this rank's R staging planes, after the watermarks."""
-    H = out.shape[1]
-    assert staging.shape == (R, C, H) and staging.dtype == torch.float32 and staging.is_contiguous()
-    assert out.shape == (C, H) and out.is_contiguous()
-    _final_reduce_kernel[(triton.cdiv(C, REDUCE_ROWS),)](
-        staging, wm, out, routing_g, disp, pushed, arrived, ctl, error, stats, rank, R, C, H, L, max_spins,
-        RP=_p2(R), BR=REDUCE_ROWS, BH=min(_p2(H), 1024), USE_PTX=use_ptx, SYNC=sync, num_warps=4,
+    _final_reduce_kernel[(triton.cdiv(a.C, REDUCE_ROWS),)](
+        a.staging, a.wm, a.out, a.routing_g, a.disp, a.pushed, a.arrived, a.ctl, a.error, a.stats,
+        a.rank, a.R, a.C, a.H, a.L, plan.max_spins,
+        RP=_p2(a.R), BR=REDUCE_ROWS, BH=min(_p2(a.H), 1024), USE_PTX=plan.use_ptx, SYNC=plan.sync, num_warps=4,
     )

@@ -41,7 +41,7 @@ def compile_kernel(name: str, arch: int, *, config=None, dtype: str = "bf16", us
     kernel = getattr(fk, name)
     names = list(inspect.signature(kernel.fn).parameters)
     constexprs = {"USE_PTX": use_ptx, "SYNC": True, "K": K, "KP": triton.next_power_of_2(K), "RP": 4, "TB": 4, "JT": 2,
-                  "ACT": act, "CLAMP": clamp, "BIAS": bias}
+                  "ACT": act, "CLAMP": clamp, "BIAS": bias, "W_DESC": bool(config and config.w_desc)}
     if config is not None:
         constexprs.update(BM=BM, BN=config.BN, BK=config.BK, IEEE=False, EVEN_K=True, EVEN_N=True,
                           NUM_PROGRAMS=132, NUM_COMM=8, NUM_COMPUTE=124, JOIN=True, BH=512)
@@ -51,6 +51,8 @@ def compile_kernel(name: str, arch: int, *, config=None, dtype: str = "bf16", us
         if n in constexprs:
             sig[n] = "constexpr"
             cx[n] = constexprs[n]
+        elif n == "w_ptr" and config is not None and config.w_desc:
+            sig[n] = f"tensordesc<{dtype}[{config.BK}, {config.BN}]>"
         elif n.endswith("_ptr") or n.endswith("_ptrs") or n in POINTERS:
             sig[n] = POINTERS.get(n, "*i32").format(dt=dtype)
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -122,6 +124,24 @@ def test_epilogue_variants_compile(arch, variant):
         assert k.metadata.shared <= SMEM_LIMIT[arch]
         if arch == 90:
             assert "wgmma" in k.asm["ptx"]
+
+
+@interpreting
+@pytest.mark.parametrize("arch", [90, 120])
+def test_weight_descriptors_compile(arch):
+    """Both GEMM kernels with GemmConfig.w_desc (the tile code the grouped GEMM runs too): TMA copies
+    of the weights, within shared memory, tensor cores kept, the gathered A rows still 16-byte copies."""
+    import dataclasses
+
+    c1, c2 = (dataclasses.replace(c, w_desc=True) for c in _configs(arch))
+    for name, config in (("_ag_gemm1_kernel", c1), ("_gemm2_push_kernel", c2)):
+        k = compile_kernel(name, arch, config=config)
+        ptx = k.asm["ptx"]
+        assert "cp.async.bulk.tensor" in ptx, f"{name}: w_desc build without TMA loads"
+        assert k.metadata.shared <= SMEM_LIMIT[arch], f"{name} needs {k.metadata.shared} B"
+        if arch == 90:
+            assert "wgmma" in ptx
+        assert "ld.global.b16" not in ptx, f"{name}: element-wise 2-byte loads (lost alignment)"
 
 
 @interpreting

@@ -1,6 +1,7 @@
 """The fused layer on a GPU against the fp32 reference (marked gpu; skipped on CPU).
 
-- R=1 in process: graph and eager, balanced / skewed, T=1, empty and full batches.
+- R=1 in process: graph and eager, balanced / skewed, T=1, empty and full batches; weights through
+  pointer loads and through TMA descriptors (GemmConfig.w_desc).
 - R=2 and R=4 as processes sharing one GPU (TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1, a gloo
   group, multicast off): many consecutive batches with balanced and skewed routing, empty ranks,
   T=1, full ranks; every rank's shard checked.
@@ -70,8 +71,8 @@ def _schedule(R: int):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("graph", [True, False])
-def test_r1_matches_reference(graph):
+@pytest.mark.parametrize("graph,w_desc", [(True, False), (False, False), (True, True)])
+def test_r1_matches_reference(graph, w_desc):
     from service.moe.fused import FusedLayer, fused_unavailable_reason
     from service.moe.reference import moe_reference
     from service.moe.weights import RankWeights
@@ -80,9 +81,11 @@ def test_r1_matches_reference(graph):
     dev = torch.device("cuda")
     assert fused_unavailable_reason(cfg, dev) is None
     gate, up, down = _weights(cfg)
-    layer = FusedLayer(cfg, RankWeights(*slice_rank(gate, up, down, 0, 1)), rank=0, device=dev, graph=graph)
-    gate, up, down = gate.to(dev), up.to(dev), down.to(dev)
+    layer = FusedLayer(cfg, RankWeights(*slice_rank(gate, up, down, 0, 1)), rank=0, device=dev, graph=graph,
+                       w_desc=w_desc)
+    assert layer.plan.config1.w_desc == layer.plan.config2.w_desc == w_desc
     gen = torch.Generator().manual_seed(11)
+    gate, up, down = gate.to(dev), up.to(dev), down.to(dev)
     for seq, (counts, kind) in enumerate(_schedule(1), start=1):
         (x,), (ids,), (w,) = _batch(counts, kind, gen)
         out = layer.forward(x.to(dev), ids.to(dev), w.to(dev), seq).clone()

@@ -37,12 +37,17 @@ CASES = {
     "r2_clamped_silu": ("float32", 4, 32, 16, 2, 5, [[5, 3], [2, 5]], "skewed", 4, 1, 2, False, 1, None),
     "r2_gelu_tanh": ("float16", 4, 48, 24, 2, 5, [[4, 5]], "balanced", 4, 1, 2, False, 1, None),
     "r3_gpt_oss_bias": ("float32", 5, 32, 16, 2, 4, [[4, 0, 3], [1, 4, 4]], "empty_expert", 4, 2, 2, False, 1, None),
+    # Both GEMMs reading the weights through TMA tensor descriptors (GemmConfig.w_desc).
+    "r2_w_desc": ("float32", 4, 32, 16, 2, 5, [[5, 3], [2, 5]], "skewed", 4, 1, 2, False, 1, None),
+    "r2_fp16_w_desc_bias": ("float16", 5, 48, 32, 3, 5, [[5, 4], [2, 5]], "empty_expert", 4, 1, 2, False, 1, None),
 }
+W_DESC = {"r2_w_desc", "r2_fp16_w_desc_bias"}
 # name -> (activation kind, clamp limit, biases, input scale); the scale makes the clamps bite.
 EPILOGUES = {
     "r2_clamped_silu": ("silu", 1.5, False, 4.0),
     "r2_gelu_tanh": ("gelu_tanh", None, False, 1.0),
     "r3_gpt_oss_bias": ("gpt_oss", 1.5, True, 4.0),
+    "r2_fp16_w_desc_bias": ("silu", None, True, 1.0),
 }
 
 
@@ -59,7 +64,7 @@ def _run_case(name: str) -> dict:
     from service.config import BM, Activation, LayerConfig
     from service.kernels import fused_kernels as fk
     from service.kernels.grouped_gemm import GemmConfig
-    from service.moe import fused
+    from service.moe import fused, fused_buffers
     from service.moe.reference import moe_reference
     from service.moe.simulate import simulate_fused
     from service.moe.tables import build_tables, check_invariants
@@ -83,16 +88,17 @@ def _run_case(name: str) -> dict:
         b13 = [torch.cat([biases[0][:, r * Ir:(r + 1) * Ir], biases[1][:, r * Ir:(r + 1) * Ir]], 1).to(dtype)
                for r in range(R)]
         b2 = [biases[2].to(dtype)] + [None] * (R - 1)
-    lay = fused.Layout(R, C, H, K, dtype.itemsize)
+    lay = fused_buffers.Layout(R, C, H, K, dtype.itemsize)
     regions = [torch.zeros(lay.nbytes, dtype=torch.uint8) for _ in range(R)]
     ptrs = [t.data_ptr() for t in regions]
-    bufs = [fused.RankBuffers(cfg, r, regions[r], ptrs) for r in range(R)]
-    cfg1 = GemmConfig(BN=16, BK=16, num_warps=4, num_stages=1)
-    cfg2 = GemmConfig(BN=32, BK=16, num_warps=4, num_stages=1)
-    plan = fused.Plan(num_programs=P, num_comm1=comm1, num_compute2=compute2, join=join, config1=cfg1,
+    bufs = [fused_buffers.RankBuffers(cfg, r, regions[r], ptrs) for r in range(R)]
+    cfg1 = GemmConfig(BN=16, BK=16, num_warps=4, num_stages=1, w_desc=name in W_DESC)
+    cfg2 = GemmConfig(BN=32, BK=16, num_warps=4, num_stages=1, w_desc=name in W_DESC)
+    plan = fk.Plan(num_programs=P, num_comm1=comm1, num_compute2=compute2, join=join, config1=cfg1,
                       config2=cfg2, max_spins=20, use_ptx=False, job_tokens=JOB_TOKENS.get(name, 2))
     w13 = [s[0].to(dtype) for s in sl]
     w2 = [s[1].to(dtype) for s in sl]
+    args = [b.args(w13[r], w2[r], b13[r], b2[r]) for r, b in enumerate(bufs)]  # one structure per rank
     NB, n_tiles2 = cfg.S // BM, -(-H // cfg2.BN)
     # Flags as a long-running process left them after step seq0 - 1 (never reset).
     for b in bufs:
@@ -121,7 +127,7 @@ def _run_case(name: str) -> dict:
             b.ids_in.fill_(-7)
             b.take_inputs(xs[r], ids[r].int(), ws[r])
             b.ctl.copy_(torch.tensor([_wrap32(seq), counts[r], seq & 0x7FFFFFFF, seq >> 31], dtype=torch.int32))
-            fused.run_stage(b)
+            fk.stage(args[r])
         # The peers' barrier signals, pre-satisfied (the interpreter cannot run ranks concurrently);
         # "withhold": rank R-1 never signals rank 0.
         for b in bufs:
@@ -131,8 +137,8 @@ def _run_case(name: str) -> dict:
         # Twice: on a GPU every rank writes its META before its barrier signal and reads the peers'
         # after the wait; run one after another, the first round writes them all, the second reads.
         for _ in range(2):
-            for b in bufs:
-                fused.run_exchange(b, plan)
+            for a in args:
+                fk.exchange(a, plan)
         routing_same = all(torch.equal(b.routing_g, bufs[0].routing_g) for b in bufs)
         tables = [fused.build_step_tables(b) for b in bufs]
         counts_t, ids_g, _ = bufs[-1].routing_views()
@@ -146,12 +152,12 @@ def _run_case(name: str) -> dict:
             order[order == withheld] = int(order[order != withheld][0])
             tables[0] = dataclasses.replace(tables[0], pull_order=order)
             gate_blocks = sorted({s // BM for s in tables[0].slots[withheld].tolist()})
-        for r, b in enumerate(bufs):
-            fused.run_kernel1(b, plan, tables[r], w13[r], b13[r])
-        for r, b in enumerate(bufs):
-            fused.run_kernel2(b, plan, tables[r], w2[r], b2[r])
-        for b in bufs:
-            fused.run_reduce(b, plan)
+        for a, t in zip(args, tables):
+            fk.ag_gemm1(a, plan, t)
+        for a, t in zip(args, tables):
+            fk.gemm2_push(a, plan, t)
+        for a in args:
+            fk.final_reduce(a, plan)
         errors = [int(b.error.item()) for b in bufs]
         record["errors"] = errors
         if fault:
@@ -221,18 +227,19 @@ def test_barrier_timeout_sets_error(results):
     r = results["barrier_timeout"]
     assert "exception" not in r, r.get("exception")
     R = len(CASES["barrier_timeout"][6][0])
-    assert r["errors"][0] == ERR_BARRIER + R - 1, r.get("error_names")
+    assert r["errors"][0] == ERR_BARRIER.value + R - 1, r.get("error_names")
     # Rank 0 then skips the step, so its peer's final reduce never sees rank 0's watermark: also
     # a bounded wait that ends in the error flag.
-    assert r["errors"][1] == ERR_WATERMARK, r.get("error_names")
+    assert r["errors"][1] == ERR_WATERMARK.value, r.get("error_names")
 
 
 def test_gate_timeout_sets_error(results):
-    from service.kernels.fused_kernels import ERR_GATE
+    from service.kernels.fused_kernels import ERR_GATE, error_kind
 
     r = results["gate_timeout"]
     assert "exception" not in r, r.get("exception")
-    assert r["errors"][0] - ERR_GATE in r["gate_blocks"], r.get("error_names")
+    assert error_kind(r["errors"][0]) == ERR_GATE.value, r.get("error_names")
+    assert r["errors"][0] - ERR_GATE.value in r["gate_blocks"], r.get("error_names")
 
 
 if __name__ == "__main__":
