@@ -8,7 +8,8 @@ R ranks, C capacity per rank, K top-k, n rows of the rank's step; L = META + 2*C
     [META : META+C*K]       ids [C, K] int32 (rows >= n: 0)
     [META+C*K : L]          w   [C, K] float32 bits (rows >= n: 0, so padding adds nothing)
 
-The serial backend packs it on the host side of the step (`pack`) and all-gathers it; the fused
+The serial backend packs it on its device (`pack`, from a control copy of `meta_words`) and
+all-gathers it; the fused
 backend's exchange kernel writes the same layout into its peers' memory. Both read the gathered
 [R, L] blocks with `unpack` and compare the R seq words with `check_seq` after a step.
 """
@@ -34,16 +35,20 @@ def seq_words(seq: int) -> tuple[int, int]:
     return seq & 0x7FFFFFFF, seq >> 31
 
 
-def pack(block: torch.Tensor, n: int, seq: int, ids: torch.Tensor, w: torch.Tensor) -> None:
-    """Write one rank's block [L] int32: META words, then ids [n, K] and w [n, K] (rows past n zeroed)."""
-    C, K = (block.numel() - META) // (2 * ids.shape[1]), ids.shape[1]
-    block[:META].copy_(torch.tensor([n, *seq_words(seq), 0], dtype=torch.int32))
-    ids_l = block[META:META + C * K].view(C, K)                      # [C, K]
-    w_l = block[META + C * K:].view(torch.float32).view(C, K)        # [C, K]
-    ids_l[:n].copy_(ids)
-    ids_l[n:].zero_()
-    w_l[:n].copy_(w)
-    w_l[n:].zero_()
+def meta_words(n: int, seq: int) -> list[int]:
+    """The META words of a step: n, seq low, seq high, 0 (what `pack` reads from `meta`)."""
+    return [n, *seq_words(seq), 0]
+
+
+def pack(block: torch.Tensor, meta: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, rows: torch.Tensor) -> None:
+    """Write one rank's block [L] int32 from tensors on its device alone (no host value, so a CUDA
+    graph can capture it): meta [META] int32 (`meta_words`), then ids [C, K] int32 and w [C, K] fp32
+    with the rows past n = meta[0] zeroed; rows = arange(C) on the device."""
+    C, K = ids.shape
+    block[:META].copy_(meta)
+    stale = (rows >= meta[0])[:, None]                                        # [C, 1] rows >= n
+    block[META:META + C * K].view(C, K).copy_(ids).masked_fill_(stale, 0)     # [C, K]
+    block[META + C * K:].view(torch.float32).view(C, K).copy_(w).masked_fill_(stale, 0.0)  # [C, K]
 
 
 def unpack(blocks: torch.Tensor, C: int, K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -15,6 +15,12 @@ every expert, W13 [E, H, 2*Ir] (gate columns, then up columns) and W2 [E, Ir, H]
 It runs on gloo (CPU) and NCCL (GPU) and is the baseline the fused backend is measured
 against, and its fallback.
 
+The step reads no host value: the rows come through `inputs` (x_in, ids_in, w_in) and the
+routing block's META words through `ctl`, one copy from pinned memory, so on a GPU (R = 1 or
+NCCL) the whole step is CUDA-graph capturable; `graph=True` captures it once and `forward`
+replays it (the benchmarks time both backends that way; the service runs it eagerly, with
+per-stage times).
+
 Exposed communication of this backend (`exposed_comm_s()`, reported in `StepStats.exposed_comm_s`)
 is the time spent in the collectives (stages `all_gather` and `reduce_scatter`): nothing overlaps them.
 
@@ -35,11 +41,12 @@ Kernels, chosen once per rank and logged (`GEMMS`, `build_tables` below):
 from __future__ import annotations
 
 import logging
+import types
 
 import torch
 import torch.distributed as dist
 
-from service.config import BM, LayerConfig
+from service.config import BM, META, LayerConfig
 from service.moe.grouped import grouped_mm, native_grouped_mm_reason, prepare_weight, real_rows
 from service.moe import routing
 from service.moe import tables as torch_tables
@@ -50,6 +57,7 @@ log = logging.getLogger(__name__)
 
 COLLECTIVE_STAGES = ("all_gather", "reduce_scatter")
 SequenceMismatch = routing.SequenceMismatch  # where callers have looked for it
+_NO_TIMER = types.SimpleNamespace(mark=lambda stage: None)  # stands in for a StageTimer while capturing
 
 
 def triton_gemms_reason(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -152,10 +160,10 @@ class SerialLayer:
     """One rank's share of the layer; buffers are allocated once at capacity and reused."""
 
     name = "serial"
-    inputs = None  # forward takes this rank's rows wherever they are (service.moe.layer.Layer)
 
     def __init__(self, cfg: LayerConfig, weights: RankWeights, *, rank: int, device: torch.device,
-                 group: dist.ProcessGroup | None = None, gemm: str = "auto"):
+                 group: dist.ProcessGroup | None = None, gemm: str = "auto", graph: bool = False):
+        device = torch.device(device)
         self.cfg, self.rank, self.device, self.group = cfg, rank, device, group
         self.gemms = GroupedGemms(cfg, weights, device, gemm)
         R, C, K, H = cfg.R, cfg.C, cfg.K, cfg.H
@@ -166,7 +174,6 @@ class SerialLayer:
         self.routing = torch.zeros(L, dtype=torch.int32, **kw)        # [L]
         self.routing_g = torch.zeros(R, L, dtype=torch.int32, **kw)   # [R, L]
         self._timer: StageTimer | None = None  # the last step's, for exposed_comm_s
-        self.x = torch.zeros(C, H, dtype=cfg.dtype, **kw)        # [C, H]
         self.x_g = torch.zeros(R * C, H, dtype=cfg.dtype, **kw)  # [R*C, H]
         self.out = torch.zeros(C, H, dtype=torch.float32, **kw)  # [C, H] fp32 sum of the slices
         self.partial = torch.empty(R * C, H, dtype=torch.float32, **kw)  # [R*C, H] combine output
@@ -175,6 +182,43 @@ class SerialLayer:
             self.reduce_buf = torch.empty(R * C, H, dtype=torch.float32, **kw)  # [R*C, H]
         if self.gemms.impl == "torch":  # the portable combine's gather buffer
             self.gathered = torch.empty(R * C, H, dtype=cfg.dtype, **kw)   # [R*C, H]
+        # This step's inputs (`inputs`: the caller may write its rows here) and control words: the
+        # routing block's META words (n, seq low, seq high, 0), copied to the device from pinned
+        # memory, so the step itself reads no host value and is CUDA-graph capturable.
+        self.x_in = torch.zeros(C, H, dtype=cfg.dtype, **kw)          # [C, H]
+        self.ids_in = torch.zeros(C, K, dtype=torch.int32, **kw)      # [C, K]
+        self.w_in = torch.zeros(C, K, dtype=torch.float32, **kw)      # [C, K]
+        self.ctl = torch.zeros(META, dtype=torch.int32, **kw)         # [META]
+        self._row = torch.arange(C, **kw)                             # [C] local row index
+        cuda = device.type == "cuda"
+        self._ctl_host = torch.zeros(META, dtype=torch.int32, pin_memory=cuda)
+        self._ctl_copied = torch.cuda.Event() if cuda else None
+        self._out = self.out
+        self._graph = None
+        if graph:
+            if not cuda or (R > 1 and not self.nccl):
+                raise ValueError("a graphed serial layer needs a CUDA device and, with R > 1, NCCL")
+            self._capture()
+
+    @property
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [C, H], ids [C, K] int32, w [C, K] fp32 on this rank's device: write a step's rows here
+        and pass the [:n] views to `forward`, which then copies nothing."""
+        return self.x_in, self.ids_in, self.w_in
+
+    def _capture(self) -> None:
+        """One eager step with no tokens (compiles every kernel, warms NCCL), then the step as a
+        CUDA graph on a side stream; `forward` then replays it."""
+        self._set_inputs(self.x_in[:0], self.ids_in[:0], self.w_in[:0], 0)
+        self._device_step(None)
+        torch.cuda.synchronize(self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), torch.cuda.graph(self._graph, stream=stream):
+            self._device_step(None)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
 
     # -- collectives: the same call on gloo and NCCL -------------------------------------------
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
@@ -207,41 +251,67 @@ class SerialLayer:
     # -- one step --------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, seq: int,
                 timer: StageTimer | None = None) -> torch.Tensor:
-        """x [n, H], ids [n, K], w [n, K] on any device -> this rank's output [n, H] fp32."""
-        cfg = self.cfg
-        R, C, K = cfg.R, cfg.C, cfg.K
+        """x [n, H], ids [n, K], w [n, K] on any device (ideally views of `inputs`) -> this rank's
+        output [n, H] fp32 (a view of a buffer the next step overwrites)."""
         n = x.shape[0]
-        assert n <= C, f"rank {self.rank} got {n} tokens, capacity is {C}"
+        assert n <= self.cfg.C, f"rank {self.rank} got {n} tokens, capacity is {self.cfg.C}"
         timer = self._timer = timer or StageTimer(self.device)
         timer.start()
+        self._set_inputs(x, ids, w, seq)
+        if self._graph is not None:
+            self._graph.replay()  # one unit: no per-stage times (benchmarks time the whole step)
+        else:
+            self._device_step(timer)
+        return self._out[:n]
+
+    def _set_inputs(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, seq: int) -> None:
+        """The step's rows into `inputs` (nothing to copy for views of them) and its META words
+        into `ctl` (one copy from pinned memory on a GPU, after the previous step's copy read it)."""
+        n = x.shape[0]
+        for buf, src in ((self.x_in, x), (self.ids_in, ids), (self.w_in, w)):
+            if src.data_ptr() != buf.data_ptr():
+                buf[:n].copy_(src)
+        if self._ctl_copied is not None:
+            self._ctl_copied.synchronize()
+        self._ctl_host.copy_(torch.tensor(routing.meta_words(n, seq), dtype=torch.int32))
+        self.ctl.copy_(self._ctl_host, non_blocking=True)
+        if self._ctl_copied is not None:
+            self._ctl_copied.record()
+
+    def _device_step(self, timer: StageTimer | None) -> None:
+        """Steps 1-6 on the device from `inputs` and `ctl`: no host value is read (on NCCL or
+        R = 1), so the step is captured as it is (`graph=True`); the output lands in `_out`."""
+        cfg = self.cfg
+        R, C, K = cfg.R, cfg.C, cfg.K
+        timer = timer or _NO_TIMER  # capture: no timing events inside a graph
+        mark = timer.mark
 
         # 1. routing all-gather; padding rows get weight 0 so they add nothing anywhere.
-        routing.pack(self.routing, n, seq, ids, w)
-        self.x[:n].copy_(x)
+        routing.pack(self.routing, self.ctl, self.ids_in, self.w_in, self._row)
         self._all_gather(self.routing_g, self.routing)
-        timer.mark("all_gather")
+        mark("all_gather")
         counts, ids_g, w_g = routing.unpack(self.routing_g, C, K)  # [R], [R*C, K], [R*C, K]
-        self._rows = C if self.nccl else max(1, int(counts.max()))   # rows that travel (see above)
+        if not self.nccl and R > 1:  # gloo: the rows that travel (see above; a host read, never captured)
+            self._rows = max(1, int(counts.max()))
 
         # 2. schedule tables, identical on every rank.
         tables = build_tables(ids_g, counts, cfg.E, C, cfg.S)
-        timer.mark("tables")
+        mark("tables")
 
-        # 3. tokens: all-gather.
-        self._all_gather(self.x_g, self.x)
-        timer.mark("all_gather")
+        # 3. tokens: all-gather (rows past n are stale: padding tokens, which no row reads).
+        self._all_gather(self.x_g, self.x_in)
+        mark("all_gather")
 
         # 4. grouped GEMM1 + SwiGLU over the gathered layout, grouped GEMM2.
         d = self.gemms(self.x_g, tables, timer)                   # [S, H]
 
         # 5. top-k combine in fp32 -> partial [R*C, H]; padding tokens' rows are 0.
         partial = self._combine(d, tables.slots, w_g)
-        timer.mark("combine")
+        mark("combine")
 
         # 6. reduce-scatter: this rank's rows of the sum over the R intermediate slices.
-        out = self._reduce_scatter(partial)[:n]                   # [n, H]
-        timer.mark("reduce_scatter")
-        return out
+        self._out = self._reduce_scatter(partial)                 # [C, H]
+        mark("reduce_scatter")
 
     def _combine(self, d: torch.Tensor, slots: torch.Tensor, w_g: torch.Tensor) -> torch.Tensor:
         """partial[g] = sum_k w_g[g, k] * d[slots[g, k]] in fp32; rows of padding tokens are 0."""

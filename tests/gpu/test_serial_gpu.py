@@ -49,7 +49,7 @@ def test_serial_layer_gemm_impls_in_process(gemm):
     weights = [t.to(dev) for t in full_weights(cfg, 1)]
     gen = torch.Generator().manual_seed(3)
     for seq, (T, kind) in enumerate([(1, "balanced"), (299, "skewed"), (300, "empty_expert")], start=1):
-        layer.x.fill_(float("nan"))  # rows past T and padding rows (which read some token row) are garbage
+        layer.x_in.fill_(float("nan"))  # rows past T and padding rows (which read some token row) are garbage
         if gemm == "triton":
             layer.gemms.h.fill_(float("nan"))
             layer.gemms.d.fill_(float("nan"))
