@@ -1,0 +1,204 @@
+"""The compute core in one run on one GPU: the machine's matrix rate, this project's GEMMs and layers,
+and the layer a user would run instead (issue 12).
+
+    python bench/core.py --anchors PATH/bench_anchors.py [--tokens 2048] [--K 8] [--E 64] [--H 4096]
+                         [--Ir 768] [--iters 100] [--w-desc off,on] [--routing balanced,skewed] [--json FILE]
+
+Shape: the seed preset's per-rank share (T = 2048 tokens, K = 8, E = 64, H = 4096, Ir = 768), all on
+one GPU (R = 1, C = T), bf16. Weights and routing come from the anchor script's own generators
+(`make_weights`, `make_routing`), so every row sees the same numbers; this project's layers take
+the weights transposed into its layout (W13 [E, H, 2*Ir], W2 [E, Ir, H]).
+
+Rows, per routing:
+    dense    one bf16 matmul of the same FLOPs, [T*K, H] x [H, 3*Ir] (the anchor's `run_dense`)
+    gemm1    service.kernels.grouped_gemm.gemm1_swiglu, rows gathered through row_token (what both
+             layers run); TFLOP/s over the real hits, 2*T*K*H*2*Ir
+    gemm2    service.kernels.grouped_gemm.gemm2; 2*T*K*Ir*H
+    serial   service.moe.serial.SerialLayer (Triton GEMMs), CUDA graph (graph=True)
+    fused    service.moe.fused.FusedLayer, CUDA graph
+    anchor   vLLM's Triton fused_moe with the tuned 128x256x64 table (the anchor's `run_vllm`, config
+             tuned-H100-N768; its align is plain torch: vLLM's CUDA op takes ~20 us), and its GEMMs
+each of this project's rows once per --w-desc value (GemmConfig.w_desc: weights through TMA
+descriptors). Timing as the anchor times: our GEMMs and the dense matmul are captured in a graph
+and replayed --iters times (the anchor's Timer); the layers replay their own graphs through
+`forward` (one 16-byte control copy per step, which advances the step number the fused flags
+need), --iters steps back to back, CUDA events around each; medians. Every row's output is
+checked against the anchor's fp32 reference (rel err).
+Ratios printed: fused / dense (goal <= 1.5), anchor / fused (goal >= 1.4), GEMM1 / 650 TFLOP/s,
+GEMM2 / 550 TFLOP/s, fused / serial, fused / the weight-read floor (E*H*3*Ir bf16 at 4.3 TB/s; the
+goal of the service's step, T=512 and I=3072: <= 1.3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from service.config import LayerConfig  # noqa: E402
+
+COPY_BYTES_PER_S = 4.3e12  # measured copy bandwidth of an H200 (bench/NOTES.md): the weight-read floor
+
+
+def load_anchor(path: str):
+    """The anchor script as a module, from its own path (it is not part of this project)."""
+    spec = importlib.util.spec_from_file_location("bench_anchors", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(Path(path).resolve().parent))  # it imports vllm_fused_moe beside it
+    spec.loader.exec_module(module)
+    return module
+
+
+def time_steps(layer, x, ids, w, iters: int, seq0: int) -> float:
+    """Median us of `iters` layer steps issued back to back (events around each forward, one sync
+    at the end), after 3 warm-up steps; the rows sit in the layer's own input buffers."""
+    x, ids, w = (buf[:t.shape[0]].copy_(t) for buf, t in zip(layer.inputs, (x, ids, w)))
+    for i in range(3):
+        layer.forward(x, ids, w, seq=seq0 + i)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for i, (s, e) in enumerate(events):
+        s.record()
+        layer.forward(x, ids, w, seq=seq0 + 3 + i)
+        e.record()
+    torch.cuda.synchronize()
+    layer.check_seq(seq0 + 2 + iters)
+    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
+
+
+def run(args) -> dict:
+    from service.kernels.grouped_gemm import gemm1_swiglu, gemm2
+    from service.kernels.tuning import lookup_for_device
+    from service.moe.fused import FusedLayer
+    from service.moe.serial import SerialLayer, build_tables
+    from service.moe.weights import RankWeights
+
+    A = load_anchor(args.anchors)
+    dev = torch.device("cuda", 0)
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference stays fp32
+    T, K, E, H, Ir = args.tokens, args.K, args.E, args.H, args.Ir
+    f1, f2 = 2 * T * K * H * 2 * Ir, 2 * T * K * Ir * H
+    cfg = LayerConfig(E=E, H=H, I=Ir, K=K, R=1, C=T, dtype=torch.bfloat16)
+    timer = A.Timer(args.iters, 20, cuda=True)
+    x, w13_v, w2_v = A.make_weights(T, E, H, Ir, torch.bfloat16, dev, 0)  # vLLM layout: [E, 2I, H], [E, H, I]
+    weights = RankWeights(w13=w13_v.transpose(1, 2).contiguous(), w2=w2_v.transpose(1, 2).contiguous())
+    print(f"device {torch.cuda.get_device_name(dev)}, torch {torch.__version__}; {cfg.describe()}; "
+          f"FLOPs (real hits) {(f1 + f2) / 1e9:.1f} G; iters {args.iters}", flush=True)
+    rows: list[dict] = []
+
+    def record(name, routing, us, flops=None, err=None, **extra):
+        row = dict(name=name, routing=routing, us=us, tflops=flops / us / 1e6 if flops and us else None, err=err, **extra)
+        rows.append(row)
+        tf = f" {row['tflops']:6.1f} TFLOP/s" if row["tflops"] else ""
+        print(f"  {name:<34} {routing:<9} {us:9.1f} us{tf}" + (f"  rel err {err:.2e}" if err is not None else ""),
+              flush=True)
+
+    dense = A.run_dense(timer, T, K, H, Ir, torch.bfloat16, dev)  # prints its rows; the first is the same-FLOPs mm
+    dense_us = A.ROWS[-4].get("graph", {}).get("median_us", float("nan"))
+    record("dense mm, same FLOPs", "-", dense_us, f1 + f2)
+    descs = [v == "on" for v in args.w_desc.split(",")]
+    base1 = lookup_for_device(dev, "gemm1", E, H, Ir, M=T * K)
+    base2 = lookup_for_device(dev, "gemm2", E, H, Ir, M=T * K)
+    layers = {}
+    for routing in args.routing.split(","):
+        ids, tw = (t.to(dev) for t in A.make_routing(T, E, K, routing, 0))
+        ref = A.reference_fp32(x, w13_v, w2_v, ids, tw)
+        print(f"--- {routing}: {A.routing_stats(ids.cpu(), E, [128])}", flush=True)
+        tables = build_tables(ids, torch.tensor([T], dtype=torch.int32, device=dev), E, T, cfg.S)
+        used = int(tables.expert_offsets[-1])
+        act = torch.empty(cfg.S, Ir, device=dev, dtype=cfg.dtype)
+        d = torch.empty(cfg.S, H, device=dev, dtype=cfg.dtype)
+        for desc in descs:
+            c1, c2 = (dataclasses.replace(c, w_desc=desc) for c in (base1, base2))
+            tag = " w_desc" if desc else ""
+            g1 = timer.graph(lambda: gemm1_swiglu(x, weights.w13, tables.block_expert, config=c1, out=act,
+                                                   row_token=tables.row_token))["median_us"]
+            g2 = timer.graph(lambda: gemm2(act, weights.w2, tables.block_expert, config=c2, out=d))["median_us"]
+            record(f"gemm1+swiglu{tag}", routing, g1, f1, rows_used=used, config=str(c1))
+            record(f"gemm2{tag}", routing, g2, f2, rows_used=used, config=str(c2))
+        for desc in descs:
+            tag = " w_desc" if desc else ""
+            for kind in ("serial", "fused"):
+                key = (kind, desc)
+                if key not in layers:
+                    if kind == "serial":
+                        layer = SerialLayer(cfg, weights, rank=0, device=dev, gemm="triton")
+                        # The A/B switch for this run: the tile configs' w_desc (a JSON field in service use).
+                        layer.gemms.configs = [dataclasses.replace(c, w_desc=desc) for c in layer.gemms.configs]
+                        layer._capture()
+                    else:
+                        layer = FusedLayer(cfg, weights, rank=0, device=dev, w_desc=desc)
+                    layers[key] = layer
+                layer = layers[key]
+                out = layer.forward(x, ids, tw, seq=1).clone()
+                layer.check_seq(1)
+                err = A.rel_err(out, ref)
+                us = time_steps(layer, x, ids, tw, args.iters, seq0=2)
+                record(f"{kind} layer (graph){tag}", routing, us, f1 + f2, err)
+        A.run_vllm(timer, x, w13_v, w2_v, ids, tw, ref, routing, "tuned-H100-N768",
+                   A.CONFIG_SOURCES["tuned-H100-N768"][1](T, E, Ir, H, K))
+        for r in A.ROWS[-7:]:
+            if r.get("routing") == routing and r.get("part") in ("layer", "gemm1", "gemm2", "align") and "graph" in r:
+                record(f"anchor {r['impl'].strip()}", routing, r["graph"]["median_us"], r.get("flops"), r.get("rel_err"))
+        del ref
+        torch.cuda.empty_cache()
+    return {"rows": rows, "dense_us": dense_us, "device": torch.cuda.get_device_name(dev),
+            "torch": torch.__version__, "shape": dict(T=T, K=K, E=E, H=H, Ir=Ir)}
+
+
+def summary(result: dict) -> None:
+    """The issue's ratios, per routing and w_desc setting."""
+    rows, dense = result["rows"], result["dense_us"]
+    by = {(r["name"], r["routing"]): r for r in rows}
+    print("\n| routing | weights | GEMM1 TFLOP/s (/650) | GEMM2 TFLOP/s (/550) | serial us | fused us | "
+          "anchor us | fused / dense (goal <= 1.5) | anchor / fused (goal >= 1.4) | fused / serial |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for routing in sorted({r["routing"] for r in rows if r["routing"] != "-"}):
+        anchor = by.get(("anchor vllm fused_moe layer", routing))
+        for tag in ("", " w_desc"):
+            g1, g2 = by.get((f"gemm1+swiglu{tag}", routing)), by.get((f"gemm2{tag}", routing))
+            s, f = by.get((f"serial layer (graph){tag}", routing)), by.get((f"fused layer (graph){tag}", routing))
+            if not (g1 and g2 and s and f):
+                continue
+            a = anchor["us"] if anchor else float("nan")
+            print(f"| {routing} | {'TMA desc' if tag else 'pointers'} | {g1['tflops']:.0f} ({g1['tflops'] / 650:.2f}) | "
+                  f"{g2['tflops']:.0f} ({g2['tflops'] / 550:.2f}) | {s['us']:.0f} | {f['us']:.0f} | {a:.0f} | "
+                  f"{f['us'] / dense:.2f} | {a / f['us']:.2f} | {f['us'] / s['us']:.3f} |")
+    sh = result["shape"]
+    floor = sh["E"] * sh["H"] * 3 * sh["Ir"] * 2 / COPY_BYTES_PER_S * 1e6  # bf16 W13 + W2, read once
+    print(f"dense bf16 matmul of the same FLOPs: {dense:.0f} us; weight-read floor {floor:.0f} us "
+          f"({sh['E'] * sh['H'] * 3 * sh['Ir'] * 2 / 1e9:.2f} GB at {COPY_BYTES_PER_S / 1e12:.1f} TB/s)")
+    for r in rows:
+        if r["name"].startswith("fused layer"):
+            print(f"  {r['name']} {r['routing']}: {r['us'] / floor:.2f} x the weight-read floor (goal at T=512, "
+                  f"I=3072: <= 1.3)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--anchors", required=True, help="path of the anchor script bench_anchors.py (outside the project)")
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--K", type=int, default=8)
+    p.add_argument("--E", type=int, default=64)
+    p.add_argument("--H", type=int, default=4096)
+    p.add_argument("--Ir", type=int, default=768)
+    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--w-desc", default="off,on", help="GemmConfig.w_desc values to time: off, on or both")
+    p.add_argument("--routing", default="balanced,skewed")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    result = run(args)
+    summary(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
