@@ -35,17 +35,19 @@ def test_seed_shape_r1_nccl():
         assert group.seq == steps
 
 
-@pytest.mark.parametrize("gemm", ["torch", "triton"])
-def test_serial_layer_gemm_impls_in_process(gemm):
-    """Both GEMM paths of the serial backend, in process (R=1), odd shape, poisoned buffers."""
+@pytest.mark.parametrize("gemm,graph", [("torch", False), ("triton", False), ("triton", True)])
+def test_serial_layer_gemm_impls_in_process(gemm, graph):
+    """Both GEMM paths of the serial backend, in process (R=1), odd shape, poisoned buffers; and the
+    step captured in a CUDA graph (graph=True), replayed on new rows, counts and routing."""
     from service.config import LayerConfig
     from service.moe.serial import SerialLayer
     from service.moe.weights import synthetic_rank_weights
 
     cfg = LayerConfig(E=12, H=384, I=320, K=3, R=1, C=300, dtype=torch.bfloat16)
     dev = torch.device("cuda")
-    layer = SerialLayer(cfg, synthetic_rank_weights(cfg, 0, seed=1, device=dev), rank=0, device=dev, gemm=gemm)
-    assert layer.gemms.impl == gemm
+    layer = SerialLayer(cfg, synthetic_rank_weights(cfg, 0, seed=1, device=dev), rank=0, device=dev, gemm=gemm,
+                        graph=graph)
+    assert layer.gemms.impl == gemm and (layer._graph is not None) == graph
     weights = [t.to(dev) for t in full_weights(cfg, 1)]
     gen = torch.Generator().manual_seed(3)
     for seq, (T, kind) in enumerate([(1, "balanced"), (299, "skewed"), (300, "empty_expert")], start=1):
