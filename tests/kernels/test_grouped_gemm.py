@@ -107,7 +107,6 @@ def _run_case(name: str) -> dict:
     d = torch.full((S, H), float("nan"), dtype=dtype)
     gemm2(act_clean, w2, block_expert, config=cfg2, out=d, num_programs=5, bias=b2)
     ref2 = gemm2_ref(act_clean, w2, block_expert, b2)
-    unused_blocks = block_expert == E
     record.update(
         err1=rel_err(act[used], ref1[used]) if used.any() else 0.0,
         err2=rel_err(d[used], ref2[used]) if used.any() else 0.0,
