@@ -163,7 +163,6 @@ def run(args) -> dict:
         for r in A.ROWS[-7:]:
             if r.get("routing") == routing and r.get("part") in ("layer", "gemm1", "gemm2", "align") and "graph" in r:
                 record(f"anchor {r['impl'].strip()}", routing, r["graph"]["median_us"], r.get("flops"), r.get("rel_err"))
-        del ref
         torch.cuda.empty_cache()
     return {"rows": rows, "dense_us": dense_us, "device": torch.cuda.get_device_name(dev),
             "torch": torch.__version__, "shape": dict(T=T, K=K, E=E, H=H, Ir=Ir)}
