@@ -6,7 +6,8 @@ Shape: the seed preset's per-rank share (E=64, H=4096, K=8, I = 768 = one TP4 sl
 T = 2048 tokens of a step on one GPU (R=1, C=T), bf16, random weights. Same inputs for every row:
   - serial        service.moe.serial.SerialLayer with the Triton grouped GEMMs (gemm=triton):
                   tables, GEMM1+SwiGLU (rows gathered through row_token), GEMM2, combine, one
-                  after the other (eager);
+                  after the other (eager, the baseline of the ratios; and its step as a CUDA
+                  graph, graph=True, timed like the fused layer);
   - fused         service.moe.fused.FusedLayer (CUDA graph): exchange, tables, kernel 1, kernel 2,
                   final reduce; the same GEMM tile code and tile configs as the serial GEMMs;
   - compute-only  the fused layer with every wait removed (SYNC=False): the same programs move the
@@ -99,6 +100,7 @@ def main() -> None:
     w = torch.softmax(torch.randn(T, cfg.K, device=dev, generator=gen), dim=1)
 
     serial = SerialLayer(cfg, weights, rank=0, device=dev, gemm="triton")
+    serial_graph = SerialLayer(cfg, weights, rank=0, device=dev, gemm="triton", graph=True)
     fused = FusedLayer(cfg, weights, rank=0, device=dev)
     compute = FusedLayer(cfg, weights, rank=0, device=dev, sync=False)
     print(f"fused plan: {fused.plan}")
@@ -110,6 +112,7 @@ def main() -> None:
     print(f"fused vs serial output: relative difference {err:.2e}")
 
     t_serial, _ = time_forward(serial, x, ids, w, args.iters, 2)
+    t_serial_graph, _ = time_forward(serial_graph, x, ids, w, args.iters, 2)
     t_fused, exposed = time_forward(fused, x, ids, w, args.iters, 2)
     fused.check_seq(args.iters + 4)
     t_compute, _ = time_forward(compute, x, ids, w, args.iters, 2)
@@ -117,14 +120,15 @@ def main() -> None:
     flops = 2 * T * cfg.K * cfg.H * 3 * cfg.Ir
     print("\n| layer | time (us) | x serial | TFLOP/s |")
     print("|---|---|---|---|")
-    for name, t in (("serial (triton GEMMs, eager)", t_serial), ("fused (graph)", t_fused),
+    for name, t in (("serial (triton GEMMs, eager)", t_serial), ("serial (graph)", t_serial_graph), ("fused (graph)", t_fused),
                     ("compute-only (fused, no waits)", t_compute)):
         print(f"| {name} | {t * 1e6:.0f} | {t / t_serial:.3f} | {flops / t / 1e12:.0f} |")
     print(f"| exposed comm = fused - compute-only | {(t_fused - t_compute) * 1e6:.0f} | - | - |")
     print(f"| exposed comm, in-kernel (median) | {statistics.median(exposed) * 1e6:.0f} | - | - |")
     print("in-kernel breakdown of the last step (us): "
           + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in breakdown.items()))
-    print(f"fused / serial = {t_fused / t_serial:.3f} (target <= 1.05)")
+    print(f"fused / serial = {t_fused / t_serial:.3f} (target <= 1.05); fused / serial graph = "
+          f"{t_fused / t_serial_graph:.3f}")
     if args.stages:
         eager = FusedLayer(cfg, weights, rank=0, device=dev, graph=False)
         for name, layer in (("serial", serial), ("fused eager", eager)):
