@@ -196,8 +196,9 @@ class FusedLayer:
                 self._device_step(None)
             torch.cuda.current_stream(device).wait_stream(stream)
             torch.cuda.synchronize(device)
-        log.info("fused layer ready: %d programs, %d pulling in kernel 1, %d GEMM2 programs (join=%s), graph=%s",
-                 self.plan.num_programs, self.plan.num_comm1, self.plan.num_compute2, self.plan.join, graph)
+        log.info("fused layer ready: %d programs, %d pulling in kernel 1, %d GEMM2 programs (join=%s), graph=%s, "
+                 "weights through %s", self.plan.num_programs, self.plan.num_comm1, self.plan.num_compute2,
+                 self.plan.join, graph, "TMA descriptors" if self.plan.config1.w_desc else "pointer loads")
 
     # -- one step --------------------------------------------------------------------------------
     def _device_step(self, timer: StageTimer | None, plan: fk.Plan | None = None) -> None:
