@@ -38,6 +38,7 @@ import importlib.util
 import json
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -61,7 +62,7 @@ def load_anchor(path: str):
 def time_steps(layer, x, ids, w, iters: int, seq0: int) -> float:
     """Median us of `iters` layer steps issued back to back (events around each forward, one sync
     at the end), after 3 warm-up steps; the rows sit in the layer's own input buffers."""
-    x, ids, w = (buf[:t.shape[0]].copy_(t) for buf, t in zip(layer.inputs, (x, ids, w)))
+    x, ids, w = (buf[:t.shape[0]].copy_(t) for buf, t in zip(layer.inputs, (x, ids, w), strict=True))
     for i in range(3):
         layer.forward(x, ids, w, seq=seq0 + i)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
@@ -104,7 +105,8 @@ def run(args) -> dict:
             torch.cuda.synchronize()
 
     def record(name, routing, us, flops=None, err=None, **extra):
-        row = dict(name=name, routing=routing, us=us, tflops=flops / us / 1e6 if flops and us else None, err=err, **extra)
+        row = {"name": name, "routing": routing, "us": us, "tflops": flops / us / 1e6 if flops and us else None,
+               "err": err, **extra}
         rows.append(row)
         tf = f" {row['tflops']:6.1f} TFLOP/s" if row["tflops"] else ""
         print(f"  {name:<34} {routing:<9} {us:9.1f} us{tf}" + (f"  rel err {err:.2e}" if err is not None else ""),
@@ -117,6 +119,28 @@ def run(args) -> dict:
     base1 = lookup_for_device(dev, "gemm1", E, H, Ir)  # what both layers look up
     base2 = lookup_for_device(dev, "gemm2", E, H, Ir)
     layers = {}
+
+    def gemm_row(name: str, fn, flops: int, config, routing: str, used: int) -> None:
+        record(name, routing, timer.graph(fn)["median_us"], flops, rows_used=used, config=str(config))
+
+    def layer_row(kind: str, desc: bool, ids, tw, ref, routing: str) -> None:
+        key = (kind, desc)
+        if key not in layers:
+            if kind == "serial":
+                layer = SerialLayer(cfg, weights, rank=0, device=dev, gemm="triton")
+                # The A/B switch for this run: the tile configs' w_desc (a JSON field in service use).
+                layer.gemms.configs = [dataclasses.replace(c, w_desc=desc) for c in layer.gemms.configs]
+                layer._capture()
+            else:
+                layer = FusedLayer(cfg, weights, rank=0, device=dev, w_desc=desc)
+            layers[key] = layer
+        layer = layers[key]
+        out = layer.forward(x, ids, tw, seq=1).clone()
+        layer.check_seq(1)
+        err = A.rel_err(out, ref)
+        us = time_steps(layer, x, ids, tw, args.iters, seq0=2)
+        record(f"{kind} layer (graph){' w_desc' if desc else ''}", routing, us, f1 + f2, err)
+
     for routing in args.routing.split(","):
         ids, tw = (t.to(dev) for t in A.make_routing(T, E, K, routing, 0))
         ref = A.reference_fp32(x, w13_v, w2_v, ids, tw)
@@ -128,41 +152,21 @@ def run(args) -> dict:
         for desc in descs:
             c1, c2 = (dataclasses.replace(c, w_desc=desc) for c in (base1, base2))
             tag = " w_desc" if desc else ""
-            attempt(f"gemm1+swiglu{tag}", routing, lambda: record(
-                f"gemm1+swiglu{tag}", routing, timer.graph(lambda: gemm1_swiglu(
-                    x, weights.w13, tables.block_expert, config=c1, out=act, row_token=tables.row_token))["median_us"],
-                f1, rows_used=used, config=str(c1)))
-            attempt(f"gemm2{tag}", routing, lambda: record(
-                f"gemm2{tag}", routing, timer.graph(lambda: gemm2(
-                    act, weights.w2, tables.block_expert, config=c2, out=d))["median_us"],
-                f2, rows_used=used, config=str(c2)))
-
-        def layer_row(kind: str, desc: bool, ids, tw, ref, routing: str) -> None:
-            key = (kind, desc)
-            if key not in layers:
-                if kind == "serial":
-                    layer = SerialLayer(cfg, weights, rank=0, device=dev, gemm="triton")
-                    # The A/B switch for this run: the tile configs' w_desc (a JSON field in service use).
-                    layer.gemms.configs = [dataclasses.replace(c, w_desc=desc) for c in layer.gemms.configs]
-                    layer._capture()
-                else:
-                    layer = FusedLayer(cfg, weights, rank=0, device=dev, w_desc=desc)
-                layers[key] = layer
-            layer = layers[key]
-            out = layer.forward(x, ids, tw, seq=1).clone()
-            layer.check_seq(1)
-            err = A.rel_err(out, ref)
-            us = time_steps(layer, x, ids, tw, args.iters, seq0=2)
-            record(f"{kind} layer (graph){' w_desc' if desc else ''}", routing, us, f1 + f2, err)
+            run1 = partial(gemm1_swiglu, x, weights.w13, tables.block_expert, config=c1, out=act,
+                           row_token=tables.row_token)
+            run2 = partial(gemm2, act, weights.w2, tables.block_expert, config=c2, out=d)
+            attempt(f"gemm1+swiglu{tag}", routing, partial(gemm_row, f"gemm1+swiglu{tag}", run1, f1, c1, routing, used))
+            attempt(f"gemm2{tag}", routing, partial(gemm_row, f"gemm2{tag}", run2, f2, c2, routing, used))
 
         for desc in descs:
             for kind in ("serial", "fused"):
-                attempt(f"{kind} layer", routing, lambda: layer_row(kind, desc, ids, tw, ref, routing))  # noqa: B023
+                attempt(f"{kind} layer", routing, partial(layer_row, kind, desc, ids, tw, ref, routing))
         A.run_vllm(timer, x, w13_v, w2_v, ids, tw, ref, routing, "tuned-H100-N768",
                    A.CONFIG_SOURCES["tuned-H100-N768"][1](T, E, Ir, H, K))
         for r in A.ROWS[-7:]:
             if r.get("routing") == routing and r.get("part") in ("layer", "gemm1", "gemm2", "align") and "graph" in r:
-                record(f"anchor {r['impl'].strip()}", routing, r["graph"]["median_us"], r.get("flops"), r.get("rel_err"))
+                record(f"anchor {r['impl'].strip()}", routing, r["graph"]["median_us"], r.get("flops"),
+                       r.get("rel_err"))
         torch.cuda.empty_cache()
     return {"rows": rows, "dense_us": dense_us, "device": torch.cuda.get_device_name(dev),
             "torch": torch.__version__, "shape": dict(T=T, K=K, E=E, H=H, Ir=Ir)}
@@ -183,7 +187,8 @@ def summary(result: dict) -> None:
             if not (g1 and g2 and s and f):
                 continue
             a = anchor["us"] if anchor else float("nan")
-            print(f"| {routing} | {'TMA desc' if tag else 'pointers'} | {g1['tflops']:.0f} ({g1['tflops'] / 650:.2f}) | "
+            weights = "TMA desc" if tag else "pointers"
+            print(f"| {routing} | {weights} | {g1['tflops']:.0f} ({g1['tflops'] / 650:.2f}) | "
                   f"{g2['tflops']:.0f} ({g2['tflops'] / 550:.2f}) | {s['us']:.0f} | {f['us']:.0f} | {a:.0f} | "
                   f"{f['us'] / dense:.2f} | {a / f['us']:.2f} | {f['us'] / s['us']:.3f} |")
     sh = result["shape"]

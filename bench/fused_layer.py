@@ -120,7 +120,8 @@ def main() -> None:
     flops = 2 * T * cfg.K * cfg.H * 3 * cfg.Ir
     print("\n| layer | time (us) | x serial | TFLOP/s |")
     print("|---|---|---|---|")
-    for name, t in (("serial (triton GEMMs, eager)", t_serial), ("serial (graph)", t_serial_graph), ("fused (graph)", t_fused),
+    for name, t in (("serial (triton GEMMs, eager)", t_serial), ("serial (graph)", t_serial_graph),
+                    ("fused (graph)", t_fused),
                     ("compute-only (fused, no waits)", t_compute)):
         print(f"| {name} | {t * 1e6:.0f} | {t / t_serial:.3f} | {flops / t / 1e12:.0f} |")
     print(f"| exposed comm = fused - compute-only | {(t_fused - t_compute) * 1e6:.0f} | - | - |")

@@ -61,7 +61,7 @@ META = tl.constexpr(config_META)  # int32 words in front of a routing block (lay
 ERR_DETAIL_BITS = 24
 ERR_BARRIER = tl.constexpr(1 << ERR_DETAIL_BITS)    # + peer rank whose barrier signal never came
 ERR_GATE = tl.constexpr(2 << ERR_DETAIL_BITS)       # + row block whose remote tokens never all arrived (kernel 1)
-ERR_JOB = tl.constexpr(3 << ERR_DETAIL_BITS)        # + first global token of a job whose rows never completed (kernel 2)
+ERR_JOB = tl.constexpr(3 << ERR_DETAIL_BITS)        # + first global token of a job whose rows never completed (k. 2)
 ERR_WATERMARK = tl.constexpr(4 << ERR_DETAIL_BITS)  # final reduce: some source never published
 ERR_NAMES = {ERR_BARRIER.value: "barrier", ERR_GATE.value: "kernel-1 gate", ERR_JOB.value: "kernel-2 job",
              ERR_WATERMARK.value: "final-reduce watermark"}
@@ -178,7 +178,8 @@ def _exchange_kernel(region_ptr, region_off, routing_g_ptr, ctl_ptr, error_ptr, 
 
 @triton.jit
 def _ag_gemm1_kernel(
-    region_ptr, region_off, w_ptr, act_ptr,  # our region, [R] int64 (16 B units), W13 [E, H, 2*Ir] (or its descriptor), act [S, Ir]
+    region_ptr, region_off, w_ptr, act_ptr,  # our region, [R] int64 (16 B units), W13 [E, H, 2*Ir] or its
+                                          # descriptor, act [S, Ir]
     bias_ptr,                             # BIAS: b13 [E, 2*Ir] gate, then up bias
     slots_ptr, pull_ptr, row_token_ptr, block_expert_ptr,  # [N, K], [N], [S], [NB] int32
     arrived_ptr,                          # [N + 1] int32 per pulled token, monotonic; [N] is a dummy
@@ -266,7 +267,8 @@ def _ag_gemm1_kernel(
 
 @triton.jit
 def _gemm2_push_kernel(
-    region_ptr, region_off, act_ptr, w_ptr, d_ptr,  # our region, [R] int64, act [S, Ir], W2 [E, Ir, H] (or its descriptor), D [S, H]
+    region_ptr, region_off, act_ptr, w_ptr, d_ptr,  # our region, [R] int64, act [S, Ir], W2 [E, Ir, H] or its
+                                                    # descriptor, D [S, H]
     bias_ptr,                             # BIAS: b2 [E, H] (rank 0 only: the planes add up to one copy)
     block_expert_ptr, slots_ptr, job_ptr, routing_g_ptr,  # [NB], [N, K], [N], [R, L] int32
     tiles_ptr,                            # [NB] int32 finished column tiles per block, monotonic
@@ -482,7 +484,8 @@ class StepArgs:
         assert self.arrived.shape == (N + 1,) and self.arrived.dtype == torch.int32
         assert self.b13 is None or (self.b13.shape == (E, 2 * Ir) and self.b13.dtype == self.w13.dtype
                                     and self.b13.stride(1) == 1)
-        assert self.b2 is None or (self.b2.shape == (E, H) and self.b2.dtype == self.w2.dtype and self.b2.stride(1) == 1)
+        assert self.b2 is None or (self.b2.shape == (E, H) and self.b2.dtype == self.w2.dtype
+                                   and self.b2.stride(1) == 1)
 
 
 @dataclasses.dataclass(frozen=True)

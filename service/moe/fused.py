@@ -78,8 +78,11 @@ import torch.distributed as dist
 
 from service.config import LayerConfig
 from service.moe import routing
-from service.moe.fused_plan import default_plan, local_unavailable_reason
-from service.moe.fused_plan import fused_unavailable_reason  # noqa: F401 (callers pick the backend through this module)
+from service.moe.fused_plan import (
+    default_plan,
+    fused_unavailable_reason,  # noqa: F401 (callers pick the backend through this module)
+    local_unavailable_reason,
+)
 from service.moe.timing import StageTimer
 from service.moe.weights import RankWeights
 

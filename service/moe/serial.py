@@ -47,9 +47,9 @@ import torch
 import torch.distributed as dist
 
 from service.config import BM, META, LayerConfig
-from service.moe.grouped import grouped_mm, native_grouped_mm_reason, prepare_weight, real_rows
 from service.moe import routing
 from service.moe import tables as torch_tables
+from service.moe.grouped import grouped_mm, native_grouped_mm_reason, prepare_weight, real_rows
 from service.moe.timing import StageTimer
 from service.moe.weights import RankWeights
 

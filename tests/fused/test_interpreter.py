@@ -152,9 +152,9 @@ def _run_case(name: str) -> dict:
             order[order == withheld] = int(order[order != withheld][0])
             tables[0] = dataclasses.replace(tables[0], pull_order=order)
             gate_blocks = sorted({s // BM for s in tables[0].slots[withheld].tolist()})
-        for a, t in zip(args, tables):
+        for a, t in zip(args, tables, strict=True):
             fk.ag_gemm1(a, plan, t)
-        for a, t in zip(args, tables):
+        for a, t in zip(args, tables, strict=True):
             fk.gemm2_push(a, plan, t)
         for a in args:
             fk.final_reduce(a, plan)
