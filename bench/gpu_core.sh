@@ -6,7 +6,7 @@
 #      anchor), weights through pointers and through TMA descriptors
 #   3. the same at the service's weight-bound step (T=512, I=3072 on one GPU), layers only if time
 #   4. a short table
-# Usage: ANCHORS=path/bench_anchors.py bash bench/gpu_core.sh   (PYTHON=...; OUT=dir for the logs)
+# Usage: ANCHORS=path/bench_anchors.py COMMIT=$(git rev-parse HEAD) bash bench/gpu_core.sh   (PYTHON=...; OUT=dir)
 # The anchor script is not part of the project: pass its path (the GPU call copies it beside the tree).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -22,7 +22,7 @@ cap() { local want=$1 l; l=$(left); (( l < want )) && want=$l; (( want < 1 )) &&
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | tee "$LOG/device.txt"
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | tee -a "$LOG/device.txt"
-git log -1 --format='commit %H' 2>/dev/null | tee -a "$LOG/device.txt"
+echo "commit ${COMMIT:-unknown: set COMMIT (the copy that travels has no .git)}" | tee -a "$LOG/device.txt"
 
 echo "== 1. GPU tests"
 timeout "$(cap 230)" "$PY" -m pytest -q -m gpu tests/gpu tests/fused tests/kernels tests/moe -p no:cacheprovider -rfE \

@@ -86,14 +86,14 @@ class GroupedGemms:
         if self.impl == "triton":
             from service.kernels.tuning import lookup_for_device
 
-            self.w13 = weights.w13.to(device).contiguous()  # [E, H, 2*Ir]
-            self.w2 = weights.w2.to(device).contiguous()    # [E, Ir, H]
+            self.w13 = weights.w13.to(device, cfg.dtype).contiguous()  # [E, H, 2*Ir] in the layer dtype, as fused
+            self.w2 = weights.w2.to(device, cfg.dtype).contiguous()    # [E, Ir, H]
             self.configs = [lookup_for_device(device, mode, cfg.E, cfg.H, cfg.Ir) for mode in ("gemm1", "gemm2")]
             self.h = torch.empty(cfg.S, cfg.Ir, dtype=cfg.dtype, device=device)  # [S, Ir] activations
             self.d = torch.empty(cfg.S, cfg.H, dtype=cfg.dtype, device=device)    # [S, H]
         else:
-            self.w13 = prepare_weight(weights.w13.to(device))  # [E, H, 2*Ir]
-            self.w2 = prepare_weight(weights.w2.to(device))    # [E, Ir, H]
+            self.w13 = prepare_weight(weights.w13.to(device, cfg.dtype))  # [E, H, 2*Ir]
+            self.w2 = prepare_weight(weights.w2.to(device, cfg.dtype))    # [E, Ir, H]
             self.A = torch.zeros(cfg.S, cfg.H, dtype=cfg.dtype, device=device)  # [S, H] gathered layout
         self.act = cfg.act
         self.b13 = None if weights.b13 is None else weights.b13.to(device, cfg.dtype)  # [E, 2*Ir]
