@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 12 on one GPU (H200), in one go and under 8 minutes, every step under `timeout`:
-#   1. the GPU tests (-m gpu) of tests/gpu tests/fused tests/kernels tests/moe: the regression run of
+#   1. the GPU tests (-m gpu) of tests/kernels tests/moe: the regression run of
 #      the tree
 #   2. bench/core.py at the seed share (dense matmul, GEMM1/GEMM2, serial and fused layers, the
 #      anchor), weights through pointers and through TMA descriptors
@@ -25,7 +25,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 echo "commit ${COMMIT:-unknown: set COMMIT (the copy that travels has no .git)}" | tee -a "$LOG/device.txt"
 
 echo "== 1. GPU tests"
-timeout "$(cap 230)" "$PY" -m pytest -q -m gpu tests/gpu tests/fused tests/kernels tests/moe -p no:cacheprovider -rfE \
+timeout "$(cap 230)" "$PY" -m pytest -q -m gpu tests/kernels tests/moe -p no:cacheprovider -rfE \
   > "$LOG/tests.txt" 2>&1
 TEST_RC=$?
 grep -E "^(FAILED|ERROR)" "$LOG/tests.txt" | head -n 20

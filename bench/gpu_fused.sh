@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 6 on one GPU (H200), in one go and under 5 minutes:
-#   1. the GPU tests of tests/fused (R=1 in process; R=2, R=4 processes sharing the GPU; forced timeout)
+#   1. the fused GPU tests, tests/moe/test_fused_gpu.py (R=1 in process; R=2, R=4 processes sharing the GPU; forced timeout)
 #   2. bench/fused_layer.py (fused vs serial vs compute-only, R=1)
 #   3. compute-sanitizer memcheck and racecheck on a tiny fused layer (if compute-sanitizer exists)
 #   4. a short summary table
@@ -18,8 +18,8 @@ cap() { local want=$1 l; l=$(left); (( l < want )) && want=$l; (( want < 1 )) &&
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | tee "$LOG/device.txt"
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | tee -a "$LOG/device.txt"
 
-echo "== 1. GPU tests (tests/fused)"
-timeout "$(cap 160)" "$PY" -m pytest -q -s -m gpu tests/fused -p no:cacheprovider -rfE > "$LOG/tests.txt" 2>&1
+echo "== 1. GPU tests (tests/moe/test_fused_gpu.py)"
+timeout "$(cap 160)" "$PY" -m pytest -q -s -m gpu tests/moe/test_fused_gpu.py -p no:cacheprovider -rfE > "$LOG/tests.txt" 2>&1
 TEST_RC=$?
 grep -E "rel err|timeout reported" "$LOG/tests.txt" | tail -n 8
 tail -n 15 "$LOG/tests.txt"
@@ -33,9 +33,9 @@ SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 
 SAN_RC=0
 if [[ -n "$SAN" ]]; then
   for tool in memcheck racecheck; do
-    timeout "$(cap 30)" "$SAN" --tool "$tool" --error-exitcode 9 "$PY" tests/fused/sanitize_small.py > "$LOG/sanitize_$tool.txt" 2>&1
+    timeout "$(cap 30)" "$SAN" --tool "$tool" --error-exitcode 9 "$PY" tests/moe/sanitize_fused.py > "$LOG/sanitize_$tool.txt" 2>&1
     rc=$?; (( rc != 0 )) && SAN_RC=$rc
-    echo "$tool rc=$rc: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitize_small" "$LOG/sanitize_$tool.txt" | tr '\n' ' ')"
+    echo "$tool rc=$rc: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitize_fused" "$LOG/sanitize_$tool.txt" | tr '\n' ' ')"
   done
 else
   echo "compute-sanitizer not found: skipped"

@@ -2,7 +2,7 @@
 # Issue 7 on a 4-GPU host (nvidia-h200-x4), all of it in one call of the device tool (10 minutes):
 #   1. nvidia-smi topo -m, and the peer copy GB/s of every ordered GPU pair (bench/p2p_probe.py)
 #   2. correctness: serial and fused backends, R=4, one rank process per GPU through WorkerGroup,
-#      100 batches each against the fp32 reference, every rank's rows (tests/multigpu)
+#      100 batches each against the fp32 reference, every rank's rows (tests/worker/test_four_gpus.py)
 #   3. the seed shape at C=512 and C=1024 per rank: serial vs fused, compute-only, exposed
 #      communication, schedule time, p50 of 200 steps (bench/multigpu.py layer)
 #   4. the service: moe-serve (seed preset, backend auto) on the 4 GPUs, gRPC and HTTP v2 binary
@@ -121,10 +121,10 @@ leftovers "the P2P probe" >> "$LOG/device.txt"
 cat "$LOG/device.txt"
 
 # ---- 2. correctness ---------------------------------------------------------------------------
-echo "== 2. tests/multigpu (serial and fused, R=4, 100 batches each)"
+echo "== 2. tests/worker/test_four_gpus.py (serial and fused, R=4, 100 batches each)"
 PT_TIMEOUT=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout=230)
-timeout -k 15 "$(cap 250)" "$PY" -m pytest -q -s -rfEs -p no:cacheprovider "${PT_TIMEOUT[@]}" tests/multigpu \
+timeout -k 15 "$(cap 250)" "$PY" -m pytest -q -s -rfEs -p no:cacheprovider "${PT_TIMEOUT[@]}" tests/worker/test_four_gpus.py \
   > "$LOG/tests.txt" 2>&1
 TEST_RC=$?
 if (( TEST_RC == 0 )) && ! grep -Eq "(^| )2 passed" "$LOG/tests.txt"; then

@@ -84,7 +84,7 @@ def test_single_expert_k1_spans_blocks():
 def test_later_sequence_number():
     """A later batch (seq 41): watermarks start where 40 batches leave them, at seq-1, so every
     target is a function of seq. (The simulation rebuilds that state
-    per call; state carried across real consecutive batches is tested on the GPU, tests/fused.)"""
+    per call; state carried across real consecutive batches is tested on the GPU, tests/moe/test_fused_gpu.py.)"""
     gen = torch.Generator().manual_seed(12)
     cfg = layer(8, 2, 2, 30, H=16, Ir=8)
     counts = [30, 7]

@@ -1,6 +1,6 @@
 """A few fused steps on a tiny shape, eager (no graph), for compute-sanitizer (bench/gpu_fused.sh).
 
-    compute-sanitizer --tool memcheck python tests/fused/sanitize_small.py
+    compute-sanitizer --tool memcheck python tests/moe/sanitize_fused.py
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main() -> None:
         if n:
             ref = moe_reference(x.float().to(dev), ids.to(dev), w.to(dev), gate.to(dev), up.to(dev), down.to(dev))
             worst = max(worst, rel_err(out, ref))
-    sys.stdout.write(f"sanitize_small: 4 steps, worst relative error {worst:.2e}\n")
+    sys.stdout.write(f"sanitize_fused: 4 steps, worst relative error {worst:.2e}\n")
     assert worst < 2e-2
 
 

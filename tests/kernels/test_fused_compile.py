@@ -2,7 +2,7 @@
 block under the device's limit, the ordering instructions present in the PTX (system-scope
 acquire polls, a CTA barrier before every release, release stores to peers, %globaltimer).
 
-Run as a script to print the table: `python tests/fused/test_compile.py`.
+Run as a script to print the table: `python tests/kernels/test_fused_compile.py`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 kernels, R = 1 in process, for a clamped-SwiGLU (DeepSeek-V4), a GELU-tanh and a gpt-oss model
 (biases), against the same fp32 reference (service.moe.reference with the model's activation).
 
-    python -m pytest -q -m gpu tests/gpu/test_activations_gpu.py
+    python -m pytest -q -m gpu tests/moe/test_activations_gpu.py
 """
 
 from __future__ import annotations
