@@ -39,7 +39,7 @@ def own_inputs(layer, x, ids, w):
     has them (the fused layer stages them inside its graph), and views of them passed in."""
     if not hasattr(layer, "inputs"):
         return x, ids, w
-    return tuple(buf[:t.shape[0]].copy_(t) for buf, t in zip(layer.inputs, (x, ids, w)))
+    return tuple(buf[:t.shape[0]].copy_(t) for buf, t in zip(layer.inputs, (x, ids, w), strict=True))
 
 
 def time_forward(layer, x, ids, w, iters: int, seq0: int) -> tuple[float, list[float]]:

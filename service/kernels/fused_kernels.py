@@ -338,8 +338,9 @@ def _gemm2_push_kernel(
                     wbits = tl.load(routing_g_ptr + oq * L + META + C * K + (gq - oq * C) * K + q_k, mask=lq, other=0)
                     wq = wbits.to(tl.float32, bitcast=True)  # [JT*KP] routing weights (0 on dead lanes)
                     owner = g // C  # [JT]
+                    # [JT] owners' planes for this source
                     dst = (region_of(region_ptr, region_off, owner, tl.float32)
-                           + stage_off + (rank * C + g - owner * C).to(tl.int64) * H)  # [JT] owners' planes for this source
+                           + stage_off + (rank * C + g - owner * C).to(tl.int64) * H)
                     rows = d_ptr + srow.to(tl.int64)[:, None] * stride_om  # [JT*KP, 1]
                     for h0 in range(0, H, BH):
                         cols = h0 + hh
@@ -357,7 +358,8 @@ def _gemm2_push_kernel(
                     for t in tl.static_range(JT):
                         if tl.max(tl.where((tt == t) & last, 1, 0), axis=0) > 0:
                             o_t = tl.max(tl.where(tt == t, owner, 0), axis=0)
-                            store_release(region_of(region_ptr, region_off, o_t, tl.int32) + wm_off + rank, seq, USE_PTX)
+                            wm_slot = region_of(region_ptr, region_off, o_t, tl.int32) + wm_off + rank
+                            store_release(wm_slot, seq, USE_PTX)
                     j0 = tl.atomic_add(disp_ptr, JT, sem="relaxed", scope="gpu")
                     go = j0 < n_real
             if pid < NUM_COMPUTE:
@@ -412,7 +414,8 @@ def _final_reduce_kernel(stage_ptr, wm_ptr, out_ptr, routing_g_ptr, disp_ptr, pu
                 m = rm[:, None] & (cols < H)[None, :]  # [BR, BH]
                 acc = tl.zeros((BR, BH), dtype=tl.float32)
                 for s in range(0, R):
-                    acc += tl.load(stage_ptr + (s * C + rows.to(tl.int64))[:, None] * H + cols[None, :], mask=m, other=0.0)
+                    plane_rows = (s * C + rows.to(tl.int64))[:, None] * H
+                    acc += tl.load(stage_ptr + plane_rows + cols[None, :], mask=m, other=0.0)
                 tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], acc, mask=m)
 
 

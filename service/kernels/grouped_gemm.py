@@ -261,7 +261,8 @@ def num_sms(device: torch.device) -> int:
     return 4  # the interpreter runs programs one after another; a few show the persistent walk
 
 
-def grid_size(num_blocks: int, n: int, config: GemmConfig, device: torch.device, num_programs: int | None = None) -> int:
+def grid_size(num_blocks: int, n: int, config: GemmConfig, device: torch.device,
+              num_programs: int | None = None) -> int:
     """min(#SMs, tiles at capacity): every program resident, no idle programs."""
     tiles = num_blocks * triton.cdiv(n, config.BN)
     return max(1, min(num_programs or num_sms(device), tiles))

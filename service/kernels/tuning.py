@@ -70,7 +70,7 @@ def config_to_dict(config: GemmConfig) -> dict:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _read(path: Path) -> dict[int, GemmConfig] | None:
     if not path.is_file():
         return None
@@ -88,7 +88,7 @@ def default_config(mode: str, smem_per_block: int) -> GemmConfig:
     return _DEFAULTS[("large" if smem_per_block >= SMEM_LARGE else "small", mode)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _log_default(device: str, mode: str, E: int, H: int, N: int, config: GemmConfig) -> None:
     log.warning("no tile config for %s %s E=%d H=%d N=%d (looked for %s); using the default %s",
                 device, mode, E, H, N, config_path(device, mode, E, H, N).name, config)

@@ -119,7 +119,7 @@ class GroupedGemms:
         else:  # the per-expert loop: real rows only (a step's cost follows its tokens)
             rows = real_rows(tables.expert_offsets, tables.row_token)
             A = self.A
-            for lo, n in zip(tables.expert_offsets.tolist(), rows):
+            for lo, n in zip(tables.expert_offsets.tolist()[:-1], rows, strict=True):
                 if n:
                     torch.index_select(x_g, 0, tables.row_token[lo:lo + n], out=A[lo:lo + n])
         timer.mark("scatter")
@@ -134,7 +134,7 @@ class GroupedGemms:
             act = self.act.apply(h[:, :Ir], h[:, Ir:])             # [S, Ir]
         else:  # real rows only
             act = torch.empty(h.shape[0], Ir, dtype=h.dtype, device=h.device)  # [S, Ir]
-            for lo, n in zip(tables.expert_offsets.tolist(), rows):
+            for lo, n in zip(tables.expert_offsets.tolist()[:-1], rows, strict=True):
                 if n:
                     act[lo:lo + n] = self.act.apply(h[lo:lo + n, :Ir], h[lo:lo + n, Ir:])
         timer.mark("swiglu")

@@ -27,7 +27,8 @@ UNIT = ("stride_ak", "stride_wn", "stride_on")
 # Device name in the config file -> compile target.
 DEVICE_ARCH = {"NVIDIA_H200": 90, "NVIDIA_H100_80GB_HBM3": 90, "NVIDIA_GeForce_RTX_5090": 120}
 
-interpreting = pytest.mark.skipif(triton.knobs.runtime.interpret, reason="compile-only needs the compiler, not TRITON_INTERPRET")
+interpreting = pytest.mark.skipif(triton.knobs.runtime.interpret,
+                                  reason="compile-only needs the compiler, not TRITON_INTERPRET")
 
 
 def compile_gemm(arch: int, *, swiglu: bool, config, dtype="bf16", gather=False,
@@ -86,7 +87,8 @@ def test_config_fits_shared_memory(arch, mode, config):
     assert arch is not None, "config file for a device with no known compile target: add it to DEVICE_ARCH"
     kernel = compile_gemm(arch, swiglu=mode == "gemm1", config=config)
     shared = kernel.metadata.shared
-    assert shared <= SMEM_LIMIT[arch], f"{mode} {config} needs {shared} B of shared memory, sm_{arch} has {SMEM_LIMIT[arch]}"
+    assert shared <= SMEM_LIMIT[arch], \
+        f"{mode} {config} needs {shared} B of shared memory, sm_{arch} has {SMEM_LIMIT[arch]}"
     assert shared >= config.BM * config.BK * 2, "no shared-memory staging: the K loop was not pipelined"
     ptx = kernel.asm["ptx"]
     if arch == 90:

@@ -17,7 +17,8 @@ import triton
 
 ROOT = Path(__file__).resolve().parents[2]
 SMEM_LIMIT = {90: 232448, 120: 101376}
-DIVISIBLE = ("stride_am", "stride_we", "stride_wk", "stride_om", "H", "Ir", "C", "tok_off", "pull_off", "stage_off", "rt_off")
+DIVISIBLE = ("stride_am", "stride_we", "stride_wk", "stride_om", "H", "Ir", "C", "tok_off", "pull_off", "stage_off",
+             "rt_off")
 
 interpreting = pytest.mark.skipif(triton.knobs.runtime.interpret, reason="compile-only needs the compiler")
 

@@ -165,16 +165,18 @@ def _run_case(name: str) -> dict:
             if fault == "gate":
                 record["gate_blocks"] = gate_blocks
             break
-        refs = [moe_reference(x.float(), i, w, *full, act=cfg.act, biases=biases) for x, i, w in zip(xs, ids, ws)]
+        refs = [moe_reference(x.float(), i, w, *full, act=cfg.act, biases=biases)
+                for x, i, w in zip(xs, ids, ws, strict=True)]
         sims = simulate_fused([x.float() for x in xs], ids, ws,
                               [RankWeights(a.float(), c.float(), None if p is None else p.float(),
-                                           None if q is None else q.float()) for a, c, p, q in zip(w13, w2, b13, b2)],
+                                           None if q is None else q.float())
+                               for a, c, p, q in zip(w13, w2, b13, b2, strict=True)],
                               cfg.replace(dtype=torch.float32), seq=seq)
-        outs = [b.out[:n].clone() for b, n in zip(bufs, counts)]
+        outs = [b.out[:n].clone() for b, n in zip(bufs, counts, strict=True)]
         record["steps"].append(dict(
             seq=seq, counts=counts,
-            err=[rel_err(o, ref) if n else 0.0 for o, ref, n in zip(outs, refs, counts)],
-            err_sim=[rel_err(o, s) if n else 0.0 for o, s, n in zip(outs, sims, counts)],
+            err=[rel_err(o, ref) if n else 0.0 for o, ref, n in zip(outs, refs, counts, strict=True)],
+            err_sim=[rel_err(o, s) if n else 0.0 for o, s, n in zip(outs, sims, counts, strict=True)],
             clamped_share=None if limit is None else float(torch.cat(
                 [(x.float() @ full[0][0].T > limit).float().reshape(-1) for x in xs]).mean()),
             finite=all(bool(torch.isfinite(o).all()) for o in outs),
@@ -183,7 +185,8 @@ def _run_case(name: str) -> dict:
                             for f in ("slots", "pull_order", "job_order", "row_token", "block_expert")),
             tables_match_torch=torch.equal(tables[0].slots, build_tables(ids_g, counts_t, E, C, cfg.S).slots),
             arrived_ok=all(b.arrived[:R * C].tolist() == [_wrap32(seq)] * (R * C) for b in bufs),
-            tiles_ok=all(torch.equal(b.tiles, torch.full((NB,), _wrap32(seq * n_tiles2), dtype=torch.int32)) for b in bufs),
+            tiles_ok=all(torch.equal(b.tiles, torch.full((NB,), _wrap32(seq * n_tiles2), dtype=torch.int32))
+                         for b in bufs),
             wm_ok=all(torch.equal(b.wm, torch.full((R,), _wrap32(seq), dtype=torch.int32)) for b in bufs),
             bar_ok=all(torch.equal(b.bar, torch.full((R,), _wrap32(seq), dtype=torch.int32)) for b in bufs),
             scratch_zero=all(int(b.disp.item()) == 0 and int(b.pushed.abs().sum()) == 0 for b in bufs),
@@ -208,7 +211,7 @@ def test_fused_pipeline_matches_reference(results, name):
         assert s["routing_same"] and s["tables_same"] and s["tables_match_torch"], where
         assert s["finite"], f"{where}: a garbage row reached the output"
         tol = TOL[getattr(torch, r["dtype"])]
-        for rank, (e, es) in enumerate(zip(s["err"], s["err_sim"])):
+        for rank, (e, es) in enumerate(zip(s["err"], s["err_sim"], strict=True)):
             assert e <= tol, f"{where} rank {rank}: error vs reference {e:.2e}"
             assert es <= tol, f"{where} rank {rank}: error vs simulation {es:.2e}"
         if s["clamped_share"] is not None:

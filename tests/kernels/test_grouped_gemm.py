@@ -158,7 +158,8 @@ def test_tuning_lookup_reads_files_and_logs_default(tmp_path, caplog):
     assert (seed.BN, seed.BK, seed.num_warps, seed.num_stages) == (128, 64, 8, 4)
     flagged = GemmConfig(BN=64, BK=64, num_warps=8, num_stages=3, w_desc=True)
     assert tuning.config_from_dict(tuning.config_to_dict(flagged)) == flagged
-    small, big = GemmConfig(BN=32, BK=32, num_warps=4, num_stages=2), GemmConfig(BN=64, BK=64, num_warps=8, num_stages=3)
+    small = GemmConfig(BN=32, BK=32, num_warps=4, num_stages=2)
+    big = GemmConfig(BN=64, BK=64, num_warps=8, num_stages=3)
     path = tuning.config_path("Fake GPU", "gemm2", 8, 256, 64, tmp_path)
     path.write_text(json.dumps({"tuned": True, "configs": {"128": tuning.config_to_dict(small),
                                                            "4096": tuning.config_to_dict(big)}}))

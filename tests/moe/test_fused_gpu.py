@@ -202,7 +202,8 @@ def test_ranks_sharing_one_gpu_match_reference(R, plan, tmp_path):
         assert "exception" not in res, f"rank {res['rank']}: {res['exception']}"
         assert len(res["errors"]) == steps, f"rank {res['rank']} ran {len(res['errors'])} of {steps} steps"
         for seq, counts, kind, err, exposed in res["errors"]:
-            print(f"R={R} rank {res['rank']} seq {seq} counts {counts} {kind}: rel err {err:.2e}, exposed {exposed * 1e6:.0f} us")
+            print(f"R={R} rank {res['rank']} seq {seq} counts {counts} {kind}: rel err {err:.2e}, "
+                  f"exposed {exposed * 1e6:.0f} us")
             assert err <= TOL[torch.bfloat16], (res["rank"], seq, counts, kind, err)
 
 
