@@ -21,7 +21,8 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 # ulp, so at most eps/2 relative in norm too). Added where an answer is handed back in a dtype
 # coarser than the one the layer computes in (an fp32 layer serving bf16 requests).
 ROUNDING = {dtype: torch.finfo(dtype).eps / 2 for dtype in TOL}
-# The CPU dataflow simulation runs in fp32 and differs from the reference only in summation order.
+# Two fp32 computations of the same sums that differ only in summation order (the CPU dataflow
+# simulation against the reference, the Triton top-k combine against its torch reference).
 SIM_TOL = 1e-6
 
 ROUTING_KINDS = ("balanced", "skewed", "single", "empty_expert")
