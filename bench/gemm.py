@@ -36,7 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
-from service.config import BM  # noqa: E402
+from service.config import BM, round_up  # noqa: E402
 from service.kernels import schedule  # noqa: E402
 from service.kernels.combine import bytes_moved, combine  # noqa: E402
 from service.kernels.grouped_gemm import flops, gemm1_swiglu, gemm2  # noqa: E402
@@ -58,7 +58,7 @@ def bench_gemms(args, kind: str, dev: torch.device) -> dict:
     gen = torch.Generator().manual_seed(0 if kind == "balanced" else 1)
     T, K, E, H, Ir = args.tokens, args.K, args.E, args.H, args.Ir
     hits = T * K
-    S = -(-(hits + E * (BM - 1)) // BM) * BM
+    S = round_up(hits + E * (BM - 1), BM)
     dtype = getattr(torch, args.dtype)
     ids = routing(T, E, K, kind, gen).to(dev, torch.int32)  # [T, K]
     counts = torch.tensor([T], dtype=torch.int32, device=dev)  # one "rank" holding all T tokens
@@ -170,7 +170,7 @@ def bench_schedule(args, dev: torch.device) -> dict:
     T, K, E = args.tokens, args.K, args.E
     R = 4
     C = T // R
-    S = -(-(T * K + E * (BM - 1)) // BM) * BM
+    S = round_up(T * K + E * (BM - 1), BM)
     gen = torch.Generator().manual_seed(2)
     ids = routing(T, E, K, "balanced", gen).to(dev, torch.int32)
     counts = torch.full((R,), C, dtype=torch.int32, device=dev)
@@ -210,7 +210,7 @@ def bench_combine(args, dev: torch.device) -> dict:
     T, K, E, H = args.tokens, args.K, args.E, args.H
     R = 4
     C = T // R
-    S = -(-(T * K + E * (BM - 1)) // BM) * BM
+    S = round_up(T * K + E * (BM - 1), BM)
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(3)
     ids = routing(T, E, K, "balanced", gen).to(dev, torch.int32)

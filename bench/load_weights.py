@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from service.config import LayerConfig  # noqa: E402
+from service.config import LayerConfig, round_up  # noqa: E402
 from service.moe.weights import checkpoint_layer, load_rank_weights  # noqa: E402
 
 BLOCK = 128  # FP8 scale block
@@ -37,7 +37,7 @@ BLOCK = 128  # FP8 scale block
 
 def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     o, i = w.shape
-    pad = torch.zeros(-(-o // BLOCK) * BLOCK, -(-i // BLOCK) * BLOCK)
+    pad = torch.zeros(round_up(o, BLOCK), round_up(i, BLOCK))
     pad[:o, :i] = w
     blocks = pad.reshape(pad.shape[0] // BLOCK, BLOCK, pad.shape[1] // BLOCK, BLOCK)
     scale = blocks.abs().amax(dim=(1, 3)) / 448.0  # [o/128, i/128]

@@ -26,7 +26,7 @@ import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from bench.gemm import add_shape_args  # noqa: E402
-from service.config import BM  # noqa: E402
+from service.config import BM, round_up  # noqa: E402
 from service.kernels import tuning  # noqa: E402
 from service.kernels.grouped_gemm import GemmConfig, flops, gemm1_swiglu, gemm2  # noqa: E402
 from service.moe import tables as torch_tables  # noqa: E402
@@ -55,7 +55,7 @@ def main() -> None:
     device_name = torch.cuda.get_device_name(dev)
     T, K, E, H, Ir = args.tokens, args.K, args.E, args.H, args.Ir
     hits = T * K
-    S = -(-(hits + E * (BM - 1)) // BM) * BM
+    S = round_up(hits + E * (BM - 1), BM)
     gen = torch.Generator().manual_seed(0)
     ids = torch.multinomial(torch.ones(E).expand(T, E), K, replacement=False, generator=gen).to(dev, torch.int32)
     tables = torch_tables.build_tables(ids, torch.tensor([T], dtype=torch.int32, device=dev), E, T, S)

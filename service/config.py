@@ -21,6 +21,16 @@ from service.errors import ConfigError
 log = logging.getLogger(__name__)
 
 META = 4  # int32 words in front of a rank's routing block (layout: service.moe.routing)
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for integers, b > 0."""
+    return -(-a // b)
+
+
+def round_up(x: int, n: int) -> int:
+    """The smallest multiple of n that is >= x."""
+    return cdiv(x, n) * n
+
+
 BM = 128  # rows per block of the gathered layout; every expert's run is padded to a multiple
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -109,7 +119,7 @@ class LayerConfig:
     def S(self) -> int:
         """Rows of the gathered layout at capacity: every hit plus the worst-case padding."""
         hits = self.R * self.C * self.K
-        return -(-(hits + self.E * (BM - 1)) // BM) * BM
+        return round_up(hits + self.E * (BM - 1), BM)
 
     def replace(self, **changes) -> LayerConfig:
         return dataclasses.replace(self, **changes)

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import SafetensorError, safe_open
 
-from service.config import Activation
+from service.config import Activation, cdiv
 from service.errors import WeightsError
 
 log = logging.getLogger(__name__)
@@ -535,7 +535,7 @@ def read_spec(sh: Shards, prefix: str = "", layer: int | None = None) -> LayerSp
         for role in ("gate", "down"):
             key = expert_key(prefix, 0, role, layout)
             out, inn = sh.shape(key)
-            want = [-(-out // block[0]), -(-inn // block[1])]
+            want = [cdiv(out, block[0]), cdiv(inn, block[1])]
             if (got := sh.shape(key + "_scale_inv")) != want:
                 raise WeightsError(f"{key + '_scale_inv'!r} in {path!r} has shape {got}, expected {want} for "
                                    f"{block[0]}x{block[1]} blocks of {key!r} {[out, inn]} (quantization_config."
@@ -571,7 +571,7 @@ def _read(sh: Shards, spec: LayerSpec, key: str, index: tuple) -> Tensor:
     c0, c1 = cols.start or 0, cols.stop
     out, inn = sh.shape(key)
     r1, c1 = min(r1 if r1 is not None else out, out), min(c1 if c1 is not None else inn, inn)
-    scale = sh.slice(key + "_scale_inv")[r0 // B0:-(-r1 // B0), c0 // B1:-(-c1 // B1)].float()  # [blocks, blocks]
+    scale = sh.slice(key + "_scale_inv")[r0 // B0:cdiv(r1, B0), c0 // B1:cdiv(c1, B1)].float()  # [blocks, blocks]
     full = scale.repeat_interleave(B0, 0).repeat_interleave(B1, 1)  # one value per element of the blocks
     return part.float() * full[r0 - (r0 // B0) * B0:r1 - (r0 // B0) * B0, c0 - (c0 // B1) * B1:c1 - (c0 // B1) * B1]
 

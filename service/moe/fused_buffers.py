@@ -15,15 +15,11 @@ import dataclasses
 
 import torch
 
-from service.config import BM, LayerConfig
+from service.config import BM, LayerConfig, round_up
 from service.kernels.fused_kernels import StepArgs
 from service.moe import routing
 
 ALIGN = 256  # bytes between the parts of a region
-
-
-def _align(x: int) -> int:
-    return -(-x // ALIGN) * ALIGN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,27 +44,27 @@ class Layout:
 
     @property
     def pull_bytes(self) -> int:
-        return _align(self.tok_bytes + 2 * self.C * self.H * self.itemsize)
+        return round_up(self.tok_bytes + 2 * self.C * self.H * self.itemsize, ALIGN)
 
     @property
     def rt_bytes(self) -> int:
-        return _align(self.pull_bytes + self.R * self.C * self.H * self.itemsize)
+        return round_up(self.pull_bytes + self.R * self.C * self.H * self.itemsize, ALIGN)
 
     @property
     def stage_bytes(self) -> int:
-        return _align(self.rt_bytes + 2 * self.L * 4)
+        return round_up(self.rt_bytes + 2 * self.L * 4, ALIGN)
 
     @property
     def wm_bytes(self) -> int:
-        return _align(self.stage_bytes + self.R * self.C * self.H * 4)
+        return round_up(self.stage_bytes + self.R * self.C * self.H * 4, ALIGN)
 
     @property
     def bar_bytes(self) -> int:
-        return _align(self.wm_bytes + self.R * 4)
+        return round_up(self.wm_bytes + self.R * 4, ALIGN)
 
     @property
     def nbytes(self) -> int:
-        return _align(self.bar_bytes + self.R * 4)
+        return round_up(self.bar_bytes + self.R * 4, ALIGN)
 
 
 class RankBuffers:

@@ -48,7 +48,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from service.config import BM
+from service.config import BM, round_up
 
 
 @dataclasses.dataclass
@@ -166,7 +166,7 @@ def build_tables_golden(ids: Tensor, counts: Tensor, E: int, C: int, S: int) -> 
 
     off = [0]
     for e in range(E):
-        off.append(off[-1] + -(-len(hits[e]) // BM) * BM)
+        off.append(off[-1] + round_up(len(hits[e]), BM))
     assert off[E] <= S, f"layout needs {off[E]} rows but S = {S}"
 
     slots = [[-1] * K for _ in range(N)]
@@ -229,7 +229,7 @@ def check_invariants(tables: Tables, ids: Tensor, counts: Tensor, E: int, C: int
     for e in range(E):
         run = off[e + 1] - off[e]
         assert run % BM == 0, f"padded count of expert {e} ({run}) is not a multiple of BM"
-        assert run == -(-n[e] // BM) * BM, f"expert {e} has {n[e]} hits but a run of {run} rows"
+        assert run == round_up(n[e], BM), f"expert {e} has {n[e]} hits but a run of {run} rows"
     assert off[E] <= S, f"layout uses {off[E]} rows, more than S = {S}"
 
     # Slots: a bijection from the real hits onto the real rows, inside the expert's range,

@@ -38,7 +38,7 @@ from typing import Literal
 import torch
 from safetensors.torch import save_file
 
-from service.config import LayerConfig
+from service.config import LayerConfig, cdiv
 from service.errors import ConfigError, WeightsError
 from service.moe.checkpoint import (
     NAMINGS,
@@ -174,7 +174,7 @@ def _draw_rows(cfg: LayerConfig, seed: int, e: int, role: str, r0: int, r1: int,
     """
     matrix = ROLES.index(role)
     scale = 1.0 / math.sqrt(cfg.I if role == "down" else cfg.H)  # 1/sqrt(fan_in): O(1) activations
-    b0, b1 = r0 // SYNTH_ROW_BLOCK, -(-r1 // SYNTH_ROW_BLOCK)
+    b0, b1 = r0 // SYNTH_ROW_BLOCK, cdiv(r1, SYNTH_ROW_BLOCK)
     first, last = b0 * SYNTH_ROW_BLOCK, min(b1 * SYNTH_ROW_BLOCK, cfg.I)  # rows drawn
     if scratch is None:
         scratch = torch.empty(last - first, cfg.H)  # [rows, H]
@@ -206,7 +206,7 @@ def synthetic_rank_weights(cfg: LayerConfig, rank: int, seed: int,
     Ir, r0 = cfg.Ir, rank * cfg.Ir
     w13 = torch.empty(cfg.E, cfg.H, 2 * Ir, dtype=cfg.dtype, device=device)  # [E, H, 2*Ir]
     w2 = torch.empty(cfg.E, Ir, cfg.H, dtype=cfg.dtype, device=device)  # [E, Ir, H]
-    scratch = torch.empty((-(-Ir // SYNTH_ROW_BLOCK) + 1) * SYNTH_ROW_BLOCK, cfg.H)  # [rows, H] fp32
+    scratch = torch.empty((cdiv(Ir, SYNTH_ROW_BLOCK) + 1) * SYNTH_ROW_BLOCK, cfg.H)  # [rows, H] fp32
     for e in range(cfg.E):
         # Casting fp32 straight to cfg.dtype rounds exactly as synthetic_expert's .to(cfg.dtype) does.
         gate = _draw_rows(cfg, seed, e, "gate", r0, r0 + Ir, scratch).to(device)  # [Ir, H]

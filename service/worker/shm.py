@@ -31,7 +31,7 @@ import uuid
 
 import torch
 
-from service.config import LayerConfig
+from service.config import LayerConfig, round_up
 
 ALIGN = 64  # bytes; each field starts on a cache line
 PREFIX = "moe-slot-"
@@ -54,7 +54,7 @@ def _layout(cfg: LayerConfig) -> tuple[dict[str, tuple[int, torch.dtype, tuple[i
     for name, (dtype, shape) in fields.items():
         layout[name] = (offset, dtype, shape)
         nbytes = torch.Size(shape).numel() * dtype.itemsize
-        offset += -(-nbytes // ALIGN) * ALIGN
+        offset += round_up(nbytes, ALIGN)
     return layout, offset
 
 

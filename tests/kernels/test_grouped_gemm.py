@@ -16,7 +16,7 @@ import zlib
 import pytest
 import torch
 
-from service.config import BM
+from service.config import BM, cdiv, round_up
 from tests.helpers import TOL, rel_err
 from tests.interp import main, run_cases
 
@@ -26,7 +26,7 @@ DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": t
 def make_block_expert(rows_per_expert: list[int], num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """block_expert [num_blocks] and expert_offsets [E+1] of a layout with these real row counts."""
     E = len(rows_per_expert)
-    padded = [-(-r // BM) * BM for r in rows_per_expert]
+    padded = [round_up(r, BM) for r in rows_per_expert]
     offsets = [0]
     for p in padded:
         offsets.append(offsets[-1] + p)
@@ -73,7 +73,7 @@ def _run_case(name: str) -> dict:
     kind, limit, biased, scale = EPILOGUES.get(name, ("silu", None, False, 1.0))
     act_fn = Activation(kind, limit=limit)
     dtype = DTYPE_NAMES[dtype_name]
-    used_blocks = sum(-(-r // BM) for r in rows)
+    used_blocks = sum(cdiv(r, BM) for r in rows)
     num_blocks = used_blocks + spare
     S = num_blocks * BM
     block_expert, _ = make_block_expert(rows, num_blocks)
@@ -198,7 +198,7 @@ def _routing_rows(kind: str, E: int, hits: int, gen: torch.Generator) -> list[in
 def _gpu_problem(E, H, Ir, hits, kind, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     rows = _routing_rows(kind, E, hits, gen)
-    S = -(-(hits + E * (BM - 1)) // BM) * BM  # capacity layout, as LayerConfig.S
+    S = round_up(hits + E * (BM - 1), BM)  # capacity layout, as LayerConfig.S
     block_expert, offsets = make_block_expert(rows, S // BM)
     a = torch.randn(S, H, generator=gen).to(dtype)
     w13 = (torch.randn(E, H, 2 * Ir, generator=gen) / math.sqrt(H)).to(dtype)
