@@ -51,7 +51,7 @@ import triton.language as tl
 
 from service.config import BM, Activation
 from service.config import META as config_META
-from service.kernels.grouped_gemm import GemmConfig, epilogue_args, gemm_tile, weight_operand
+from service.kernels.grouped_gemm import GemmConfig, epilogue_args, gemm_tile, half_tail, weight_operand
 from service.kernels.sync import now_ns, signal_add, store_release, wait_all_geq
 
 META = tl.constexpr(config_META)  # int32 words in front of a routing block (layout: service.moe.routing)
@@ -177,6 +177,28 @@ def _exchange_kernel(region_ptr, region_off, routing_g_ptr, ctl_ptr, error_ptr, 
 
 
 @triton.jit
+def _gemm1_tile(mine, w_ptr, act_ptr, bias_ptr, row_token_ptr, block, expert, pn, ready, rank, C, H, Ir,
+                tok_off, pull_off, parity, limit, alpha, stride_we, stride_wk, stride_om, stride_be,
+                ACT: tl.constexpr, CLAMP: tl.constexpr, BIAS: tl.constexpr, W_DESC: tl.constexpr,
+                IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                BM: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Kernel 1's tile: the first TM rows of `block`, each row read where its token lies (in place
+    when it is ours, else from `pulled`). A padding row reads our row s mod C: valid, and spread
+    (one shared row would hammer one L2 slice with a quarter of GEMM1's loads)."""
+    rows = block.to(tl.int64) * BM + tl.arange(0, TM)  # [TM]
+    rt = tl.load(row_token_ptr + rows)  # [TM]
+    g = tl.maximum(rt, 0)
+    owner = g // C
+    local = (owner == rank) | (rt < 0)  # [TM] rows read in place
+    own_row = tl.where(rt < 0, rows % C, g - owner * C).to(tl.int64)
+    a_rows = tl.where(local, tok_off + (parity * C + own_row) * H,
+                      pull_off + g.to(tl.int64) * H)  # [TM] element offsets in our region
+    gemm_tile(mine, a_rows, w_ptr, act_ptr, bias_ptr, block, expert, pn, ready, Ir, H, Ir,
+              limit, alpha, 1, stride_we, stride_wk, 1, stride_om, 1, stride_be,
+              ACT, CLAMP, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N, BM, TM, BN, BK)
+
+
+@triton.jit
 def _ag_gemm1_kernel(
     region_ptr, region_off, w_ptr, act_ptr,  # our region, [R] int64 (16 B units), W13 [E, H, 2*Ir] or its
                                           # descriptor, act [S, Ir]
@@ -189,7 +211,7 @@ def _ag_gemm1_kernel(
     ACT: tl.constexpr, CLAMP: tl.constexpr, BIAS: tl.constexpr, W_DESC: tl.constexpr,
     TB: tl.constexpr, BH: tl.constexpr, K: tl.constexpr,
     NUM_COMM: tl.constexpr, NUM_PROGRAMS: tl.constexpr, USE_PTX: tl.constexpr, SYNC: tl.constexpr,
-    IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """Row s of GEMM1's input is token row_token[s]: read in place from this rank's own token
@@ -248,15 +270,16 @@ def _ag_gemm1_kernel(
                     if ready == 0:
                         tl.atomic_cas(error_ptr, 0, ERR_GATE + block)
                         alive = ready
+                    elif half_tail(row_token_ptr, block, SPLIT, BM):
+                        _gemm1_tile(mine, w_ptr, act_ptr, bias_ptr, row_token_ptr, block, expert, pn, ready, rank,
+                                    C, H, Ir, tok_off, pull_off, parity, limit, alpha, stride_we, stride_wk,
+                                    stride_om, stride_be, ACT, CLAMP, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N,
+                                    BM, BM // 2, BN, BK)
                     else:
-                        # A padding row reads our row s mod C: valid, and spread (one shared
-                        # row would hammer one L2 slice with a quarter of GEMM1's loads).
-                        own_row = tl.where(rt < 0, rows % C, g - owner * C).to(tl.int64)
-                        a_rows = tl.where(local, tok_off + (parity * C + own_row) * H,
-                                          pull_off + g.to(tl.int64) * H)  # [BM] element offsets in our region
-                        gemm_tile(mine, a_rows, w_ptr, act_ptr, bias_ptr, block, expert, pn, ready, Ir, H, Ir,
-                                  limit, alpha, 1, stride_we, stride_wk, 1, stride_om, 1, stride_be,
-                                  ACT, CLAMP, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
+                        _gemm1_tile(mine, w_ptr, act_ptr, bias_ptr, row_token_ptr, block, expert, pn, ready, rank,
+                                    C, H, Ir, tok_off, pull_off, parity, limit, alpha, stride_we, stride_wk,
+                                    stride_om, stride_be, ACT, CLAMP, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N,
+                                    BM, BM, BN, BK)
             tl.atomic_add(stats_ptr + 1, waited, sem="relaxed")
 
 
@@ -266,11 +289,24 @@ def _ag_gemm1_kernel(
 
 
 @triton.jit
+def _gemm2_tile(act_ptr, w_ptr, d_ptr, bias_ptr, block, expert, pn, H, Ir, stride_am, stride_we, stride_wk,
+                stride_om, stride_be, BIAS: tl.constexpr, W_DESC: tl.constexpr, IEEE: tl.constexpr,
+                EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                BM: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Kernel 2's tile: D = act @ W2[expert] on the first TM rows of `block`."""
+    rows = block.to(tl.int64) * BM + tl.arange(0, TM)  # [TM]
+    gemm_tile(act_ptr, rows * stride_am, w_ptr, d_ptr, bias_ptr, block, expert, pn, 1, H, Ir, 0,
+              0.0, 0.0, 1, stride_we, stride_wk, 1, stride_om, 1, stride_be,
+              0, False, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N, BM, TM, BN, BK)
+
+
+@triton.jit
 def _gemm2_push_kernel(
     region_ptr, region_off, act_ptr, w_ptr, d_ptr,  # our region, [R] int64, act [S, Ir], W2 [E, Ir, H] or its
                                                     # descriptor, D [S, H]
     bias_ptr,                             # BIAS: b2 [E, H] (rank 0 only: the planes add up to one copy)
     block_expert_ptr, slots_ptr, job_ptr, routing_g_ptr,  # [NB], [N, K], [N], [R, L] int32
+    row_token_ptr,                        # SPLIT: [S] int32, read at row BM/2 of each block (half_tail)
     tiles_ptr,                            # [NB] int32 finished column tiles per block, monotonic
     disp_ptr, pushed_ptr,                 # [1], [R] int32 local scratch, zeroed by the final reduce
     ctl_ptr, error_ptr, stats_ptr,
@@ -279,7 +315,7 @@ def _gemm2_push_kernel(
     BIAS: tl.constexpr, W_DESC: tl.constexpr,
     K: tl.constexpr, KP: tl.constexpr, BH: tl.constexpr, JT: tl.constexpr,
     NUM_COMPUTE: tl.constexpr, NUM_PROGRAMS: tl.constexpr, JOIN: tl.constexpr, USE_PTX: tl.constexpr,
-    SYNC: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    SYNC: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -301,10 +337,14 @@ def _gemm2_push_kernel(
                 pn = tile % n_tiles
                 expert = tl.load(block_expert_ptr + block)
                 if expert < E:
-                    rows = block.to(tl.int64) * BM + tl.arange(0, BM)  # [BM]
-                    gemm_tile(act_ptr, rows * stride_am, w_ptr, d_ptr, bias_ptr, block, expert, pn, 1, H, Ir, 0,
-                              0.0, 0.0, 1, stride_we, stride_wk, 1, stride_om, 1, stride_be,
-                              0, False, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
+                    if half_tail(row_token_ptr, block, SPLIT, BM):  # the rows GEMM1 wrote, no more
+                        _gemm2_tile(act_ptr, w_ptr, d_ptr, bias_ptr, block, expert, pn, H, Ir, stride_am, stride_we,
+                                    stride_wk, stride_om, stride_be, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N,
+                                    BM, BM // 2, BN, BK)
+                    else:
+                        _gemm2_tile(act_ptr, w_ptr, d_ptr, bias_ptr, block, expert, pn, H, Ir, stride_am, stride_we,
+                                    stride_wk, stride_om, stride_be, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N,
+                                    BM, BM, BN, BK)
                 signal_add(tiles_ptr + block, 1, USE_PTX)  # CTA barrier, release (local flag)
             t_join = now_ns(USE_PTX)
         if (pid >= NUM_COMPUTE) | JOIN:
@@ -565,7 +605,7 @@ def ag_gemm1(a: StepArgs, plan: Plan, tables) -> None:
         a.w13.stride(0), a.w13.stride(1), a.act.stride(0), b13.stride(0) if b13 is not None else 0,
         ACT=epi["ACT"], CLAMP=epi["CLAMP"], BIAS=b13 is not None, W_DESC=config.w_desc,
         TB=plan.pull_tokens, BH=min(_p2(a.H), 1024), K=a.K, NUM_COMM=plan.num_comm1, NUM_PROGRAMS=plan.num_programs,
-        USE_PTX=plan.use_ptx, SYNC=plan.sync,
+        USE_PTX=plan.use_ptx, SYNC=plan.sync, SPLIT=config.split_tail,
         IEEE=a.w13.dtype == torch.float32, EVEN_K=a.H % config.BK == 0, EVEN_N=a.Ir % config.BN == 0,
         BM=BM, BN=config.BN, BK=config.BK, num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -578,13 +618,13 @@ def gemm2_push(a: StepArgs, plan: Plan, tables) -> None:
     b2 = a.b2
     _gemm2_push_kernel[(plan.num_programs,)](
         a.region, a.region_off, a.act, weight_operand(a.w2, config), a.D, b2 if b2 is not None else a.D,
-        tables.block_expert, tables.slots, tables.job_order, a.routing_g,
+        tables.block_expert, tables.slots, tables.job_order, a.routing_g, tables.row_token,
         a.tiles, a.disp, a.pushed, a.ctl, a.error, a.stats,
         a.rank, a.R, a.C, a.H, NB, a.Ir, a.E, a.L, a.stage_off, a.wm_off, plan.max_spins,
         a.act.stride(0), a.w2.stride(0), a.w2.stride(1), a.D.stride(0), b2.stride(0) if b2 is not None else 0,
         BIAS=b2 is not None, W_DESC=config.w_desc, K=a.K, KP=_p2(a.K), BH=min(_p2(a.H), plan.job_cols),
         JT=plan.job_tokens, NUM_COMPUTE=plan.num_compute2, NUM_PROGRAMS=plan.num_programs,
-        JOIN=plan.join, USE_PTX=plan.use_ptx, SYNC=plan.sync,
+        JOIN=plan.join, USE_PTX=plan.use_ptx, SYNC=plan.sync, SPLIT=config.split_tail,
         IEEE=a.act.dtype == torch.float32, EVEN_K=a.Ir % config.BK == 0, EVEN_N=a.H % config.BN == 0,
         BM=BM, BN=config.BN, BK=config.BK, num_warps=config.num_warps, num_stages=config.num_stages,
     )

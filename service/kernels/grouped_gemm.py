@@ -31,6 +31,13 @@ t = pid, pid + P, ...; tile t is (row block t // n_tiles, column tile t % n_tile
 taken in row-block order, which is expert order. Tiles whose block carries expert E are skipped
 without loading anything: the grid is sized at capacity and needs no host sync.
 
+Tail tiles (compile-time SPLIT, GemmConfig.split_tail): an expert's real rows lead its run, so
+the padding of its last block is that block's tail. Given the layout's row_token, a block whose
+row BM/2 is padding (row_token < 0) runs a BM/2-row tile and leaves its rows BM/2.. unwritten
+(`half_tail`): an expert's padding then costs at most BM/2 - 1 computed rows instead of BM - 1
+(seed share, balanced: 20,608 rows computed for 16,384 hits become ~18,2xx; bench/NOTES.md).
+GEMM2 given the same row_token skips the same rows, which GEMM1 did not write.
+
 Row gather (compile-time GATHER): with `row_token [S]`, output row s reads row row_token[s] of A
 (A is then the token matrix [N, H], not the gathered layout; -1 marks a padding row, whose output
 nobody uses: it reads row s mod N, spread so that padding rows do not all hit one cache line).
@@ -87,6 +94,10 @@ class GemmConfig:
     # Weights read through a TMA tensor descriptor ([BK, BN] boxes of W viewed as [E*K, n_w]) instead
     # of per-thread pointer loads; needs K % BK == 0 and 16-byte aligned rows (`weight_operand`).
     w_desc: bool = False
+    # Tail row blocks whose second half is padding run a BM // 2-row tile (`half_tail`), so the
+    # padding of an expert's last block costs at most BM/2 - 1 rows instead of BM - 1. Needs the
+    # layout's row_token (the launchers' `row_token`); without it every row counts as real.
+    split_tail: bool = True
 
     def __post_init__(self) -> None:
         assert self.BM == BM, f"the gathered layout fixes BM = {BM}, got {self.BM}"
@@ -143,10 +154,11 @@ def gemm_tile(a_ptr, a_rows, w_ptr, out_ptr, bias_ptr, block, expert, pn, ready,
               stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
               ACT: tl.constexpr, CLAMP: tl.constexpr, BIAS: tl.constexpr, W_DESC: tl.constexpr,
               IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """out[rows of row block `block`, column tile `pn`] = A @ W[expert] (ACT > 0: gated_act(gate, up),
-    two accumulators); one BM x BN output tile, the K loop inside. The BM input rows start at
-    `a_ptr + a_rows` ([BM] int64 element offsets: `rows * stride_am` for a contiguous A, or any
+              BM: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """out[the first TM rows of row block `block` (BM rows), column tile `pn`] = A @ W[expert] (ACT > 0:
+    gated_act(gate, up), two accumulators); one TM x BN output tile, the K loop inside. TM is BM, or
+    BM // 2 for a tail block whose second half is padding (`tile_rows`). The TM input rows start at
+    `a_ptr + a_rows` ([TM] int64 element offsets: `rows * stride_am` for a contiguous A, or any
     gather of rows, e.g. a token per row); output rows are the block's. BIAS adds
     bias[expert, cols] (and bias[expert, up_col + cols] to the up half) before the activation.
     W_DESC: `w_ptr` is a tensor descriptor of W as [E*K, n_w] with [BK, BN] boxes (`weight_operand`),
@@ -159,14 +171,14 @@ def gemm_tile(a_ptr, a_rows, w_ptr, out_ptr, bias_ptr, block, expert, pn, ready,
     # (ready - 1) == 0: a data dependency of the row offsets on the gate's result, insurance
     # against a compiler hoisting the A loads above the wait (times 16, so the offsets keep their
     # proven alignment and the loads stay 16-byte vectors).
-    a_rows = a_rows + (ready - 1) * 16  # [BM]
-    rows = block.to(tl.int64) * BM + tl.arange(0, BM)  # [BM] output rows
+    a_rows = a_rows + (ready - 1) * 16  # [TM]
+    rows = block.to(tl.int64) * BM + tl.arange(0, TM)  # [TM] output rows
     cols = pn * BN + tl.arange(0, BN)  # [BN] output columns
     cols = tl.max_contiguous(tl.multiple_of(cols, BN), BN)
     ks = tl.arange(0, BK)  # [BK]
-    a_ptrs = a_ptr + a_rows[:, None] + ks[None, :] * stride_ak  # [BM, BK]
-    acc = tl.zeros((BM, BN), dtype=tl.float32)  # gate (GEMM1) or output (GEMM2)
-    acc_up = tl.zeros((BM, BN), dtype=tl.float32)  # up half, GEMM1 only
+    a_ptrs = a_ptr + a_rows[:, None] + ks[None, :] * stride_ak  # [TM, BK]
+    acc = tl.zeros((TM, BN), dtype=tl.float32)  # gate (GEMM1) or output (GEMM2)
+    acc_up = tl.zeros((TM, BN), dtype=tl.float32)  # up half, GEMM1 only
     col_ok = cols[None, :] < N  # [1, BN] masks the last column tile when N % BN != 0
     if W_DESC:
         w_row = expert * K  # first row of W[expert] in the [E*K, n_w] view
@@ -199,7 +211,7 @@ def gemm_tile(a_ptr, a_rows, w_ptr, out_ptr, bias_ptr, block, expert, pn, ready,
             acc_up += tl.load(b_ptrs + up_col, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     if ACT != 0:
         acc = gated_act(acc, acc_up, limit, alpha, ACT, CLAMP)  # in fp32
-    o_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on  # [BM, BN]
+    o_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on  # [TM, BN]
     if EVEN_N:
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty))
     else:
@@ -212,17 +224,46 @@ def gemm_tile(a_ptr, a_rows, w_ptr, out_ptr, bias_ptr, block, expert, pn, ready,
 
 
 @triton.jit
+def half_tail(row_token_ptr, block, SPLIT: tl.constexpr, BM: tl.constexpr):
+    """Whether row block `block` runs a BM // 2-row tile: with SPLIT, when its rows BM/2.. are
+    padding (row_token < 0 at row BM/2; an expert's real rows lead its run, so the rest of the
+    block is padding too). Without SPLIT never, a compile-time False: the half tile is not built."""
+    if SPLIT:
+        return tl.load(row_token_ptr + block.to(tl.int64) * BM + BM // 2) < 0
+    else:
+        return tl.constexpr(False)
+
+
+@triton.jit
+def _grouped_tile(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K, num_a_rows, up_col,
+                  limit, alpha, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
+                  ACT: tl.constexpr, CLAMP: tl.constexpr, BIAS: tl.constexpr, W_DESC: tl.constexpr,
+                  GATHER: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                  BM: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One tile of the serial GEMMs: the first TM rows of `block`, gathered through row_token or not."""
+    rows = block.to(tl.int64) * BM + tl.arange(0, TM)  # [TM]
+    if GATHER:
+        # Padding rows read row s mod M: any valid row, but spread. All on one row,
+        # a quarter of the layout would hammer one L2 slice (measured: GEMM1 1.4x slower).
+        rt = tl.load(row_token_ptr + rows)
+        rows = tl.where(rt >= 0, rt, rows % num_a_rows).to(tl.int64)  # [TM] rows of A
+    gemm_tile(a_ptr, rows * stride_am, w_ptr, out_ptr, bias_ptr, block, expert, pn, 1, N, K, up_col,
+              limit, alpha, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
+              ACT, CLAMP, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N, BM, TM, BN, BK)
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr,            # A [S, K], W [E, K, n_w] (W_DESC: its descriptor), out [S, N]
     bias_ptr,                         # BIAS: [E, n_w] added before the activation (GEMM1) or to out (GEMM2)
     block_expert_ptr,                 # [S/BM] int32, E = unused block
-    row_token_ptr,                    # GATHER: [S] int32 row of A for output row s (-1: padding)
+    row_token_ptr,                    # GATHER or SPLIT: [S] int32 row of A for output row s (-1: padding)
     num_blocks, N, K, num_experts, num_a_rows,
     up_col,                           # ACT > 0: column of W where the up half starts (Ir)
     limit, alpha,                     # fp32: the activation's clamp bound and gpt-oss's alpha
     stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
     ACT: tl.constexpr, CLAMP: tl.constexpr, BIAS: tl.constexpr, W_DESC: tl.constexpr, GATHER: tl.constexpr,
-    IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -233,15 +274,16 @@ def _grouped_gemm_kernel(
         pn = tile % n_tiles
         expert = tl.load(block_expert_ptr + block)
         if expert < num_experts:  # expert == E: block past the last expert, no rows
-            rows = block.to(tl.int64) * BM + tl.arange(0, BM)  # [BM]
-            if GATHER:
-                # Padding rows read row s mod M: any valid row, but spread. All on one row,
-                # a quarter of the layout would hammer one L2 slice (measured: GEMM1 1.4x slower).
-                rt = tl.load(row_token_ptr + rows)
-                rows = tl.where(rt >= 0, rt, rows % num_a_rows).to(tl.int64)  # [BM] rows of A
-            gemm_tile(a_ptr, rows * stride_am, w_ptr, out_ptr, bias_ptr, block, expert, pn, 1, N, K, up_col,
-                      limit, alpha, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
-                      ACT, CLAMP, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
+            if half_tail(row_token_ptr, block, SPLIT, BM):
+                _grouped_tile(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K, num_a_rows,
+                              up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om,
+                              stride_on, stride_be, ACT, CLAMP, BIAS, W_DESC, GATHER, IEEE, EVEN_K, EVEN_N,
+                              BM, BM // 2, BN, BK)
+            else:
+                _grouped_tile(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K, num_a_rows,
+                              up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om,
+                              stride_on, stride_be, ACT, CLAMP, BIAS, W_DESC, GATHER, IEEE, EVEN_K, EVEN_N,
+                              BM, BM, BN, BK)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,9 +327,10 @@ def weight_operand(w: torch.Tensor, config: GemmConfig):
     return TensorDescriptor(w, [E * K, n_w], [w.stride(1), 1], [config.BK, config.BN])
 
 
-def _launch(a, w, out, block_expert, *, n, up_col, act, bias, config, num_programs, row_token=None):
+def _launch(a, w, out, block_expert, *, n, up_col, act, bias, config, num_programs, row_token=None,
+            gather=False):
     K = a.shape[1]
-    S = a.shape[0] if row_token is None else row_token.shape[0]
+    S = row_token.shape[0] if gather else a.shape[0]
     E = w.shape[0]
     if a.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"input dtype must be one of {_SUPPORTED_DTYPES}, got {a.dtype}")
@@ -308,9 +351,9 @@ def _launch(a, w, out, block_expert, *, n, up_col, act, bias, config, num_progra
                              f"{bias.dtype} {list(bias.shape)}")
         tensors.append(bias)
     if row_token is not None:
-        if row_token.dtype != torch.int32 or row_token.dim() != 1:
-            raise ValueError(f"row_token must be int32 [S], got {row_token.dtype} {list(row_token.shape)}")
-        if a.shape[0] == 0:
+        if row_token.dtype != torch.int32 or row_token.shape != (S,):
+            raise ValueError(f"row_token must be int32 [{S}], got {row_token.dtype} {list(row_token.shape)}")
+        if gather and a.shape[0] == 0:
             raise ValueError("a gathered launch needs at least one row of A (padding rows read one)")
         tensors.append(row_token)
     if len({t.device for t in tensors}) != 1:
@@ -322,11 +365,12 @@ def _launch(a, w, out, block_expert, *, n, up_col, act, bias, config, num_progra
     epi = epilogue_args(act)
     _grouped_gemm_kernel[(P,)](
         a, weight_operand(w, config), out, bias if bias is not None else out, block_expert,
-        row_token if row_token is not None else block_expert,  # a dummy pointer when GATHER is off
+        row_token if row_token is not None else block_expert,  # a dummy pointer when GATHER and SPLIT are off
         S // BM, n, K, E, a.shape[0], up_col, epi["limit"], epi["alpha"],
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         bias.stride(0) if bias is not None else 0,
-        ACT=epi["ACT"], CLAMP=epi["CLAMP"], BIAS=bias is not None, W_DESC=config.w_desc, GATHER=row_token is not None,
+        ACT=epi["ACT"], CLAMP=epi["CLAMP"], BIAS=bias is not None, W_DESC=config.w_desc, GATHER=gather,
+        SPLIT=config.split_tail and row_token is not None,
         IEEE=a.dtype == torch.float32, EVEN_K=K % config.BK == 0, EVEN_N=n % config.BN == 0,
         BM=BM, BN=config.BN, BK=config.BK, NUM_PROGRAMS=P,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -341,7 +385,8 @@ def gemm1_swiglu(a, w13, block_expert, *, config: GemmConfig, out=None, num_prog
 
     a [S, H], w13 [E, H, 2*Ir], block_expert [S/BM] int32, bias b13 [E, 2*Ir] or None. Rows of unused
     blocks are not written. With row_token [S] int32, a is [N, H] and row s of A is a[row_token[s]]
-    (padding rows: -1).
+    (padding rows: -1), and with config.split_tail rows BM/2.. of a block whose row BM/2 is padding
+    are not written either.
     """
     if w13.dim() != 3 or w13.shape[2] % 2:
         raise ValueError(f"w13 must be [E, H, 2*Ir], got {list(w13.shape)}")
@@ -350,14 +395,15 @@ def gemm1_swiglu(a, w13, block_expert, *, config: GemmConfig, out=None, num_prog
         S = a.shape[0] if row_token is None else row_token.shape[0]
         out = torch.empty((S, Ir), dtype=a.dtype, device=a.device)
     return _launch(a, w13, out, block_expert, n=Ir, up_col=Ir, act=act, bias=bias, config=config,
-                   num_programs=num_programs, row_token=row_token)
+                   num_programs=num_programs, row_token=row_token, gather=row_token is not None)
 
 
-def gemm2(act, w2, block_expert, *, config: GemmConfig, out=None, num_programs=None, bias=None):
+def gemm2(act, w2, block_expert, *, config: GemmConfig, out=None, num_programs=None, bias=None, row_token=None):
     """D [S, H] = act @ W2[e] (+ b2[e]) per row block (e = block_expert[b]).
 
     act [S, Ir], w2 [E, Ir, H], block_expert [S/BM] int32, bias b2 [E, H] or None. Rows of unused
-    blocks are not written.
+    blocks are not written. row_token [S] int32 (the layout's; only its signs are read) lets
+    config.split_tail skip the padding half of tail blocks, as GEMM1 does.
     """
     if w2.dim() != 3:
         raise ValueError(f"w2 must be [E, Ir, H], got {list(w2.shape)}")
@@ -365,7 +411,7 @@ def gemm2(act, w2, block_expert, *, config: GemmConfig, out=None, num_programs=N
     if out is None:
         out = torch.empty((act.shape[0], H), dtype=act.dtype, device=act.device)
     return _launch(act, w2, out, block_expert, n=H, up_col=0, act=None, bias=bias, config=config,
-                   num_programs=num_programs)
+                   num_programs=num_programs, row_token=row_token)
 
 
 # ---------------------------------------------------------------------------------------------

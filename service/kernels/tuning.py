@@ -12,7 +12,8 @@ count (rows before padding) the entry was tuned for; lookup takes the nearest ke
      "configs": {"16384": {"BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4}}}
 
 An entry may add `"w_desc": true`: the weights are then read through TMA tensor descriptors
-(GemmConfig.w_desc).
+(GemmConfig.w_desc); and `"split_tail": false`: every used row block runs a full BM-row tile
+(GemmConfig.split_tail, on by default: tail blocks whose second half is padding run BM/2 rows).
 
 `bench/tune_gemm.py` writes these files on a GPU. The request path only reads them (cached);
 when no file matches, a default chosen by the device's shared memory is used and logged once.
@@ -60,13 +61,15 @@ def config_path(device: str, mode: str, E: int, H: int, N: int, directory: Path 
 def config_from_dict(entry: dict) -> GemmConfig:
     return GemmConfig(BN=int(entry["BN"]), BK=int(entry["BK"]),
                       num_warps=int(entry["num_warps"]), num_stages=int(entry["num_stages"]),
-                      w_desc=bool(entry.get("w_desc", False)))
+                      w_desc=bool(entry.get("w_desc", False)), split_tail=bool(entry.get("split_tail", True)))
 
 
 def config_to_dict(config: GemmConfig) -> dict:
     out = {"BN": config.BN, "BK": config.BK, "num_warps": config.num_warps, "num_stages": config.num_stages}
     if config.w_desc:
         out["w_desc"] = True
+    if not config.split_tail:
+        out["split_tail"] = False
     return out
 
 

@@ -110,7 +110,8 @@ class GroupedGemms:
             gemm1_swiglu(x_g, self.w13, tables.block_expert, config=self.configs[0], out=self.h,
                          row_token=tables.row_token, act=self.act, bias=self.b13)
             timer.mark("gemm1")
-            gemm2(self.h, self.w2, tables.block_expert, config=self.configs[1], out=self.d, bias=self.b2)
+            gemm2(self.h, self.w2, tables.block_expert, config=self.configs[1], out=self.d, bias=self.b2,
+                  row_token=tables.row_token)
             timer.mark("gemm2")
             return self.d
         if native_grouped_mm_reason(x_g.device, x_g.dtype) is None:  # one launch over whole ranges

@@ -42,7 +42,8 @@ def compile_kernel(name: str, arch: int, *, config=None, dtype: str = "bf16", us
     kernel = getattr(fk, name)
     names = list(inspect.signature(kernel.fn).parameters)
     constexprs = {"USE_PTX": use_ptx, "SYNC": True, "K": K, "KP": triton.next_power_of_2(K), "RP": 4, "TB": 4, "JT": 2,
-                  "ACT": act, "CLAMP": clamp, "BIAS": bias, "W_DESC": bool(config and config.w_desc)}
+                  "ACT": act, "CLAMP": clamp, "BIAS": bias, "W_DESC": bool(config and config.w_desc),
+                  "SPLIT": bool(config and config.split_tail)}
     if config is not None:
         constexprs.update(BM=BM, BN=config.BN, BK=config.BK, IEEE=False, EVEN_K=True, EVEN_N=True,
                           NUM_PROGRAMS=132, NUM_COMM=8, NUM_COMPUTE=124, JOIN=True, BH=512)

@@ -40,8 +40,13 @@ CASES = {
     # Both GEMMs reading the weights through TMA tensor descriptors (GemmConfig.w_desc).
     "r2_w_desc": ("float32", 4, 32, 16, 2, 5, [[5, 3], [2, 5]], "skewed", 4, 1, 2, False, 1, None),
     "r2_fp16_w_desc_bias": ("float16", 5, 48, 32, 3, 5, [[5, 4], [2, 5]], "empty_expert", 4, 1, 2, False, 1, None),
+    # Tail blocks of more and of fewer than BM/2 real rows (GemmConfig.split_tail: full and half
+    # tiles in one step), and the same layouts with split_tail off (full tiles only).
+    "r2_mixed_tiles": ("float32", 3, 32, 16, 2, 50, [[50, 37], [23, 50]], "skewed", 4, 1, 2, False, 1, None),
+    "r2_no_split": ("float32", 3, 32, 16, 2, 50, [[50, 37]], "skewed", 4, 1, 2, False, 1, None),
 }
 W_DESC = {"r2_w_desc", "r2_fp16_w_desc_bias"}
+NO_SPLIT = {"r2_no_split"}
 # name -> (activation kind, clamp limit, biases, input scale); the scale makes the clamps bite.
 EPILOGUES = {
     "r2_clamped_silu": ("silu", 1.5, False, 4.0),
@@ -92,8 +97,8 @@ def _run_case(name: str) -> dict:
     regions = [torch.zeros(lay.nbytes, dtype=torch.uint8) for _ in range(R)]
     ptrs = [t.data_ptr() for t in regions]
     bufs = [fused_buffers.RankBuffers(cfg, r, regions[r], ptrs) for r in range(R)]
-    cfg1 = GemmConfig(BN=16, BK=16, num_warps=4, num_stages=1, w_desc=name in W_DESC)
-    cfg2 = GemmConfig(BN=32, BK=16, num_warps=4, num_stages=1, w_desc=name in W_DESC)
+    cfg1 = GemmConfig(BN=16, BK=16, num_warps=4, num_stages=1, w_desc=name in W_DESC, split_tail=name not in NO_SPLIT)
+    cfg2 = GemmConfig(BN=32, BK=16, num_warps=4, num_stages=1, w_desc=name in W_DESC, split_tail=name not in NO_SPLIT)
     plan = fk.Plan(num_programs=P, num_comm1=comm1, num_compute2=compute2, join=join, config1=cfg1,
                       config2=cfg2, max_spins=20, use_ptx=False, job_tokens=JOB_TOKENS.get(name, 2))
     w13 = [s[0].to(dtype) for s in sl]
@@ -173,7 +178,15 @@ def _run_case(name: str) -> dict:
                                for a, c, p, q in zip(w13, w2, b13, b2, strict=True)],
                               cfg.replace(dtype=torch.float32), seq=seq)
         outs = [b.out[:n].clone() for b, n in zip(bufs, counts, strict=True)]
+        # Rank 0's row blocks by tile height (split_tail: a block whose row BM/2 is padding runs a
+        # BM/2-row tile), and whether its D rows BM/2.. of those blocks were written.
+        rt0 = tables[0].row_token.view(NB, BM)
+        used0 = tables[0].block_expert < E
+        half0 = used0 & (rt0[:, BM // 2] < 0)
+        d_tail = bufs[0].D.view(NB, BM, H)[half0][:, BM // 2:]
         record["steps"].append(dict(
+            tiles_half_full=[int(half0.sum()), int((used0 & ~half0).sum())],
+            d_tail_nan=bool(torch.isnan(d_tail).all()), d_tail_finite=bool(torch.isfinite(d_tail).all()),
             seq=seq, counts=counts,
             err=[rel_err(o, ref) if n else 0.0 for o, ref, n in zip(outs, refs, counts, strict=True)],
             err_sim=[rel_err(o, s) if n else 0.0 for o, s, n in zip(outs, sims, counts, strict=True)],
@@ -222,6 +235,12 @@ def test_fused_pipeline_matches_reference(results, name):
         assert s["bar_ok"], f"{where}: barrier slots are not at seq"
         assert s["scratch_zero"], f"{where}: dispenser / push counts not reset for the next step"
         assert s["seqs"] == [s["seq"] & 0x7FFFFFFF] * len(s["seqs"]), where
+    first = r["steps"][0]
+    if name == "r2_mixed_tiles":
+        assert min(first["tiles_half_full"]) > 0, f"the case must run half and full tiles: {first['tiles_half_full']}"
+    if first["tiles_half_full"][0]:  # D was NaN before the first step: a half tile leaves rows BM/2.. alone
+        assert first["d_tail_finite"] if name in NO_SPLIT else first["d_tail_nan"], \
+            "split_tail off must write every row of a used block, on: only the first BM/2 of a half-padding tail"
 
 
 def test_barrier_timeout_sets_error(results):

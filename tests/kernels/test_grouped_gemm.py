@@ -37,11 +37,28 @@ def make_block_expert(rows_per_expert: list[int], num_blocks: int) -> tuple[torc
     return block_expert, torch.tensor(offsets, dtype=torch.int32)
 
 
+def layout_real_rows(rows_per_expert: list[int], num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout's real rows [S] bool (each expert's hits lead its run, the rest is padding, as
+    service.moe.tables lays them out) and the rows a split_tail tile skips [S] bool: rows BM/2..
+    of every block whose row BM/2 is padding."""
+    real = torch.zeros(num_blocks * BM, dtype=torch.bool)
+    start = 0
+    for r in rows_per_expert:
+        real[start:start + r] = True
+        start += round_up(r, BM)
+    block_used = torch.zeros(num_blocks, dtype=torch.bool)
+    block_used[:start // BM] = True
+    half = block_used & ~real.view(num_blocks, BM)[:, BM // 2]  # [num_blocks]
+    skipped = (half[:, None] & (torch.arange(BM) >= BM // 2)[None, :]).reshape(-1)
+    return real, skipped
+
+
 # ---------------------------------------------------------------------------------------------
 # Interpreter cases (run with TRITON_INTERPRET=1 by `python tests/kernels/test_grouped_gemm.py`).
 # ---------------------------------------------------------------------------------------------
 
 # name: (dtype, E, H, Ir, rows per expert, spare blocks, BN, BK, weights through tensor descriptors)
+# Tail blocks of <= BM/2 real rows (split_tail's half tiles) and of more (full tiles) in most cases.
 CASES = {
     "fp32": ("float32", 4, 64, 32, [130, 0, 40, 128], 1, 16, 32, False),
     "fp16_plain": ("float16", 4, 64, 32, [5, 200, 0, 1], 1, 16, 32, False),
@@ -66,6 +83,8 @@ EPILOGUES = {
 
 
 def _run_case(name: str) -> dict:
+    import dataclasses
+
     from service.config import Activation
     from service.kernels.grouped_gemm import GemmConfig, gemm1_swiglu, gemm1_swiglu_ref, gemm2, gemm2_ref
 
@@ -107,6 +126,30 @@ def _run_case(name: str) -> dict:
     d = torch.full((S, H), float("nan"), dtype=dtype)
     gemm2(act_clean, w2, block_expert, config=cfg2, out=d, num_programs=5, bias=b2)
     ref2 = gemm2_ref(act_clean, w2, block_expert, b2)
+    # The layout's own row_token (real rows lead each expert's run, padding rows -1): split_tail
+    # runs a BM/2-row tile on a tail block whose rows BM/2.. are padding, in both GEMMs, and leaves
+    # those rows alone; with split_tail off the full tile writes them.
+    real, skipped = layout_real_rows(rows, num_blocks)
+    rt_layout = torch.where(real, perm, -1).to(torch.int32)
+    split = {}
+    for on in (True, False):
+        c1, c2 = (dataclasses.replace(c, split_tail=on) for c in (cfg1, cfg2))
+        act_s = torch.full((S, Ir), float("nan"), dtype=dtype)
+        gemm1_swiglu(x, w13, block_expert, config=c1, out=act_s, row_token=rt_layout, num_programs=3,
+                     act=act_fn, bias=b13)
+        d_s = torch.full((S, H), float("nan"), dtype=dtype)
+        gemm2(act_clean, w2, block_expert, config=c2, out=d_s, num_programs=5, bias=b2, row_token=rt_layout)
+        split[on] = act_s, d_s
+    act_s, d_s = split[True]
+    record.update(
+        skipped_rows=int(skipped.sum()),
+        err1_split=rel_err(act_s[real], ref1[real]) if real.any() else 0.0,
+        err2_split=rel_err(d_s[real], ref2[real]) if real.any() else 0.0,
+        split_skips=bool(torch.isnan(act_s[skipped]).all() and torch.isnan(d_s[skipped]).all()),
+        unsplit_writes=bool(torch.isfinite(split[False][0][skipped]).all()
+                            and torch.isfinite(split[False][1][skipped]).all()),
+        split_real_finite=bool(torch.isfinite(act_s[real]).all() and torch.isfinite(d_s[real]).all()),
+    )
     record.update(
         err1=rel_err(act[used], ref1[used]) if used.any() else 0.0,
         err2=rel_err(d[used], ref2[used]) if used.any() else 0.0,
@@ -131,6 +174,13 @@ def test_interpreter_matches_reference(interpreter_results, name):
     assert r["err2"] <= tol, f"GEMM2 relative error {r['err2']:.3g} > {tol}"
     assert r["unused_untouched"], "rows of unused blocks (expert == E) were written"
     assert r["gather_same"], "GEMM1 with row_token differs from GEMM1 on the same rows laid out"
+    assert r["err1_split"] <= tol and r["err2_split"] <= tol, \
+        f"split_tail: relative errors {r['err1_split']:.3g} / {r['err2_split']:.3g} > {tol}"
+    assert r["split_real_finite"], "split_tail left NaN in real rows"
+    tails = sum(1 for n in CASES[name][4] if 0 < n % BM <= BM // 2)  # blocks that run a half tile
+    assert r["skipped_rows"] == tails * (BM // 2), "the case's layout has other half tiles than expected"
+    assert r["split_skips"], "split_tail computed rows BM/2.. of a tail block that are all padding"
+    assert r["unsplit_writes"], "with split_tail off the full tile must write every row of a used block"
     if name in EPILOGUES and EPILOGUES[name][1] is not None:
         assert r["clamped_share"] > 0.05, "inputs too small to reach the clamp"
 
