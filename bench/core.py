@@ -2,7 +2,8 @@
 and the layer a user would run instead (issue 12).
 
     python bench/core.py --anchors PATH/bench_anchors.py [--tokens 2048] [--K 8] [--E 64] [--H 4096]
-                         [--Ir 768] [--iters 100] [--w-desc off,on] [--routing balanced,skewed] [--json FILE]
+                         [--Ir 768] [--iters 100] [--w-desc off] [--split on,off] [--routing balanced,skewed]
+                         [--json FILE] [--profile]
 
 Shape: the seed preset's per-rank share (T = 2048 tokens, K = 8, E = 64, H = 4096, Ir = 768), all on
 one GPU (R = 1, C = T), bf16. Weights and routing come from the anchor script's own generators
@@ -18,8 +19,12 @@ Rows, per routing:
     fused    service.moe.fused.FusedLayer, CUDA graph
     anchor   vLLM's Triton fused_moe with the tuned 128x256x64 table (the anchor's `run_vllm`, config
              tuned-H100-N768; its align is plain torch: vLLM's CUDA op takes ~20 us), and its GEMMs
-each of this project's rows once per --w-desc value (GemmConfig.w_desc: weights through TMA
-descriptors). Timing as the anchor times: our GEMMs and the dense matmul are captured in a graph
+each of this project's rows once per pair of --w-desc (GemmConfig.w_desc: weights through TMA
+descriptors) and --split values (GemmConfig.split_tail: half tiles for tail blocks; "nosplit"
+rows run full tiles everywhere), tagged by what differs from the defaults.
+--profile: no timing, no layers, no anchor rows: each variant's GEMM1 and GEMM2 run once per
+routing (what `ncu -k regex:grouped_gemm --launch-count N` profiles, bench/gpu_core.sh).
+Timing as the anchor times: our GEMMs and the dense matmul are captured in a graph
 and replayed --iters times (the anchor's Timer); the layers replay their own graphs through
 `forward` (one 16-byte control copy per step, which advances the step number the fused flags
 need), --iters steps back to back, CUDA events around each; medians. Every layer's output is
@@ -45,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from service.config import LayerConfig  # noqa: E402
+from service.config import BM, LayerConfig  # noqa: E402
 
 COPY_BYTES_PER_S = 4.3e12  # measured copy bandwidth of an H200 (bench/NOTES.md): the weight-read floor
 
@@ -73,6 +78,17 @@ def time_steps(layer, x, ids, w, iters: int, seq0: int) -> float:
     torch.cuda.synchronize()
     layer.check_seq(seq0 + 2 + iters)
     return statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
+
+
+def variant_list(args, base) -> list[tuple[str, dict]]:
+    """(tag, GemmConfig fields) per --w-desc x --split pair; the tag names what differs from `base`."""
+    out = []
+    for desc in (v == "on" for v in args.w_desc.split(",")):
+        for split in (v == "on" for v in args.split.split(",")):
+            tag = (" w_desc" if desc != base.w_desc and desc else "") + \
+                  (" nosplit" if not split else "") + (" split" if split and not base.split_tail else "")
+            out.append((tag, dict(w_desc=desc, split_tail=split)))
+    return out
 
 
 def run(args) -> dict:
@@ -112,55 +128,70 @@ def run(args) -> dict:
         print(f"  {name:<34} {routing:<9} {us:9.1f} us{tf}" + (f"  rel err {err:.2e}" if err is not None else ""),
               flush=True)
 
-    A.run_dense(timer, T, K, H, Ir, torch.bfloat16, dev)  # prints its rows; the first is the same-FLOPs mm
-    dense_us = A.ROWS[-4].get("graph", {}).get("median_us", float("nan"))
-    record("dense mm, same FLOPs", "-", dense_us, f1 + f2)
-    descs = [v == "on" for v in args.w_desc.split(",")]
+    dense_us = float("nan")
+    if not args.profile:
+        A.run_dense(timer, T, K, H, Ir, torch.bfloat16, dev)  # prints its rows; the first is the same-FLOPs mm
+        dense_us = A.ROWS[-4].get("graph", {}).get("median_us", float("nan"))
+        record("dense mm, same FLOPs", "-", dense_us, f1 + f2)
     base1 = lookup_for_device(dev, "gemm1", E, H, Ir)  # what both layers look up
     base2 = lookup_for_device(dev, "gemm2", E, H, Ir)
+    variants = variant_list(args, base1)
     layers = {}
 
     def gemm_row(name: str, fn, flops: int, config, routing: str, used: int) -> None:
         record(name, routing, timer.graph(fn)["median_us"], flops, rows_used=used, config=str(config))
 
-    def layer_row(kind: str, desc: bool, ids, tw, ref, routing: str) -> None:
-        key = (kind, desc)
+    def layer_row(kind: str, tag: str, change: dict, ids, tw, ref, routing: str) -> None:
+        key = (kind, tag)
+        c1, c2 = (dataclasses.replace(c, **change) for c in (base1, base2))
         if key not in layers:
             if kind == "serial":
                 layer = SerialLayer(cfg, weights, rank=0, device=dev, gemm="triton")
-                # The A/B switch for this run: the tile configs' w_desc (a JSON field in service use).
-                layer.gemms.configs = [dataclasses.replace(c, w_desc=desc) for c in layer.gemms.configs]
+                # The A/B switch for this run: the tile configs' fields (JSON fields in service use).
+                layer.gemms.configs = [c1, c2]
                 layer._capture()
             else:
-                layer = FusedLayer(cfg, weights, rank=0, device=dev, w_desc=desc)
+                layer = FusedLayer(cfg, weights, rank=0, device=dev, config1=c1, config2=c2)
             layers[key] = layer
         layer = layers[key]
         out = layer.forward(x, ids, tw, seq=1).clone()
         layer.check_seq(1)
         err = A.rel_err(out, ref)
         us = time_steps(layer, x, ids, tw, args.iters, seq0=2)
-        record(f"{kind} layer (graph){' w_desc' if desc else ''}", routing, us, f1 + f2, err)
+        record(f"{kind} layer (graph){tag}", routing, us, f1 + f2, err)
 
     for routing in args.routing.split(","):
         ids, tw = (t.to(dev) for t in A.make_routing(T, E, K, routing, 0))
-        ref = A.reference_fp32(x, w13_v, w2_v, ids, tw)
+        ref = None if args.profile else A.reference_fp32(x, w13_v, w2_v, ids, tw)
         print(f"--- {routing}: {A.routing_stats(ids.cpu(), E, [128])}", flush=True)
         tables = build_tables(ids, torch.tensor([T], dtype=torch.int32, device=dev), E, T, cfg.S)
         used = int(tables.expert_offsets[-1])
+        half = int((tables.row_token[BM // 2:used:BM] < 0).sum())  # blocks that run a half tile
+        print(f"    layout rows {used} for {T * K} hits; with split_tail {used - half * BM // 2} computed "
+              f"({half} half tiles of {used // BM} blocks)", flush=True)
         act = torch.empty(cfg.S, Ir, device=dev, dtype=cfg.dtype)
         d = torch.empty(cfg.S, H, device=dev, dtype=cfg.dtype)
-        for desc in descs:
-            c1, c2 = (dataclasses.replace(c, w_desc=desc) for c in (base1, base2))
-            tag = " w_desc" if desc else ""
+        for tag, change in variants:
+            c1, c2 = (dataclasses.replace(c, **change) for c in (base1, base2))
             run1 = partial(gemm1_swiglu, x, weights.w13, tables.block_expert, config=c1, out=act,
                            row_token=tables.row_token)
-            run2 = partial(gemm2, act, weights.w2, tables.block_expert, config=c2, out=d)
-            attempt(f"gemm1+swiglu{tag}", routing, partial(gemm_row, f"gemm1+swiglu{tag}", run1, f1, c1, routing, used))
-            attempt(f"gemm2{tag}", routing, partial(gemm_row, f"gemm2{tag}", run2, f2, c2, routing, used))
+            run2 = partial(gemm2, act, weights.w2, tables.block_expert, config=c2, out=d, row_token=tables.row_token)
+            if args.profile:
+                run1()
+                run2()
+                torch.cuda.synchronize()
+                print(f"    profiled launches: gemm1{tag}, gemm2{tag} ({c1}, {c2})", flush=True)
+                continue
+            computed = used - half * BM // 2 if c1.split_tail else used
+            attempt(f"gemm1+swiglu{tag}", routing,
+                    partial(gemm_row, f"gemm1+swiglu{tag}", run1, f1, c1, routing, computed))
+            attempt(f"gemm2{tag}", routing, partial(gemm_row, f"gemm2{tag}", run2, f2, c2, routing, computed))
+        if args.profile:
+            continue
 
-        for desc in descs:
+        for tag, change in variants:
             for kind in ("serial", "fused"):
-                attempt(f"{kind} layer", routing, partial(layer_row, kind, desc, ids, tw, ref, routing))
+                attempt(f"{kind} layer", routing, partial(layer_row, kind, tag, change, ids, tw, ref, routing))
         A.run_vllm(timer, x, w13_v, w2_v, ids, tw, ref, routing, "tuned-H100-N768",
                    A.CONFIG_SOURCES["tuned-H100-N768"][1](T, E, Ir, H, K))
         for r in A.ROWS[-7:]:
@@ -179,15 +210,16 @@ def summary(result: dict) -> None:
     print("\n| routing | weights | GEMM1 TFLOP/s (/650) | GEMM2 TFLOP/s (/550) | serial us | fused us | "
           "anchor us | fused / dense (goal <= 1.5) | anchor / fused (goal >= 1.4) | fused / serial |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+    tags = sorted({r["name"][len("gemm2"):] for r in rows if r["name"].startswith("gemm2")})
     for routing in sorted({r["routing"] for r in rows if r["routing"] != "-"}):
         anchor = by.get(("anchor vllm fused_moe layer", routing))
-        for tag in ("", " w_desc"):
+        for tag in tags:
             g1, g2 = by.get((f"gemm1+swiglu{tag}", routing)), by.get((f"gemm2{tag}", routing))
             s, f = by.get((f"serial layer (graph){tag}", routing)), by.get((f"fused layer (graph){tag}", routing))
             if not (g1 and g2 and s and f):
                 continue
             a = anchor["us"] if anchor else float("nan")
-            weights = "TMA desc" if tag else "pointers"
+            weights = tag.strip() or "defaults"
             print(f"| {routing} | {weights} | {g1['tflops']:.0f} ({g1['tflops'] / 650:.2f}) | "
                   f"{g2['tflops']:.0f} ({g2['tflops'] / 550:.2f}) | {s['us']:.0f} | {f['us']:.0f} | {a:.0f} | "
                   f"{f['us'] / dense:.2f} | {a / f['us']:.2f} | {f['us'] / s['us']:.3f} |")
@@ -210,11 +242,15 @@ def main() -> None:
     p.add_argument("--H", type=int, default=4096)
     p.add_argument("--Ir", type=int, default=768)
     p.add_argument("--iters", type=int, default=100)
-    p.add_argument("--w-desc", default="off,on", help="GemmConfig.w_desc values to time: off, on or both")
+    p.add_argument("--w-desc", default="off", help="GemmConfig.w_desc values to time: off, on or both")
+    p.add_argument("--split", default="on,off", help="GemmConfig.split_tail values to time: on, off or both")
+    p.add_argument("--profile", action="store_true", help="run each variant's GEMMs once, untimed (under ncu)")
     p.add_argument("--routing", default="balanced,skewed")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     result = run(args)
+    if args.profile:
+        return
     summary(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -3,8 +3,10 @@ request path): service/kernels/configs/<device>__<mode>__E<E>_H<H>_N<Ir>.json.
 
     python bench/tune_gemm.py [--tokens 2048] [--K 8] [--E 64] [--H 4096] [--Ir 768] [--quick] [--dry-run]
 
-Each candidate (BN, BK, warps, stages) is compiled and timed with triton.testing.do_bench on the
-padded layout of a balanced routing; candidates that do not fit the device's shared memory fail
+Each candidate (BN, BK, warps, stages, programs per SM) is compiled and timed with
+triton.testing.do_bench on the layout of a balanced routing, as the layers run the GEMMs: GEMM1
+gathers its rows through row_token, both take row_token for the half tail tiles
+(GemmConfig.split_tail); candidates that do not fit the device's shared memory fail
 to compile and are skipped. The best one per mode is written with `"tuned": true`, the
 measurement and the runner-up, and printed next to the previous file's config (same run).
 """
@@ -35,11 +37,16 @@ from service.moe import tables as torch_tables  # noqa: E402
 def candidates(mode: str, quick: bool) -> list[GemmConfig]:
     if quick:
         bns = (64, 128) if mode == "gemm1" else (128, 256)
-        grid = itertools.product(bns, (64,), (8,), (3, 4))
+        grid = itertools.product(bns, (64,), (8,), (3, 4), (1,))
     else:
         bns = (32, 64, 128) if mode == "gemm1" else (64, 128, 256)
-        grid = itertools.product(bns, (32, 64, 128), (4, 8), (2, 3, 4, 5))
-    return [GemmConfig(BN=bn, BK=bk, num_warps=w, num_stages=s) for bn, bk, w, s in grid]
+        grid = itertools.product(bns, (32, 64, 128), (4, 8), (2, 3, 4, 5), (1,))
+    # Two programs per SM where two tiles' stages fit the shared memory (<= ~113 KB each): one
+    # program's prologue and epilogue then run under the other's main loop.
+    bn2 = 64 if mode == "gemm1" else 128
+    small = [(bn2, 64, 8, 2, 2), (bn2, 64, 8, 3, 2)]
+    return [GemmConfig(BN=bn, BK=bk, num_warps=w, num_stages=s, ctas_per_sm=c)
+            for bn, bk, w, s, c in [*grid, *small]]
 
 
 def main() -> None:
@@ -61,15 +68,17 @@ def main() -> None:
     tables = torch_tables.build_tables(ids, torch.tensor([T], dtype=torch.int32, device=dev), E, T, S)
     be = tables.block_expert
     dtype = torch.bfloat16
-    a = torch.randn(S, H, device=dev, dtype=dtype)
+    x = torch.randn(T, H, device=dev, dtype=dtype)  # the tokens: GEMM1 gathers its rows through row_token
     w13 = torch.randn(E, H, 2 * Ir, device=dev, dtype=dtype) / math.sqrt(H)
     act = torch.randn(S, Ir, device=dev, dtype=dtype)
     w2 = torch.randn(E, Ir, H, device=dev, dtype=dtype) / math.sqrt(Ir)
     out1 = torch.empty(S, Ir, device=dev, dtype=dtype)
     out2 = torch.empty(S, H, device=dev, dtype=dtype)
     runs = {
-        "gemm1": (lambda cfg: gemm1_swiglu(a, w13, be, config=cfg, out=out1), flops(hits, H, Ir, swiglu=True)),
-        "gemm2": (lambda cfg: gemm2(act, w2, be, config=cfg, out=out2), flops(hits, Ir, H, swiglu=False)),
+        "gemm1": (lambda cfg: gemm1_swiglu(x, w13, be, config=cfg, out=out1, row_token=tables.row_token),
+                  flops(hits, H, Ir, swiglu=True)),
+        "gemm2": (lambda cfg: gemm2(act, w2, be, config=cfg, out=out2, row_token=tables.row_token),
+                  flops(hits, Ir, H, swiglu=False)),
     }
     for mode, (run, work) in runs.items():
         previous = tuning.lookup(device_name, mode, E, H, Ir, M=hits, directory=args.out_dir,

@@ -98,9 +98,15 @@ class GemmConfig:
     # padding of an expert's last block costs at most BM/2 - 1 rows instead of BM - 1. Needs the
     # layout's row_token (the launchers' `row_token`); without it every row counts as real.
     split_tail: bool = True
+    # Programs per SM of the serial GEMMs' persistent grid (min(ctas_per_sm * #SMs, tiles)): 2 lets
+    # one program's prologue and epilogue run under another's main loop, when two fit an SM's
+    # shared memory (a tile's stages * (BM*BK + BK*BN*(2 if GEMM1 else 1)) * 2 B, <= 113 KB each
+    # on sm_90). The fused kernels size their own grids (Plan.num_programs) and ignore it.
+    ctas_per_sm: int = 1
 
     def __post_init__(self) -> None:
         assert self.BM == BM, f"the gathered layout fixes BM = {BM}, got {self.BM}"
+        assert self.ctas_per_sm >= 1, f"ctas_per_sm must be >= 1, got {self.ctas_per_sm}"
         for name in ("BN", "BK"):
             value = getattr(self, name)
             assert value >= 16 and value & (value - 1) == 0, f"{name} must be a power of two >= 16, got {value}"
@@ -305,9 +311,9 @@ def num_sms(device: torch.device) -> int:
 
 def grid_size(num_blocks: int, n: int, config: GemmConfig, device: torch.device,
               num_programs: int | None = None) -> int:
-    """min(#SMs, tiles at capacity): every program resident, no idle programs."""
+    """min(ctas_per_sm * #SMs, tiles at capacity): every program resident, no idle programs."""
     tiles = num_blocks * triton.cdiv(n, config.BN)
-    return max(1, min(num_programs or num_sms(device), tiles))
+    return max(1, min(num_programs or config.ctas_per_sm * num_sms(device), tiles))
 
 
 def weight_operand(w: torch.Tensor, config: GemmConfig):
