@@ -2,8 +2,8 @@
 and the layer a user would run instead (issue 12).
 
     python bench/core.py --anchors PATH/bench_anchors.py [--tokens 2048] [--K 8] [--E 64] [--H 4096]
-                         [--Ir 768] [--iters 100] [--w-desc off] [--split on,off] [--routing balanced,skewed]
-                         [--json FILE] [--profile]
+                         [--Ir 768] [--iters 100] [--w-desc off] [--split on,off] [--queue off]
+                         [--routing balanced,skewed] [--json FILE] [--profile]
 
 Shape: the seed preset's per-rank share (T = 2048 tokens, K = 8, E = 64, H = 4096, Ir = 768), all on
 one GPU (R = 1, C = T), bf16. Weights and routing come from the anchor script's own generators
@@ -19,9 +19,10 @@ Rows, per routing:
     fused    service.moe.fused.FusedLayer, CUDA graph
     anchor   vLLM's Triton fused_moe with the tuned 128x256x64 table (the anchor's `run_vllm`, config
              tuned-H100-N768; its align is plain torch: vLLM's CUDA op takes ~20 us), and its GEMMs
-each of this project's rows once per pair of --w-desc (GemmConfig.w_desc: weights through TMA
-descriptors) and --split values (GemmConfig.split_tail: half tiles for tail blocks; "nosplit"
-rows run full tiles everywhere), tagged by what differs from the defaults.
+each of this project's rows once per combination of --w-desc (GemmConfig.w_desc: weights through
+TMA descriptors), --split (GemmConfig.split_tail: half tiles for tail blocks; "nosplit" rows run
+full tiles everywhere) and --queue values (GemmConfig.queue: the serial GEMMs take tiles from an
+atomic counter), tagged by what differs from the defaults.
 --profile: no timing, no layers, no anchor rows: each variant's GEMM1 and GEMM2 run once per
 routing (what `ncu -k regex:grouped_gemm --launch-count N` profiles, bench/gpu_core.sh).
 Timing as the anchor times: our GEMMs and the dense matmul are captured in a graph
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import itertools
 import json
 import statistics
 import sys
@@ -80,14 +82,20 @@ def time_steps(layer, x, ids, w, iters: int, seq0: int) -> float:
     return statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
 
 
+VARIED = (("w_desc", "w_desc", "w_desc"), ("split", "split_tail", "split"), ("queue", "queue", "queue"))
+
+
 def variant_list(args, base) -> list[tuple[str, dict]]:
-    """(tag, GemmConfig fields) per --w-desc x --split pair; the tag names what differs from `base`."""
+    """(tag, GemmConfig fields) for every combination of the --w-desc, --split and --queue values;
+    the tag names the fields that differ from `base` (" nosplit", " queue", ...)."""
+    choices = [[(field, v == "on") for v in getattr(args, arg.replace("-", "_")).split(",")]
+               for arg, field, _ in VARIED]
     out = []
-    for desc in (v == "on" for v in args.w_desc.split(",")):
-        for split in (v == "on" for v in args.split.split(",")):
-            tag = (" w_desc" if desc != base.w_desc and desc else "") + \
-                  (" nosplit" if not split else "") + (" split" if split and not base.split_tail else "")
-            out.append((tag, dict(w_desc=desc, split_tail=split)))
+    for combo in itertools.product(*choices):
+        change = dict(combo)
+        tag = "".join(f" {name}" if change[field] else f" no{name}"
+                      for _, field, name in VARIED if change[field] != getattr(base, field))
+        out.append((tag, change))
     return out
 
 
@@ -190,7 +198,7 @@ def run(args) -> dict:
             continue
 
         for tag, change in variants:
-            for kind in ("serial", "fused"):
+            for kind in ("serial", "fused") if not change["queue"] else ("serial",):  # fused: its own walk
                 attempt(f"{kind} layer", routing, partial(layer_row, kind, tag, change, ids, tw, ref, routing))
         A.run_vllm(timer, x, w13_v, w2_v, ids, tw, ref, routing, "tuned-H100-N768",
                    A.CONFIG_SOURCES["tuned-H100-N768"][1](T, E, Ir, H, K))
@@ -244,6 +252,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--w-desc", default="off", help="GemmConfig.w_desc values to time: off, on or both")
     p.add_argument("--split", default="on,off", help="GemmConfig.split_tail values to time: on, off or both")
+    p.add_argument("--queue", default="off", help="GemmConfig.queue values to time (serial GEMMs): on, off or both")
     p.add_argument("--profile", action="store_true", help="run each variant's GEMMs once, untimed (under ncu)")
     p.add_argument("--routing", default="balanced,skewed")
     p.add_argument("--json", default=None)

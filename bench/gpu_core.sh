@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# Issue 12 on one GPU (H200), every step under `timeout`, the steps named in STEPS (default all, in
-# this order; a call of at most 300 s takes two or three of them):
+# Issue 12 on one GPU (H200), every step under `timeout`, the steps named in STEPS in that order
+# (default all; a call of at most 300 s takes two or three of them):
 #   tests    the GPU tests (-m gpu) of tests/kernels tests/moe: the regression run of the tree
-#   profile  ncu --set full of GEMM1 and GEMM2 at the seed share (balanced), split_tail on and off:
+#   profile  ncu --set full of GEMM1 and GEMM2 at the seed share (balanced), per variant:
 #            the details page as text (not the raw report), $LOG/ncu_details.txt
 #   core     bench/core.py at the seed share (dense matmul, GEMM1/GEMM2, serial and fused layers,
-#            the anchor), split_tail on and off
+#            the anchor), per variant
 #   service  the same at the service's weight-bound step (T=512, I=3072 on one GPU), balanced
 #   tune     bench/tune_gemm.py --quick --dry-run at the seed share (prints, writes nothing)
 # and a short table.
 # Usage: ANCHORS=path/bench_anchors.py COMMIT=$(git rev-parse HEAD) [STEPS="profile core"] bash bench/gpu_core.sh
-#        (PYTHON=...; OUT=dir; BUDGET=seconds for all steps)
+#        (PYTHON=...; OUT=dir; BUDGET=seconds for all steps; VARIANTS="--split on,off --queue off": the
+#        GemmConfig switches bench/core.py times and profiles, LAUNCHES: kernels ncu profiles)
 # The anchor script is not part of the project: pass its path (the GPU call copies it beside the tree).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -20,59 +21,65 @@ LOG=${OUT:-build/gpu_core}
 ANCHORS=${ANCHORS:?set ANCHORS to the path of bench_anchors.py}
 BUDGET=${BUDGET:-280}
 STEPS=${STEPS:-tests profile core service tune}
+VARIANTS=${VARIANTS:---split on,off}
+LAUNCHES=${LAUNCHES:-4}
 mkdir -p "$LOG"
 START=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }  # seconds left of the budget
 cap() { local want=$1 l; l=$(left); (( l < want )) && want=$l; (( want < 1 )) && want=1; echo "$want"; }
-want() { [[ " $STEPS " == *" $1 "* ]]; }
 declare -A RC
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | tee "$LOG/device.txt"
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | tee -a "$LOG/device.txt"
 echo "commit ${COMMIT:-unknown: set COMMIT (the copy that travels has no .git)}; steps: $STEPS" | tee -a "$LOG/device.txt"
 
-if want tests; then
+step_tests() {
   echo "== tests: GPU tests"
   timeout "$(cap 200)" "$PY" -m pytest -q -m gpu tests/kernels tests/moe -p no:cacheprovider -rfE \
     > "$LOG/tests.txt" 2>&1
   RC[tests]=$?
   grep -E "^(FAILED|ERROR)" "$LOG/tests.txt" | head -n 20
   tail -n 3 "$LOG/tests.txt"
-fi
+}
 
-if want profile; then
-  echo "== profile: ncu, GEMM1 and GEMM2, split_tail on and off, balanced"
-  timeout "$(cap 120)" ncu --set full --clock-control none -k regex:grouped_gemm --launch-count 4 \
-    -f -o /tmp/core_gemms "$PY" bench/core.py --anchors "$ANCHORS" --profile --routing balanced \
+step_profile() {
+  echo "== profile: ncu, GEMM1 and GEMM2 of each variant ($VARIANTS), balanced"
+  timeout "$(cap 120)" ncu --set full --clock-control none -k regex:grouped_gemm --launch-count "$LAUNCHES" \
+    -f -o /tmp/core_gemms "$PY" bench/core.py --anchors "$ANCHORS" --profile --routing balanced $VARIANTS \
     > "$LOG/ncu_run.txt" 2>&1
   RC[profile]=$?
   tail -n 8 "$LOG/ncu_run.txt"
   [[ -f /tmp/core_gemms.ncu-rep ]] && ncu --import /tmp/core_gemms.ncu-rep --page details > "$LOG/ncu_details.txt" 2>&1
   grep -E "grouped_gemm|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Hit Rate|Achieved Occupancy|DRAM Throughput" \
     "$LOG/ncu_details.txt" 2>/dev/null | head -n 40
-fi
+}
 
-if want core; then
+step_core() {
   echo "== core: bench/core.py, seed share"
-  timeout "$(cap 150)" "$PY" bench/core.py --anchors "$ANCHORS" --iters 100 --json "$LOG/core.json" > "$LOG/core.txt" 2>&1
+  timeout "$(cap 150)" "$PY" bench/core.py --anchors "$ANCHORS" --iters 100 $VARIANTS --json "$LOG/core.json" \
+    > "$LOG/core.txt" 2>&1
   RC[core]=$?
   cat "$LOG/core.txt"
-fi
+}
 
-if want service && (( $(left) > 45 )); then
+step_service() {
+  (( $(left) > 45 )) || return 0
   echo "== service: T=512, I=3072, R=1 (weight-bound)"
-  timeout "$(cap 60)" "$PY" bench/core.py --anchors "$ANCHORS" --tokens 512 --Ir 3072 --routing balanced --iters 30 \
+  timeout "$(cap 60)" "$PY" bench/core.py --anchors "$ANCHORS" --tokens 512 --Ir 3072 --routing balanced --iters 30 $VARIANTS \
     --json "$LOG/service_step.json" > "$LOG/service_step.txt" 2>&1
   RC[service]=$?
   tail -n 12 "$LOG/service_step.txt"
-fi
+}
 
-if want tune && (( $(left) > 30 )); then
+step_tune() {
+  (( $(left) > 30 )) || return 0
   echo "== tune: bench/tune_gemm.py --quick --dry-run, seed share"
   timeout "$(cap 120)" "$PY" bench/tune_gemm.py --quick --dry-run > "$LOG/tune.txt" 2>&1
   RC[tune]=$?
   grep -E "us .*TFLOP/s|best" "$LOG/tune.txt"
-fi
+}
+
+for step in $STEPS; do "step_$step"; done
 
 echo
 echo "================ summary ($(( $(date +%s) - START )) s) ================"

@@ -103,6 +103,10 @@ class GemmConfig:
     # shared memory (a tile's stages * (BM*BK + BK*BN*(2 if GEMM1 else 1)) * 2 B, <= 113 KB each
     # on sm_90). The fused kernels size their own grids (Plan.num_programs) and ignore it.
     ctas_per_sm: int = 1
+    # Serial GEMMs: programs take tiles from an atomic counter in tile order (a dynamic persistent
+    # schedule) instead of tiles pid, pid + P, ...: tiles that share weights or rows then start
+    # close together, so that one DRAM read serves both from L2. The fused kernels keep their walk.
+    queue: bool = False
 
     def __post_init__(self) -> None:
         assert self.BM == BM, f"the gathered layout fixes BM = {BM}, got {self.BM}"
@@ -259,37 +263,65 @@ def _grouped_tile(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert,
 
 
 @triton.jit
+def _grouped_block_tile(tile, n_tiles, a_ptr, w_ptr, out_ptr, bias_ptr, block_expert_ptr, row_token_ptr, N, K,
+                        num_experts, num_a_rows, up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk,
+                        stride_wn, stride_om, stride_on, stride_be,
+                        ACT: tl.constexpr, CLAMP: tl.constexpr, BIAS: tl.constexpr, W_DESC: tl.constexpr,
+                        GATHER: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+                        EVEN_N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Tile `tile` = (row block tile // n_tiles, column tile tile % n_tiles): nothing for a block past
+    the last expert, a half tile for a tail block whose second half is padding (SPLIT)."""
+    block = tile // n_tiles  # row blocks in order = experts in order
+    pn = tile % n_tiles
+    expert = tl.load(block_expert_ptr + block)
+    if expert < num_experts:  # expert == E: block past the last expert, no rows
+        if half_tail(row_token_ptr, block, SPLIT, BM):
+            _grouped_tile(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K, num_a_rows,
+                          up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om,
+                          stride_on, stride_be, ACT, CLAMP, BIAS, W_DESC, GATHER, IEEE, EVEN_K, EVEN_N,
+                          BM, BM // 2, BN, BK)
+        else:
+            _grouped_tile(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K, num_a_rows,
+                          up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om,
+                          stride_on, stride_be, ACT, CLAMP, BIAS, W_DESC, GATHER, IEEE, EVEN_K, EVEN_N,
+                          BM, BM, BN, BK)
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr,            # A [S, K], W [E, K, n_w] (W_DESC: its descriptor), out [S, N]
     bias_ptr,                         # BIAS: [E, n_w] added before the activation (GEMM1) or to out (GEMM2)
     block_expert_ptr,                 # [S/BM] int32, E = unused block
     row_token_ptr,                    # GATHER or SPLIT: [S] int32 row of A for output row s (-1: padding)
+    queue_ptr,                        # QUEUE: [1] int32, 0 at launch: the next tile to take
     num_blocks, N, K, num_experts, num_a_rows,
     up_col,                           # ACT > 0: column of W where the up half starts (Ir)
     limit, alpha,                     # fp32: the activation's clamp bound and gpt-oss's alpha
     stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
     ACT: tl.constexpr, CLAMP: tl.constexpr, BIAS: tl.constexpr, W_DESC: tl.constexpr, GATHER: tl.constexpr,
-    SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    SPLIT: tl.constexpr, QUEUE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BN)
     num_tiles = num_blocks * n_tiles
-    for tile in range(pid, num_tiles, NUM_PROGRAMS):
-        block = tile // n_tiles  # row blocks in order = experts in order
-        pn = tile % n_tiles
-        expert = tl.load(block_expert_ptr + block)
-        if expert < num_experts:  # expert == E: block past the last expert, no rows
-            if half_tail(row_token_ptr, block, SPLIT, BM):
-                _grouped_tile(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K, num_a_rows,
-                              up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om,
-                              stride_on, stride_be, ACT, CLAMP, BIAS, W_DESC, GATHER, IEEE, EVEN_K, EVEN_N,
-                              BM, BM // 2, BN, BK)
-            else:
-                _grouped_tile(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K, num_a_rows,
-                              up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om,
-                              stride_on, stride_be, ACT, CLAMP, BIAS, W_DESC, GATHER, IEEE, EVEN_K, EVEN_N,
-                              BM, BM, BN, BK)
+    if QUEUE:
+        # Tiles in tile order to whichever program is free: tiles that share an expert's weight
+        # columns (same column tile, next blocks) or a block's rows (its other column tiles) start
+        # within a few tile grabs of each other, so the second reader finds them in L2.
+        tile = tl.atomic_add(queue_ptr, 1, sem="relaxed")
+        while tile < num_tiles:
+            _grouped_block_tile(tile, n_tiles, a_ptr, w_ptr, out_ptr, bias_ptr, block_expert_ptr, row_token_ptr,
+                                N, K, num_experts, num_a_rows, up_col, limit, alpha, stride_am, stride_ak,
+                                stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
+                                ACT, CLAMP, BIAS, W_DESC, GATHER, SPLIT, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
+            tile = tl.atomic_add(queue_ptr, 1, sem="relaxed")
+    else:
+        for tile in range(pid, num_tiles, NUM_PROGRAMS):
+            _grouped_block_tile(tile, n_tiles, a_ptr, w_ptr, out_ptr, bias_ptr, block_expert_ptr, row_token_ptr,
+                                N, K, num_experts, num_a_rows, up_col, limit, alpha, stride_am, stride_ak,
+                                stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
+                                ACT, CLAMP, BIAS, W_DESC, GATHER, SPLIT, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,11 +404,12 @@ def _launch(a, w, out, block_expert, *, n, up_col, act, bias, config, num_progra
     _grouped_gemm_kernel[(P,)](
         a, weight_operand(w, config), out, bias if bias is not None else out, block_expert,
         row_token if row_token is not None else block_expert,  # a dummy pointer when GATHER and SPLIT are off
+        torch.zeros(1, dtype=torch.int32, device=a.device) if config.queue else block_expert,  # QUEUE's counter
         S // BM, n, K, E, a.shape[0], up_col, epi["limit"], epi["alpha"],
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         bias.stride(0) if bias is not None else 0,
         ACT=epi["ACT"], CLAMP=epi["CLAMP"], BIAS=bias is not None, W_DESC=config.w_desc, GATHER=gather,
-        SPLIT=config.split_tail and row_token is not None,
+        SPLIT=config.split_tail and row_token is not None, QUEUE=config.queue,
         IEEE=a.dtype == torch.float32, EVEN_K=K % config.BK == 0, EVEN_N=n % config.BN == 0,
         BM=BM, BN=config.BN, BK=config.BK, NUM_PROGRAMS=P,
         num_warps=config.num_warps, num_stages=config.num_stages,

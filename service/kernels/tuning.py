@@ -14,7 +14,8 @@ count (rows before padding) the entry was tuned for; lookup takes the nearest ke
 An entry may add `"w_desc": true`: the weights are then read through TMA tensor descriptors
 (GemmConfig.w_desc); and `"split_tail": false`: every used row block runs a full BM-row tile
 (GemmConfig.split_tail, on by default: tail blocks whose second half is padding run BM/2 rows);
-and `"ctas_per_sm": 2`: the serial GEMMs' persistent grid holds two programs per SM.
+`"ctas_per_sm": 2`: the serial GEMMs' persistent grid holds two programs per SM; `"queue": true`:
+the serial GEMMs' programs take tiles from an atomic counter (GemmConfig.queue).
 
 `bench/tune_gemm.py` writes these files on a GPU. The request path only reads them (cached);
 when no file matches, a default chosen by the device's shared memory is used and logged once.
@@ -63,7 +64,7 @@ def config_from_dict(entry: dict) -> GemmConfig:
     return GemmConfig(BN=int(entry["BN"]), BK=int(entry["BK"]),
                       num_warps=int(entry["num_warps"]), num_stages=int(entry["num_stages"]),
                       w_desc=bool(entry.get("w_desc", False)), split_tail=bool(entry.get("split_tail", True)),
-                      ctas_per_sm=int(entry.get("ctas_per_sm", 1)))
+                      ctas_per_sm=int(entry.get("ctas_per_sm", 1)), queue=bool(entry.get("queue", False)))
 
 
 def config_to_dict(config: GemmConfig) -> dict:
@@ -74,6 +75,8 @@ def config_to_dict(config: GemmConfig) -> dict:
         out["split_tail"] = False
     if config.ctas_per_sm != 1:
         out["ctas_per_sm"] = config.ctas_per_sm
+    if config.queue:
+        out["queue"] = True
     return out
 
 

@@ -141,6 +141,16 @@ def _run_case(name: str) -> dict:
         gemm2(act_clean, w2, block_expert, config=c2, out=d_s, num_programs=5, bias=b2, row_token=rt_layout)
         split[on] = act_s, d_s
     act_s, d_s = split[True]
+    # The same tiles taken from the tile queue (GemmConfig.queue) instead of the static walk: the
+    # same numbers, bit for bit, on every row the static walk wrote.
+    c1q, c2q = (dataclasses.replace(c, queue=True) for c in (cfg1, cfg2))
+    act_q = torch.full((S, Ir), float("nan"), dtype=dtype)
+    gemm1_swiglu(x, w13, block_expert, config=c1q, out=act_q, row_token=rt_layout, num_programs=3, act=act_fn,
+                 bias=b13)
+    d_q = torch.full((S, H), float("nan"), dtype=dtype)
+    gemm2(act_clean, w2, block_expert, config=c2q, out=d_q, num_programs=5, bias=b2, row_token=rt_layout)
+    record["queue_same"] = bool(torch.equal(act_q.nan_to_num(7.0), act_s.nan_to_num(7.0))
+                                and torch.equal(d_q.nan_to_num(7.0), d_s.nan_to_num(7.0)))
     record.update(
         skipped_rows=int(skipped.sum()),
         err1_split=rel_err(act_s[real], ref1[real]) if real.any() else 0.0,
@@ -180,6 +190,7 @@ def test_interpreter_matches_reference(interpreter_results, name):
     tails = sum(1 for n in CASES[name][4] if 0 < n % BM <= BM // 2)  # blocks that run a half tile
     assert r["skipped_rows"] == tails * (BM // 2), "the case's layout has other half tiles than expected"
     assert r["split_skips"], "split_tail computed rows BM/2.. of a tail block that are all padding"
+    assert r["queue_same"], "GEMM1 / GEMM2 through the tile queue differ from the static walk"
     assert r["unsplit_writes"], "with split_tail off the full tile must write every row of a used block"
     if name in EPILOGUES and EPILOGUES[name][1] is not None:
         assert r["clamped_share"] > 0.05, "inputs too small to reach the clamp"
@@ -302,6 +313,12 @@ def test_gpu_matches_reference(shape, kind, dtype, w_desc):
         act_g = torch.full_like(act, float("nan"))
         gemm1_swiglu(x, w13, block_expert, config=cfg1, out=act_g, row_token=torch.where(used, perm, -1).int())
         assert torch.equal(act_g[used], act[used]), "GEMM1 with row_token differs from GEMM1 on the laid-out rows"
+        # The tile queue (GemmConfig.queue): the same tiles in another order, the same bits.
+        act_q, d_q = torch.full_like(act, float("nan")), torch.full_like(d, float("nan"))
+        gemm1_swiglu(a, w13, block_expert, config=dataclasses.replace(cfg1, queue=not cfg1.queue), out=act_q)
+        gemm2(act_in, w2, block_expert, config=dataclasses.replace(cfg2, queue=not cfg2.queue), out=d_q)
+        assert torch.equal(act_q[used], act[used]) and torch.equal(d_q[used], d[used]), "the tile queue changed bits"
+        assert torch.isnan(act_q[~used]).all(), "the tile queue wrote rows of unused blocks"
         assert torch.isfinite(act[used]).all() and torch.isfinite(d[used]).all(), "NaN left in used rows"
         assert torch.isnan(act[~used]).all(), "rows of unused blocks were written"
         assert rel_err(act[used], ref1[used]) <= TOL[dtype]
