@@ -82,7 +82,8 @@ def time_steps(layer, x, ids, w, iters: int, seq0: int) -> float:
     return statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
 
 
-VARIED = (("w_desc", "w_desc", "w_desc"), ("split", "split_tail", "split"), ("queue", "queue", "queue"))
+VARIED = (("w_desc", "w_desc", "w_desc"), ("split", "split_tail", "split"), ("queue", "queue", "queue"),
+          ("pn_major", "pn_major", "pn_major"))
 
 
 def variant_list(args, base) -> list[tuple[str, dict]]:
@@ -133,8 +134,9 @@ def run(args) -> dict:
                "err": err, **extra}
         rows.append(row)
         tf = f" {row['tflops']:6.1f} TFLOP/s" if row["tflops"] else ""
-        print(f"  {name:<34} {routing:<9} {us:9.1f} us{tf}" + (f"  rel err {err:.2e}" if err is not None else ""),
-              flush=True)
+        spread = f"  [{extra['spread'][0]:.1f}, {extra['spread'][1]:.1f}]" if len(extra.get("spread", [])) == 2 else ""
+        print(f"  {name:<34} {routing:<9} {us:9.1f} us{tf}{spread}"
+              + (f"  rel err {err:.2e}" if err is not None else ""), flush=True)
 
     dense_us = float("nan")
     if not args.profile:
@@ -146,27 +148,39 @@ def run(args) -> dict:
     variants = variant_list(args, base1)
     layers = {}
 
-    def gemm_row(name: str, fn, flops: int, config, routing: str, used: int) -> None:
-        record(name, routing, timer.graph(fn)["median_us"], flops, rows_used=used, config=str(config))
+    next_seq: dict = {}  # layer key -> its next step number (flags target seq: never reuse one)
 
-    def layer_row(kind: str, tag: str, change: dict, ids, tw, ref, routing: str) -> None:
+    def layer_measure(kind: str, tag: str, change: dict, ids, tw, ref, routing: str):
+        """A closure: one timing of this layer (built, checked against the reference and its error
+        kept on the first call), in us; every call continues the layer's step numbers."""
         key = (kind, tag)
-        c1, c2 = (dataclasses.replace(c, **change) for c in (base1, base2))
-        if key not in layers:
-            if kind == "serial":
-                layer = SerialLayer(cfg, weights, rank=0, device=dev, gemm="triton")
-                # The A/B switch for this run: the tile configs' fields (JSON fields in service use).
-                layer.gemms.configs = [c1, c2]
-                layer._capture()
-            else:
-                layer = FusedLayer(cfg, weights, rank=0, device=dev, config1=c1, config2=c2)
-            layers[key] = layer
-        layer = layers[key]
-        out = layer.forward(x, ids, tw, seq=1).clone()
-        layer.check_seq(1)
-        err = A.rel_err(out, ref)
-        us = time_steps(layer, x, ids, tw, args.iters, seq0=2)
-        record(f"{kind} layer (graph){tag}", routing, us, f1 + f2, err)
+
+        def measure() -> tuple[float, float | None]:
+            if key not in layers:
+                c1, c2 = (dataclasses.replace(c, **change) for c in (base1, base2))
+                if kind == "serial":
+                    layer = SerialLayer(cfg, weights, rank=0, device=dev, gemm="triton")
+                    # The A/B switch for this run: the tile configs' fields (JSON fields in service use).
+                    layer.gemms.configs = [c1, c2]
+                    layer._capture()
+                else:
+                    layer = FusedLayer(cfg, weights, rank=0, device=dev, config1=c1, config2=c2)
+                layers[key] = layer
+                next_seq[key] = 1
+            layer = layers[key]
+            seq = next_seq[key]
+            if (key, routing) not in checked:  # the first step of this routing: the output checked
+                out = layer.forward(x, ids, tw, seq=seq).clone()
+                layer.check_seq(seq)
+                checked[(key, routing)] = A.rel_err(out, ref)
+                seq += 1
+            us = time_steps(layer, x, ids, tw, args.iters, seq0=seq)
+            next_seq[key] = seq + 3 + args.iters
+            return us, checked[(key, routing)]
+
+        return measure
+
+    checked: dict = {}
 
     for routing in args.routing.split(","):
         ids, tw = (t.to(dev) for t in A.make_routing(T, E, K, routing, 0))
@@ -179,11 +193,13 @@ def run(args) -> dict:
               f"({half} half tiles of {used // BM} blocks)", flush=True)
         act = torch.empty(cfg.S, Ir, device=dev, dtype=cfg.dtype)
         d = torch.empty(cfg.S, H, device=dev, dtype=cfg.dtype)
+        timed: list = []  # (row name, measure() -> (us, rel err or None), FLOPs, extra fields)
         for tag, change in variants:
             c1, c2 = (dataclasses.replace(c, **change) for c in (base1, base2))
             run1 = partial(gemm1_swiglu, x, weights.w13, tables.block_expert, config=c1, out=act,
-                           row_token=tables.row_token)
-            run2 = partial(gemm2, act, weights.w2, tables.block_expert, config=c2, out=d, row_token=tables.row_token)
+                           row_token=tables.row_token, expert_offsets=tables.expert_offsets)
+            run2 = partial(gemm2, act, weights.w2, tables.block_expert, config=c2, out=d, row_token=tables.row_token,
+                           expert_offsets=tables.expert_offsets)
             if args.profile:
                 run1()
                 run2()
@@ -191,15 +207,26 @@ def run(args) -> dict:
                 print(f"    profiled launches: gemm1{tag}, gemm2{tag} ({c1}, {c2})", flush=True)
                 continue
             computed = used - half * BM // 2 if c1.split_tail else used
-            attempt(f"gemm1+swiglu{tag}", routing,
-                    partial(gemm_row, f"gemm1+swiglu{tag}", run1, f1, c1, routing, computed))
-            attempt(f"gemm2{tag}", routing, partial(gemm_row, f"gemm2{tag}", run2, f2, c2, routing, computed))
+            for name, fn, flops, config in ((f"gemm1+swiglu{tag}", run1, f1, c1), (f"gemm2{tag}", run2, f2, c2)):
+                timed.append((name, lambda fn=fn: (timer.graph(fn)["median_us"], None), flops,
+                              dict(rows_used=computed, config=str(config))))
         if args.profile:
             continue
-
         for tag, change in variants:
-            for kind in ("serial", "fused") if not change["queue"] else ("serial",):  # fused: its own walk
-                attempt(f"{kind} layer", routing, partial(layer_row, kind, tag, change, ids, tw, ref, routing))
+            for kind in ("serial", "fused"):
+                timed.append((f"{kind} layer (graph){tag}", layer_measure(kind, tag, change, ids, tw, ref, routing),
+                              f1 + f2, {}))
+        # Rounds over every row, interleaved, so that a drift of the machine's speed touches all
+        # variants alike; each row reports the median of its rounds and their spread.
+        samples: dict = {name: [] for name, *_ in timed}
+        for _ in range(args.repeats):
+            for name, measure, _, _ in timed:
+                attempt(name, routing, lambda got=samples[name], measure=measure: got.append(measure()))
+        for name, _, flops, extra in timed:
+            if samples[name]:
+                times = [us for us, _ in samples[name]]
+                record(name, routing, statistics.median(times), flops, samples[name][0][1],
+                       spread=[min(times), max(times)], **extra)
         A.run_vllm(timer, x, w13_v, w2_v, ids, tw, ref, routing, "tuned-H100-N768",
                    A.CONFIG_SOURCES["tuned-H100-N768"][1](T, E, Ir, H, K))
         for r in A.ROWS[-7:]:
@@ -252,7 +279,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--w-desc", default="off", help="GemmConfig.w_desc values to time: off, on or both")
     p.add_argument("--split", default="on,off", help="GemmConfig.split_tail values to time: on, off or both")
-    p.add_argument("--queue", default="off", help="GemmConfig.queue values to time (serial GEMMs): on, off or both")
+    p.add_argument("--queue", default="off", help="GemmConfig.queue values to time: on, off or both")
+    p.add_argument("--pn-major", default="off", help="GemmConfig.pn_major values to time: on, off or both")
+    p.add_argument("--repeats", type=int, default=1, help="rounds over all variants, interleaved; medians of rounds")
     p.add_argument("--profile", action="store_true", help="run each variant's GEMMs once, untimed (under ncu)")
     p.add_argument("--routing", default="balanced,skewed")
     p.add_argument("--json", default=None)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 12 on one GPU (H200), every step under `timeout`, the steps named in STEPS in that order
 # (default all; a call of at most 300 s takes two or three of them):
-#   tests    the GPU tests (-m gpu) of tests/kernels tests/moe: the regression run of the tree
+#   tests    the GPU tests (-m gpu) of tests/kernels tests/moe (or of $TESTS): the regression run
 #   profile  ncu --set full of GEMM1 and GEMM2 at the seed share (balanced), per variant:
 #            the details page as text (not the raw report), $LOG/ncu_details.txt
 #   core     bench/core.py at the seed share (dense matmul, GEMM1/GEMM2, serial and fused layers,
@@ -35,8 +35,8 @@ echo "commit ${COMMIT:-unknown: set COMMIT (the copy that travels has no .git)};
 
 step_tests() {
   echo "== tests: GPU tests"
-  timeout "$(cap 200)" "$PY" -m pytest -q -m gpu tests/kernels tests/moe -p no:cacheprovider -rfE \
-    > "$LOG/tests.txt" 2>&1
+  timeout "$(cap 200)" "$PY" -m pytest -q -m gpu ${TESTS:-tests/kernels tests/moe} -p no:cacheprovider -rfE \
+    --durations=12 > "$LOG/tests.txt" 2>&1
   RC[tests]=$?
   grep -E "^(FAILED|ERROR)" "$LOG/tests.txt" | head -n 20
   tail -n 3 "$LOG/tests.txt"
@@ -56,7 +56,7 @@ step_profile() {
 
 step_core() {
   echo "== core: bench/core.py, seed share"
-  timeout "$(cap 150)" "$PY" bench/core.py --anchors "$ANCHORS" --iters 100 $VARIANTS --json "$LOG/core.json" \
+  timeout "$(cap ${CORE_S:-150})" "$PY" bench/core.py --anchors "$ANCHORS" --iters 100 $VARIANTS --json "$LOG/core.json" \
     > "$LOG/core.txt" 2>&1
   RC[core]=$?
   cat "$LOG/core.txt"

@@ -51,7 +51,15 @@ import triton.language as tl
 
 from service.config import BM, Activation
 from service.config import META as config_META
-from service.kernels.grouped_gemm import GemmConfig, epilogue_args, gemm_tile, half_tail, weight_operand
+from service.kernels.grouped_gemm import (
+    GemmConfig,
+    epilogue_args,
+    gemm_tile,
+    half_tail,
+    next_tile,
+    tile_coords,
+    weight_operand,
+)
 from service.kernels.sync import now_ns, signal_add, store_release, wait_all_geq
 
 META = tl.constexpr(config_META)  # int32 words in front of a routing block (layout: service.moe.routing)
@@ -204,6 +212,8 @@ def _ag_gemm1_kernel(
                                           # descriptor, act [S, Ir]
     bias_ptr,                             # BIAS: b13 [E, 2*Ir] gate, then up bias
     slots_ptr, pull_ptr, row_token_ptr, block_expert_ptr,  # [N, K], [N], [S], [NB] int32
+    offsets_ptr,                          # PN_MAJOR: [E+1] int32 expert_offsets
+    queue_ptr,                            # QUEUE: [1] int32 kernel 1's tile queue, zeroed by the final reduce
     arrived_ptr,                          # [N + 1] int32 per pulled token, monotonic; [N] is a dummy
     ctl_ptr, error_ptr, stats_ptr,        # [1] int32 seq, [1] int32, [4] int64
     rank, N, C, H, NB, Ir, E, tok_off, pull_off, max_spins, limit, alpha,
@@ -211,7 +221,8 @@ def _ag_gemm1_kernel(
     ACT: tl.constexpr, CLAMP: tl.constexpr, BIAS: tl.constexpr, W_DESC: tl.constexpr,
     TB: tl.constexpr, BH: tl.constexpr, K: tl.constexpr,
     NUM_COMM: tl.constexpr, NUM_PROGRAMS: tl.constexpr, USE_PTX: tl.constexpr, SYNC: tl.constexpr,
-    SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    SPLIT: tl.constexpr, QUEUE: tl.constexpr, PN_MAJOR: tl.constexpr,
+    IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """Row s of GEMM1's input is token row_token[s]: read in place from this rank's own token
@@ -251,11 +262,12 @@ def _ag_gemm1_kernel(
             n_tiles = tl.cdiv(Ir, BN)
             alive = pid * 0 + 1
             waited = tl.zeros((), dtype=tl.int64)
-            # Plain range (no flatten): a tile's wait stays ahead of that tile's loads.
-            for tile in range(cp, NB * n_tiles, NUM_PROGRAMS - NUM_COMM):
-                block = tile // n_tiles  # row blocks in order = the order pull_order completes them
-                pn = tile % n_tiles
-                expert = tl.load(block_expert_ptr + block)
+            # No flattened loop: a tile's wait stays ahead of that tile's loads. Tiles in block
+            # order (= the order pull_order completes them), from the static walk or the queue.
+            step = NUM_PROGRAMS - NUM_COMM
+            tile = next_tile(queue_ptr, cp - step, step, QUEUE)
+            while tile < NB * n_tiles:
+                block, pn, expert = tile_coords(tile, n_tiles, block_expert_ptr, offsets_ptr, E, PN_MAJOR, BM)
                 if (expert < E) & (alive != 0):  # expert == E: a block past the last expert
                     rows = block.to(tl.int64) * BM + tl.arange(0, BM)  # [BM]
                     rt = tl.load(row_token_ptr + rows)  # [BM]
@@ -280,6 +292,7 @@ def _ag_gemm1_kernel(
                                     C, H, Ir, tok_off, pull_off, parity, limit, alpha, stride_we, stride_wk,
                                     stride_om, stride_be, ACT, CLAMP, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N,
                                     BM, BM, BN, BK)
+                tile = next_tile(queue_ptr, tile, step, QUEUE)
             tl.atomic_add(stats_ptr + 1, waited, sem="relaxed")
 
 
@@ -307,15 +320,18 @@ def _gemm2_push_kernel(
     bias_ptr,                             # BIAS: b2 [E, H] (rank 0 only: the planes add up to one copy)
     block_expert_ptr, slots_ptr, job_ptr, routing_g_ptr,  # [NB], [N, K], [N], [R, L] int32
     row_token_ptr,                        # SPLIT: [S] int32, read at row BM/2 of each block (half_tail)
+    offsets_ptr,                          # PN_MAJOR: [E+1] int32 expert_offsets
+    queue_ptr,                            # QUEUE: [1] int32 kernel 2's tile queue, zeroed by the final reduce
     tiles_ptr,                            # [NB] int32 finished column tiles per block, monotonic
-    disp_ptr, pushed_ptr,                 # [1], [R] int32 local scratch, zeroed by the final reduce
+    disp_ptr, pushed_ptr,                 # [1] (disp[0]), [R] int32 local scratch, zeroed by the final reduce
     ctl_ptr, error_ptr, stats_ptr,
     rank, R, C, H, NB, Ir, E, L, stage_off, wm_off, max_spins,
     stride_am, stride_we, stride_wk, stride_om, stride_be,
     BIAS: tl.constexpr, W_DESC: tl.constexpr,
     K: tl.constexpr, KP: tl.constexpr, BH: tl.constexpr, JT: tl.constexpr,
     NUM_COMPUTE: tl.constexpr, NUM_PROGRAMS: tl.constexpr, JOIN: tl.constexpr, USE_PTX: tl.constexpr,
-    SYNC: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    SYNC: tl.constexpr, SPLIT: tl.constexpr, QUEUE: tl.constexpr, PN_MAJOR: tl.constexpr,
+    IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -332,10 +348,9 @@ def _gemm2_push_kernel(
         if pid < NUM_COMPUTE:
             # -- compute: persistent grouped GEMM2; every tile of every block is marked, used or
             # not, so a block gains exactly n_tiles per batch and its target is seq * n_tiles.
-            for tile in range(pid, NB * n_tiles, NUM_COMPUTE):
-                block = tile // n_tiles
-                pn = tile % n_tiles
-                expert = tl.load(block_expert_ptr + block)
+            tile = next_tile(queue_ptr, pid - NUM_COMPUTE, NUM_COMPUTE, QUEUE)
+            while tile < NB * n_tiles:
+                block, pn, expert = tile_coords(tile, n_tiles, block_expert_ptr, offsets_ptr, E, PN_MAJOR, BM)
                 if expert < E:
                     if half_tail(row_token_ptr, block, SPLIT, BM):  # the rows GEMM1 wrote, no more
                         _gemm2_tile(act_ptr, w_ptr, d_ptr, bias_ptr, block, expert, pn, H, Ir, stride_am, stride_we,
@@ -346,6 +361,7 @@ def _gemm2_push_kernel(
                                     stride_wk, stride_om, stride_be, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N,
                                     BM, BM, BN, BK)
                 signal_add(tiles_ptr + block, 1, USE_PTX)  # CTA barrier, release (local flag)
+                tile = next_tile(queue_ptr, tile, NUM_COMPUTE, QUEUE)
             t_join = now_ns(USE_PTX)
         if (pid >= NUM_COMPUTE) | JOIN:
             # -- jobs: JT tokens per grab from the dispenser, in job_order ---------------------
@@ -422,8 +438,9 @@ def _final_reduce_kernel(stage_ptr, wm_ptr, out_ptr, routing_g_ptr, disp_ptr, pu
     pid = tl.program_id(0)
     seq = tl.load(ctl_ptr)
     if pid == 0:
-        # Kernel 2 is over (stream order): reset its local scratch for the next step.
-        tl.store(disp_ptr, 0)
+        # Kernels 1 and 2 are over (stream order): reset their local scratch for the next step
+        # (the job dispenser and the two tile queues).
+        tl.store(disp_ptr + tl.arange(0, 4), tl.zeros((4,), dtype=tl.int32), mask=tl.arange(0, 4) < 3)
         rr0 = tl.arange(0, RP)
         tl.store(pushed_ptr + rr0, tl.zeros((RP,), dtype=tl.int32), mask=rr0 < R)
     # Kernel 1 is over too: every token's arrival flag := seq, pulled or not, so no flag ever lags
@@ -499,7 +516,7 @@ class StepArgs:
     out: torch.Tensor          # [C, H] fp32
     arrived: torch.Tensor      # [N + 1] int32 pulled-token arrivals; [N] a dummy
     tiles: torch.Tensor        # [NB] int32 finished GEMM2 column tiles per block
-    disp: torch.Tensor         # [1] int32 job dispenser
+    disp: torch.Tensor         # [3] int32 kernel 2's job dispenser, kernel 1's and kernel 2's tile queues
     pushed: torch.Tensor       # [R] int32 jobs pushed per owner this step
     ctl: torch.Tensor          # [4] int32 seq, n, batch seq low, batch seq high
     error: torch.Tensor        # [1] int32
@@ -599,13 +616,13 @@ def ag_gemm1(a: StepArgs, plan: Plan, tables) -> None:
     b13 = a.b13
     _ag_gemm1_kernel[(plan.num_programs,)](
         a.region, a.region_off, weight_operand(a.w13, config), a.act, b13 if b13 is not None else a.act,
-        tables.slots, tables.pull_order, tables.row_token, tables.block_expert,
+        tables.slots, tables.pull_order, tables.row_token, tables.block_expert, tables.expert_offsets, a.disp[1:],
         a.arrived, a.ctl, a.error, a.stats,
         a.rank, N, a.C, a.H, NB, a.Ir, a.E, a.tok_off, a.pull_off, plan.max_spins, epi["limit"], epi["alpha"],
         a.w13.stride(0), a.w13.stride(1), a.act.stride(0), b13.stride(0) if b13 is not None else 0,
         ACT=epi["ACT"], CLAMP=epi["CLAMP"], BIAS=b13 is not None, W_DESC=config.w_desc,
         TB=plan.pull_tokens, BH=min(_p2(a.H), 1024), K=a.K, NUM_COMM=plan.num_comm1, NUM_PROGRAMS=plan.num_programs,
-        USE_PTX=plan.use_ptx, SYNC=plan.sync, SPLIT=config.split_tail,
+        USE_PTX=plan.use_ptx, SYNC=plan.sync, SPLIT=config.split_tail, QUEUE=config.queue, PN_MAJOR=config.pn_major,
         IEEE=a.w13.dtype == torch.float32, EVEN_K=a.H % config.BK == 0, EVEN_N=a.Ir % config.BN == 0,
         BM=BM, BN=config.BN, BK=config.BK, num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -618,14 +635,15 @@ def gemm2_push(a: StepArgs, plan: Plan, tables) -> None:
     b2 = a.b2
     _gemm2_push_kernel[(plan.num_programs,)](
         a.region, a.region_off, a.act, weight_operand(a.w2, config), a.D, b2 if b2 is not None else a.D,
-        tables.block_expert, tables.slots, tables.job_order, a.routing_g, tables.row_token,
-        a.tiles, a.disp, a.pushed, a.ctl, a.error, a.stats,
+        tables.block_expert, tables.slots, tables.job_order, a.routing_g, tables.row_token, tables.expert_offsets,
+        a.disp[2:], a.tiles, a.disp, a.pushed, a.ctl, a.error, a.stats,
         a.rank, a.R, a.C, a.H, NB, a.Ir, a.E, a.L, a.stage_off, a.wm_off, plan.max_spins,
         a.act.stride(0), a.w2.stride(0), a.w2.stride(1), a.D.stride(0), b2.stride(0) if b2 is not None else 0,
         BIAS=b2 is not None, W_DESC=config.w_desc, K=a.K, KP=_p2(a.K), BH=min(_p2(a.H), plan.job_cols),
         JT=plan.job_tokens, NUM_COMPUTE=plan.num_compute2, NUM_PROGRAMS=plan.num_programs,
-        JOIN=plan.join, USE_PTX=plan.use_ptx, SYNC=plan.sync, SPLIT=config.split_tail,
-        IEEE=a.act.dtype == torch.float32, EVEN_K=a.Ir % config.BK == 0, EVEN_N=a.H % config.BN == 0,
+        JOIN=plan.join, USE_PTX=plan.use_ptx, SYNC=plan.sync, SPLIT=config.split_tail, QUEUE=config.queue,
+        PN_MAJOR=config.pn_major, IEEE=a.act.dtype == torch.float32, EVEN_K=a.Ir % config.BK == 0,
+        EVEN_N=a.H % config.BN == 0,
         BM=BM, BN=config.BN, BK=config.BK, num_warps=config.num_warps, num_stages=config.num_stages,
     )
 

@@ -107,6 +107,9 @@ class GemmConfig:
     # schedule) instead of tiles pid, pid + P, ...: tiles that share weights or rows then start
     # close together, so that one DRAM read serves both from L2. The fused kernels keep their walk.
     queue: bool = False
+    # Within an expert's tiles, column-tile-major order (tile_coords): the blocks that share a weight
+    # column tile are consecutive tiles. Needs the layout's expert_offsets (the launchers' argument).
+    pn_major: bool = False
 
     def __post_init__(self) -> None:
         assert self.BM == BM, f"the gathered layout fixes BM = {BM}, got {self.BM}"
@@ -245,6 +248,37 @@ def half_tail(row_token_ptr, block, SPLIT: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
+def tile_coords(tile, n_tiles, block_expert_ptr, offsets_ptr, num_experts, PN_MAJOR: tl.constexpr, BM: tl.constexpr):
+    """(row block, column tile, expert) of tile number `tile`. Tiles are numbered block by block
+    (an expert's tiles are one contiguous range, experts in order); within an expert's range the
+    order is block-major (column tile minor) or, with PN_MAJOR, column-tile-major: the expert's
+    blocks that share a weight column tile come one after another. expert == num_experts: a block
+    past the last expert (no rows)."""
+    block = tile // n_tiles
+    pn = tile % n_tiles
+    expert = tl.load(block_expert_ptr + block)
+    if PN_MAJOR:
+        if expert < num_experts:
+            b0 = tl.load(offsets_ptr + expert) // BM  # the expert's first block, and its block count
+            nb = tl.load(offsets_ptr + expert + 1) // BM - b0
+            local = tile - b0 * n_tiles
+            pn = local // nb
+            block = b0 + local % nb
+    return block, pn, expert
+
+
+@triton.jit
+def next_tile(queue_ptr, tile, step, QUEUE: tl.constexpr):
+    """A persistent program's next tile: from the tile queue (an atomic counter, 0 at launch, in
+    tile order to whichever program asks) with QUEUE, else `tile + step` (the static walk; the
+    first tile is the program's id). Call with tile = -1 for the first tile under QUEUE."""
+    if QUEUE:
+        return tl.atomic_add(queue_ptr, 1, sem="relaxed")
+    else:
+        return tile + step
+
+
+@triton.jit
 def _grouped_tile(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K, num_a_rows, up_col,
                   limit, alpha, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
                   ACT: tl.constexpr, CLAMP: tl.constexpr, BIAS: tl.constexpr, W_DESC: tl.constexpr,
@@ -263,35 +297,11 @@ def _grouped_tile(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert,
 
 
 @triton.jit
-def _grouped_block_tile(tile, n_tiles, a_ptr, w_ptr, out_ptr, bias_ptr, block_expert_ptr, row_token_ptr, N, K,
-                        num_experts, num_a_rows, up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk,
-                        stride_wn, stride_om, stride_on, stride_be,
-                        ACT: tl.constexpr, CLAMP: tl.constexpr, BIAS: tl.constexpr, W_DESC: tl.constexpr,
-                        GATHER: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
-                        EVEN_N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Tile `tile` = (row block tile // n_tiles, column tile tile % n_tiles): nothing for a block past
-    the last expert, a half tile for a tail block whose second half is padding (SPLIT)."""
-    block = tile // n_tiles  # row blocks in order = experts in order
-    pn = tile % n_tiles
-    expert = tl.load(block_expert_ptr + block)
-    if expert < num_experts:  # expert == E: block past the last expert, no rows
-        if half_tail(row_token_ptr, block, SPLIT, BM):
-            _grouped_tile(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K, num_a_rows,
-                          up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om,
-                          stride_on, stride_be, ACT, CLAMP, BIAS, W_DESC, GATHER, IEEE, EVEN_K, EVEN_N,
-                          BM, BM // 2, BN, BK)
-        else:
-            _grouped_tile(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K, num_a_rows,
-                          up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om,
-                          stride_on, stride_be, ACT, CLAMP, BIAS, W_DESC, GATHER, IEEE, EVEN_K, EVEN_N,
-                          BM, BM, BN, BK)
-
-
-@triton.jit
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr,            # A [S, K], W [E, K, n_w] (W_DESC: its descriptor), out [S, N]
     bias_ptr,                         # BIAS: [E, n_w] added before the activation (GEMM1) or to out (GEMM2)
     block_expert_ptr,                 # [S/BM] int32, E = unused block
+    offsets_ptr,                      # PN_MAJOR: [E+1] int32 expert_offsets (padded; multiples of BM)
     row_token_ptr,                    # GATHER or SPLIT: [S] int32 row of A for output row s (-1: padding)
     queue_ptr,                        # QUEUE: [1] int32, 0 at launch: the next tile to take
     num_blocks, N, K, num_experts, num_a_rows,
@@ -299,29 +309,31 @@ def _grouped_gemm_kernel(
     limit, alpha,                     # fp32: the activation's clamp bound and gpt-oss's alpha
     stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
     ACT: tl.constexpr, CLAMP: tl.constexpr, BIAS: tl.constexpr, W_DESC: tl.constexpr, GATHER: tl.constexpr,
-    SPLIT: tl.constexpr, QUEUE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    SPLIT: tl.constexpr, QUEUE: tl.constexpr, PN_MAJOR: tl.constexpr,
+    IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BN)
     num_tiles = num_blocks * n_tiles
-    if QUEUE:
-        # Tiles in tile order to whichever program is free: tiles that share an expert's weight
-        # columns (same column tile, next blocks) or a block's rows (its other column tiles) start
-        # within a few tile grabs of each other, so the second reader finds them in L2.
-        tile = tl.atomic_add(queue_ptr, 1, sem="relaxed")
-        while tile < num_tiles:
-            _grouped_block_tile(tile, n_tiles, a_ptr, w_ptr, out_ptr, bias_ptr, block_expert_ptr, row_token_ptr,
-                                N, K, num_experts, num_a_rows, up_col, limit, alpha, stride_am, stride_ak,
-                                stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
-                                ACT, CLAMP, BIAS, W_DESC, GATHER, SPLIT, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
-            tile = tl.atomic_add(queue_ptr, 1, sem="relaxed")
-    else:
-        for tile in range(pid, num_tiles, NUM_PROGRAMS):
-            _grouped_block_tile(tile, n_tiles, a_ptr, w_ptr, out_ptr, bias_ptr, block_expert_ptr, row_token_ptr,
-                                N, K, num_experts, num_a_rows, up_col, limit, alpha, stride_am, stride_ak,
-                                stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
-                                ACT, CLAMP, BIAS, W_DESC, GATHER, SPLIT, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
+    # QUEUE: tiles in tile order to whichever program is free, so that tiles sharing an expert's
+    # weight columns or a block's rows start close together and the second reader finds them in
+    # L2; else the static walk pid, pid + P, ...
+    tile = next_tile(queue_ptr, pid - NUM_PROGRAMS, NUM_PROGRAMS, QUEUE)
+    while tile < num_tiles:
+        block, pn, expert = tile_coords(tile, n_tiles, block_expert_ptr, offsets_ptr, num_experts, PN_MAJOR, BM)
+        if expert < num_experts:  # expert == E: block past the last expert, no rows
+            if half_tail(row_token_ptr, block, SPLIT, BM):
+                _grouped_tile(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K, num_a_rows,
+                              up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om,
+                              stride_on, stride_be, ACT, CLAMP, BIAS, W_DESC, GATHER, IEEE, EVEN_K, EVEN_N,
+                              BM, BM // 2, BN, BK)
+            else:
+                _grouped_tile(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K, num_a_rows,
+                              up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om,
+                              stride_on, stride_be, ACT, CLAMP, BIAS, W_DESC, GATHER, IEEE, EVEN_K, EVEN_N,
+                              BM, BM, BN, BK)
+        tile = next_tile(queue_ptr, tile, NUM_PROGRAMS, QUEUE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,7 +378,7 @@ def weight_operand(w: torch.Tensor, config: GemmConfig):
 
 
 def _launch(a, w, out, block_expert, *, n, up_col, act, bias, config, num_programs, row_token=None,
-            gather=False):
+            gather=False, expert_offsets=None):
     K = a.shape[1]
     S = row_token.shape[0] if gather else a.shape[0]
     E = w.shape[0]
@@ -394,6 +406,13 @@ def _launch(a, w, out, block_expert, *, n, up_col, act, bias, config, num_progra
         if gather and a.shape[0] == 0:
             raise ValueError("a gathered launch needs at least one row of A (padding rows read one)")
         tensors.append(row_token)
+    if config.pn_major:
+        if expert_offsets is None:
+            raise ValueError("GemmConfig.pn_major orders tiles by the layout's expert_offsets: pass expert_offsets")
+        if expert_offsets.shape != (E + 1,) or expert_offsets.dtype != torch.int32:
+            raise ValueError(f"expert_offsets must be int32 [{E + 1}], got {expert_offsets.dtype} "
+                             f"{list(expert_offsets.shape)}")
+        tensors.append(expert_offsets)
     if len({t.device for t in tensors}) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted({str(t.device) for t in tensors})}")
     if a.device.type != "cuda" and not _interpreting():
@@ -403,13 +422,14 @@ def _launch(a, w, out, block_expert, *, n, up_col, act, bias, config, num_progra
     epi = epilogue_args(act)
     _grouped_gemm_kernel[(P,)](
         a, weight_operand(w, config), out, bias if bias is not None else out, block_expert,
+        expert_offsets if config.pn_major else block_expert,  # a dummy pointer without PN_MAJOR
         row_token if row_token is not None else block_expert,  # a dummy pointer when GATHER and SPLIT are off
         torch.zeros(1, dtype=torch.int32, device=a.device) if config.queue else block_expert,  # QUEUE's counter
         S // BM, n, K, E, a.shape[0], up_col, epi["limit"], epi["alpha"],
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         bias.stride(0) if bias is not None else 0,
         ACT=epi["ACT"], CLAMP=epi["CLAMP"], BIAS=bias is not None, W_DESC=config.w_desc, GATHER=gather,
-        SPLIT=config.split_tail and row_token is not None, QUEUE=config.queue,
+        SPLIT=config.split_tail and row_token is not None, QUEUE=config.queue, PN_MAJOR=config.pn_major,
         IEEE=a.dtype == torch.float32, EVEN_K=K % config.BK == 0, EVEN_N=n % config.BN == 0,
         BM=BM, BN=config.BN, BK=config.BK, NUM_PROGRAMS=P,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -418,14 +438,14 @@ def _launch(a, w, out, block_expert, *, n, up_col, act, bias, config, num_progra
 
 
 def gemm1_swiglu(a, w13, block_expert, *, config: GemmConfig, out=None, num_programs=None, row_token=None,
-                 act: Activation = Activation(), bias=None):
+                 act: Activation = Activation(), bias=None, expert_offsets=None):
     """act [S, Ir] = act(A @ W13[e][:, :Ir] (+ b13[e, :Ir]), A @ W13[e][:, Ir:] (+ b13[e, Ir:])) per row
     block (e = block_expert[b]); `act` defaults to silu(g) * u.
 
     a [S, H], w13 [E, H, 2*Ir], block_expert [S/BM] int32, bias b13 [E, 2*Ir] or None. Rows of unused
     blocks are not written. With row_token [S] int32, a is [N, H] and row s of A is a[row_token[s]]
     (padding rows: -1), and with config.split_tail rows BM/2.. of a block whose row BM/2 is padding
-    are not written either.
+    are not written either. expert_offsets [E+1] int32 (the layout's) is needed by config.pn_major.
     """
     if w13.dim() != 3 or w13.shape[2] % 2:
         raise ValueError(f"w13 must be [E, H, 2*Ir], got {list(w13.shape)}")
@@ -434,15 +454,17 @@ def gemm1_swiglu(a, w13, block_expert, *, config: GemmConfig, out=None, num_prog
         S = a.shape[0] if row_token is None else row_token.shape[0]
         out = torch.empty((S, Ir), dtype=a.dtype, device=a.device)
     return _launch(a, w13, out, block_expert, n=Ir, up_col=Ir, act=act, bias=bias, config=config,
-                   num_programs=num_programs, row_token=row_token, gather=row_token is not None)
+                   num_programs=num_programs, row_token=row_token, gather=row_token is not None,
+                   expert_offsets=expert_offsets)
 
 
-def gemm2(act, w2, block_expert, *, config: GemmConfig, out=None, num_programs=None, bias=None, row_token=None):
+def gemm2(act, w2, block_expert, *, config: GemmConfig, out=None, num_programs=None, bias=None, row_token=None,
+          expert_offsets=None):
     """D [S, H] = act @ W2[e] (+ b2[e]) per row block (e = block_expert[b]).
 
     act [S, Ir], w2 [E, Ir, H], block_expert [S/BM] int32, bias b2 [E, H] or None. Rows of unused
     blocks are not written. row_token [S] int32 (the layout's; only its signs are read) lets
-    config.split_tail skip the padding half of tail blocks, as GEMM1 does.
+    config.split_tail skip the padding half of tail blocks, as GEMM1 does; expert_offsets as GEMM1's.
     """
     if w2.dim() != 3:
         raise ValueError(f"w2 must be [E, Ir, H], got {list(w2.shape)}")
@@ -450,7 +472,7 @@ def gemm2(act, w2, block_expert, *, config: GemmConfig, out=None, num_programs=N
     if out is None:
         out = torch.empty((act.shape[0], H), dtype=act.dtype, device=act.device)
     return _launch(act, w2, out, block_expert, n=H, up_col=0, act=None, bias=bias, config=config,
-                   num_programs=num_programs, row_token=row_token)
+                   num_programs=num_programs, row_token=row_token, expert_offsets=expert_offsets)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ An entry may add `"w_desc": true`: the weights are then read through TMA tensor 
 (GemmConfig.w_desc); and `"split_tail": false`: every used row block runs a full BM-row tile
 (GemmConfig.split_tail, on by default: tail blocks whose second half is padding run BM/2 rows);
 `"ctas_per_sm": 2`: the serial GEMMs' persistent grid holds two programs per SM; `"queue": true`:
-the serial GEMMs' programs take tiles from an atomic counter (GemmConfig.queue).
+the programs take tiles from an atomic counter (GemmConfig.queue); `"pn_major": true`: an expert's
+tiles in column-tile-major order (GemmConfig.pn_major).
 
 `bench/tune_gemm.py` writes these files on a GPU. The request path only reads them (cached);
 when no file matches, a default chosen by the device's shared memory is used and logged once.
@@ -64,7 +65,8 @@ def config_from_dict(entry: dict) -> GemmConfig:
     return GemmConfig(BN=int(entry["BN"]), BK=int(entry["BK"]),
                       num_warps=int(entry["num_warps"]), num_stages=int(entry["num_stages"]),
                       w_desc=bool(entry.get("w_desc", False)), split_tail=bool(entry.get("split_tail", True)),
-                      ctas_per_sm=int(entry.get("ctas_per_sm", 1)), queue=bool(entry.get("queue", False)))
+                      ctas_per_sm=int(entry.get("ctas_per_sm", 1)), queue=bool(entry.get("queue", False)),
+                      pn_major=bool(entry.get("pn_major", False)))
 
 
 def config_to_dict(config: GemmConfig) -> dict:
@@ -77,6 +79,8 @@ def config_to_dict(config: GemmConfig) -> dict:
         out["ctas_per_sm"] = config.ctas_per_sm
     if config.queue:
         out["queue"] = True
+    if config.pn_major:
+        out["pn_major"] = True
     return out
 
 

@@ -40,9 +40,10 @@ layer's own counter, ctl[0], which also runs the warm-up step) and never reset: 
 watermarks and barrier slots target seq, tile counters seq*n_tiles (int32, wrap-safe
 comparisons, service/kernels/sync.py). A token's arrival flag is set only when it is pulled, so
 the final reduce refreshes all of them to seq every step: a token left unpulled for 2**31 steps
-would otherwise read as arrived. Only the dispenser and the per-owner push counts are zeroed, by
-the final reduce: they are local, read by no peer, and the dispenser overshoots by the number of
-programs that find it empty, so no seq target could describe it.
+would otherwise read as arrived. Only the dispenser, the two kernels' tile queues
+(GemmConfig.queue) and the per-owner push counts are zeroed, by the final reduce: they are local,
+read by no peer, and the counters overshoot by the number of programs that find them empty, so no
+seq target could describe them.
 
 Why one barrier per step is enough: the token and routing buffers are double buffered by parity.
 Rank o overwrites parity p at step seq+2 only after its exchange of step seq+1, which waited for

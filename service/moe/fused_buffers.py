@@ -105,7 +105,7 @@ class RankBuffers:
         self.out = z(C, H, dtype=torch.float32)        # [C, H]
         self.arrived = z(R * C + 1)                    # [N + 1] pulled-token arrivals (kernel 1); [N] a dummy
         self.tiles = z(S // BM)                        # [NB] finished GEMM2 tiles (kernel 2)
-        self.disp = z(1)                               # job dispenser
+        self.disp = z(3)                               # job dispenser, kernel 1's and kernel 2's tile queues
         self.pushed = z(R)                             # jobs pushed per owner this step
         self.ctl = z(4)                                # seq, n, batch seq low, batch seq high
         self.error = z(1)

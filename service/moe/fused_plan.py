@@ -18,10 +18,12 @@ if TYPE_CHECKING:  # the kernels import triton, which the probe must not need
     from service.kernels.fused_kernels import Plan
 
 
-def default_plan(cfg: LayerConfig, device: torch.device, *, w_desc: bool | None = None, **overrides) -> Plan:
+def default_plan(cfg: LayerConfig, device: torch.device, *, w_desc: bool | None = None, gemm: dict | None = None,
+                 **overrides) -> Plan:
     """The plan for this layer on this device; `overrides` replace fields (benchmarks' sweeps).
     w_desc True / False reads both GEMMs' weights through TMA descriptors or not (None: as the
-    tile configs say, GemmConfig.w_desc)."""
+    tile configs say, GemmConfig.w_desc); `gemm` replaces GemmConfig fields in both GEMMs' tile
+    configs (A/B runs: {"queue": True}, {"split_tail": False}, ...)."""
     import dataclasses
 
     from service.kernels.fused_kernels import Plan
@@ -40,9 +42,10 @@ def default_plan(cfg: LayerConfig, device: torch.device, *, w_desc: bool | None 
                 config1=lookup_for_device(device, "gemm1", cfg.E, cfg.H, cfg.Ir),
                 config2=lookup_for_device(device, "gemm2", cfg.E, cfg.H, cfg.Ir))
     plan.update(overrides)
-    if w_desc is not None:
-        plan.update(config1=dataclasses.replace(plan["config1"], w_desc=w_desc),
-                    config2=dataclasses.replace(plan["config2"], w_desc=w_desc))
+    fields = dict(gemm or {}, **({} if w_desc is None else {"w_desc": w_desc}))
+    if fields:
+        plan.update(config1=dataclasses.replace(plan["config1"], **fields),
+                    config2=dataclasses.replace(plan["config2"], **fields))
     return Plan(**plan)
 
 

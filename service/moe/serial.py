@@ -108,10 +108,10 @@ class GroupedGemms:
             from service.kernels.grouped_gemm import gemm1_swiglu, gemm2
 
             gemm1_swiglu(x_g, self.w13, tables.block_expert, config=self.configs[0], out=self.h,
-                         row_token=tables.row_token, act=self.act, bias=self.b13)
+                         row_token=tables.row_token, act=self.act, bias=self.b13, expert_offsets=tables.expert_offsets)
             timer.mark("gemm1")
             gemm2(self.h, self.w2, tables.block_expert, config=self.configs[1], out=self.d, bias=self.b2,
-                  row_token=tables.row_token)
+                  row_token=tables.row_token, expert_offsets=tables.expert_offsets)
             timer.mark("gemm2")
             return self.d
         if native_grouped_mm_reason(x_g.device, x_g.dtype) is None:  # one launch over whole ranges

@@ -19,8 +19,8 @@ import triton
 
 ROOT = Path(__file__).resolve().parents[2]
 SMEM_LIMIT = {90: 232448, 120: 101376}  # bytes of shared memory per block (opt-in maximum)
-CONSTEXPRS = ("ACT", "CLAMP", "BIAS", "W_DESC", "GATHER", "SPLIT", "QUEUE", "IEEE", "EVEN_K", "EVEN_N", "BM", "BN",
-              "BK", "NUM_PROGRAMS")
+CONSTEXPRS = ("ACT", "CLAMP", "BIAS", "W_DESC", "GATHER", "SPLIT", "QUEUE", "PN_MAJOR", "IEEE", "EVEN_K", "EVEN_N",
+              "BM", "BN", "BK", "NUM_PROGRAMS")
 # What the runtime specialises at launch for the seed shape: 16-byte aligned pointers, strides
 # and sizes divisible by 16, unit inner strides. Without these hints no cp.async pipelining.
 DIVISIBLE = ("stride_am", "stride_we", "stride_wk", "stride_om", "N", "K", "up_col")
@@ -59,7 +59,7 @@ def compile_gemm(arch: int, *, swiglu: bool, config, dtype="bf16", gather=False,
             if name in DIVISIBLE:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     constexprs = dict(ACT=act if swiglu else 0, CLAMP=clamp, BIAS=bias, W_DESC=config.w_desc, GATHER=gather,
-                      SPLIT=config.split_tail, QUEUE=config.queue,
+                      SPLIT=config.split_tail, QUEUE=config.queue, PN_MAJOR=config.pn_major,
                       IEEE=dtype == "fp32",
                       EVEN_K=True, EVEN_N=True, BM=BM, BN=config.BN, BK=config.BK, NUM_PROGRAMS=132,
                       **{name: 1 for name in UNIT})

@@ -43,7 +43,8 @@ def compile_kernel(name: str, arch: int, *, config=None, dtype: str = "bf16", us
     names = list(inspect.signature(kernel.fn).parameters)
     constexprs = {"USE_PTX": use_ptx, "SYNC": True, "K": K, "KP": triton.next_power_of_2(K), "RP": 4, "TB": 4, "JT": 2,
                   "ACT": act, "CLAMP": clamp, "BIAS": bias, "W_DESC": bool(config and config.w_desc),
-                  "SPLIT": bool(config and config.split_tail)}
+                  "SPLIT": bool(config and config.split_tail), "QUEUE": bool(config and config.queue),
+                  "PN_MAJOR": bool(config and config.pn_major)}
     if config is not None:
         constexprs.update(BM=BM, BN=config.BN, BK=config.BK, IEEE=False, EVEN_K=True, EVEN_N=True,
                           NUM_PROGRAMS=132, NUM_COMM=8, NUM_COMPUTE=124, JOIN=True, BH=512)
@@ -71,6 +72,31 @@ def _configs(arch: int):
 
     size = "large" if arch == 90 else "small"
     return tuning._DEFAULTS[(size, "gemm1")], tuning._DEFAULTS[(size, "gemm2")]
+
+
+@interpreting
+@pytest.mark.parametrize("arch", [90, 120])
+def test_tile_queue_compiles(arch):
+    """GemmConfig.queue + pn_major in both kernels: same shared memory as the static walk, the
+    tensor-core path kept, and the queue is a GPU-scope relaxed counter (a local one, no system
+    scope: no peer ever reads it)."""
+    import dataclasses
+
+    for name, config in zip(("_ag_gemm1_kernel", "_gemm2_push_kernel"), _configs(arch), strict=True):
+        static = compile_kernel(name, arch, config=config)
+        queued = compile_kernel(name, arch, config=dataclasses.replace(config, queue=True, pn_major=True))
+        assert queued.metadata.shared == static.metadata.shared, f"{name}: the queue changed the tile's shared memory"
+        ptx = queued.asm["ptx"]
+        if arch == 90:
+            assert "wgmma" in ptx, f"{name}: sm_90 build without wgmma"
+        def atomics(p):
+            return re.findall(r"(?<![\w.])atom\.global[\w.]*", p)
+
+        before, after = atomics(static.asm["ptx"]), atomics(ptx)
+        assert set(after) - set(before) <= {"atom.global.gpu.relaxed.add.u32", "atom.global.gpu.relaxed.add.s32"}, \
+            f"{name}: the tile queue added other atomics: {set(after) - set(before)}"
+        relaxed = [a for a in after if a.startswith("atom.global.gpu.relaxed.add.") and not a.endswith("64")]
+        assert len(relaxed) > len([a for a in before if a in relaxed]), f"{name}: no tile-queue atomic"
 
 
 @interpreting

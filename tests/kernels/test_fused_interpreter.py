@@ -44,7 +44,13 @@ CASES = {
     # tiles in one step), and the same layouts with split_tail off (full tiles only).
     "r2_mixed_tiles": ("float32", 3, 32, 16, 2, 50, [[50, 37], [23, 50]], "skewed", 4, 1, 2, False, 1, None),
     "r2_no_split": ("float32", 3, 32, 16, 2, 50, [[50, 37]], "skewed", 4, 1, 2, False, 1, None),
+    # Both kernels' GEMM tiles from the tile queues (GemmConfig.queue), in pn_major order, over
+    # three steps (the final reduce must rewind the queues), and the static walk in pn_major order.
+    "r2_queue_pn_major": ("float32", 3, 32, 16, 2, 50, [[50, 37], [23, 50], [50, 50]], "skewed", 4, 1, 2, True, 1,
+                          None),
+    "r2_pn_major": ("float32", 3, 32, 16, 2, 50, [[50, 37]], "balanced", 4, 1, 2, False, 1, None),
 }
+ORDERS = {"r2_queue_pn_major": dict(queue=True, pn_major=True), "r2_pn_major": dict(pn_major=True)}
 W_DESC = {"r2_w_desc", "r2_fp16_w_desc_bias"}
 NO_SPLIT = {"r2_no_split"}
 # name -> (activation kind, clamp limit, biases, input scale); the scale makes the clamps bite.
@@ -97,8 +103,11 @@ def _run_case(name: str) -> dict:
     regions = [torch.zeros(lay.nbytes, dtype=torch.uint8) for _ in range(R)]
     ptrs = [t.data_ptr() for t in regions]
     bufs = [fused_buffers.RankBuffers(cfg, r, regions[r], ptrs) for r in range(R)]
-    cfg1 = GemmConfig(BN=16, BK=16, num_warps=4, num_stages=1, w_desc=name in W_DESC, split_tail=name not in NO_SPLIT)
-    cfg2 = GemmConfig(BN=32, BK=16, num_warps=4, num_stages=1, w_desc=name in W_DESC, split_tail=name not in NO_SPLIT)
+    order = ORDERS.get(name, {})
+    cfg1 = GemmConfig(BN=16, BK=16, num_warps=4, num_stages=1, w_desc=name in W_DESC, split_tail=name not in NO_SPLIT,
+                      **order)
+    cfg2 = GemmConfig(BN=32, BK=16, num_warps=4, num_stages=1, w_desc=name in W_DESC, split_tail=name not in NO_SPLIT,
+                      **order)
     plan = fk.Plan(num_programs=P, num_comm1=comm1, num_compute2=compute2, join=join, config1=cfg1,
                       config2=cfg2, max_spins=20, use_ptx=False, job_tokens=JOB_TOKENS.get(name, 2))
     w13 = [s[0].to(dtype) for s in sl]
@@ -202,7 +211,7 @@ def _run_case(name: str) -> dict:
                          for b in bufs),
             wm_ok=all(torch.equal(b.wm, torch.full((R,), _wrap32(seq), dtype=torch.int32)) for b in bufs),
             bar_ok=all(torch.equal(b.bar, torch.full((R,), _wrap32(seq), dtype=torch.int32)) for b in bufs),
-            scratch_zero=all(int(b.disp.item()) == 0 and int(b.pushed.abs().sum()) == 0 for b in bufs),
+            scratch_zero=all(int(b.disp.abs().sum()) == 0 and int(b.pushed.abs().sum()) == 0 for b in bufs),
             seqs=[int(v) for v in bufs[0].routing_g[:, 1].tolist()],
         ))
     return record
@@ -233,7 +242,7 @@ def test_fused_pipeline_matches_reference(results, name):
         assert s["tiles_ok"], f"{where}: tile counters are not at seq * n_tiles"
         assert s["wm_ok"], f"{where}: a watermark (empty owners included) is not at seq"
         assert s["bar_ok"], f"{where}: barrier slots are not at seq"
-        assert s["scratch_zero"], f"{where}: dispenser / push counts not reset for the next step"
+        assert s["scratch_zero"], f"{where}: dispenser / tile queues / push counts not reset for the next step"
         assert s["seqs"] == [s["seq"] & 0x7FFFFFFF] * len(s["seqs"]), where
     first = r["steps"][0]
     if name == "r2_mixed_tiles":

@@ -141,16 +141,21 @@ def _run_case(name: str) -> dict:
         gemm2(act_clean, w2, block_expert, config=c2, out=d_s, num_programs=5, bias=b2, row_token=rt_layout)
         split[on] = act_s, d_s
     act_s, d_s = split[True]
-    # The same tiles taken from the tile queue (GemmConfig.queue) instead of the static walk: the
-    # same numbers, bit for bit, on every row the static walk wrote.
-    c1q, c2q = (dataclasses.replace(c, queue=True) for c in (cfg1, cfg2))
-    act_q = torch.full((S, Ir), float("nan"), dtype=dtype)
-    gemm1_swiglu(x, w13, block_expert, config=c1q, out=act_q, row_token=rt_layout, num_programs=3, act=act_fn,
-                 bias=b13)
-    d_q = torch.full((S, H), float("nan"), dtype=dtype)
-    gemm2(act_clean, w2, block_expert, config=c2q, out=d_q, num_programs=5, bias=b2, row_token=rt_layout)
-    record["queue_same"] = bool(torch.equal(act_q.nan_to_num(7.0), act_s.nan_to_num(7.0))
-                                and torch.equal(d_q.nan_to_num(7.0), d_s.nan_to_num(7.0)))
+    # The same tiles in other orders: from the tile queue (GemmConfig.queue) and / or column-tile-major
+    # within each expert (pn_major): the same numbers, bit for bit, on every row the static walk wrote.
+    _, offsets = make_block_expert(rows, num_blocks)
+    same = []
+    for queue, pn_major in ((True, False), (False, True), (True, True)):
+        c1q, c2q = (dataclasses.replace(c, queue=queue, pn_major=pn_major) for c in (cfg1, cfg2))
+        act_q = torch.full((S, Ir), float("nan"), dtype=dtype)
+        gemm1_swiglu(x, w13, block_expert, config=c1q, out=act_q, row_token=rt_layout, num_programs=3, act=act_fn,
+                     bias=b13, expert_offsets=offsets)
+        d_q = torch.full((S, H), float("nan"), dtype=dtype)
+        gemm2(act_clean, w2, block_expert, config=c2q, out=d_q, num_programs=5, bias=b2, row_token=rt_layout,
+              expert_offsets=offsets)
+        same.append(bool(torch.equal(act_q.nan_to_num(7.0), act_s.nan_to_num(7.0))
+                         and torch.equal(d_q.nan_to_num(7.0), d_s.nan_to_num(7.0))))
+    record["queue_same"] = all(same)
     record.update(
         skipped_rows=int(skipped.sum()),
         err1_split=rel_err(act_s[real], ref1[real]) if real.any() else 0.0,
@@ -190,7 +195,7 @@ def test_interpreter_matches_reference(interpreter_results, name):
     tails = sum(1 for n in CASES[name][4] if 0 < n % BM <= BM // 2)  # blocks that run a half tile
     assert r["skipped_rows"] == tails * (BM // 2), "the case's layout has other half tiles than expected"
     assert r["split_skips"], "split_tail computed rows BM/2.. of a tail block that are all padding"
-    assert r["queue_same"], "GEMM1 / GEMM2 through the tile queue differ from the static walk"
+    assert r["queue_same"], "GEMM1 / GEMM2 through the tile queue or in pn_major order differ from the static walk"
     assert r["unsplit_writes"], "with split_tail off the full tile must write every row of a used block"
     if name in EPILOGUES and EPILOGUES[name][1] is not None:
         assert r["clamped_share"] > 0.05, "inputs too small to reach the clamp"
@@ -211,13 +216,27 @@ def test_weight_descriptor_refuses_what_it_cannot_read():
     assert weight_operand(w, GemmConfig(BN=16, BK=32, num_warps=4, num_stages=2)) is w
 
 
+def test_pn_major_needs_the_offsets():
+    """GemmConfig.pn_major orders tiles by expert_offsets: without them (or with the wrong shape)
+    the launch is refused, never run in another order silently."""
+    from service.kernels.grouped_gemm import GemmConfig, gemm2
+
+    cfg = GemmConfig(BN=16, BK=16, num_warps=4, num_stages=2, pn_major=True)
+    act, w2, be = torch.zeros(BM, 16), torch.zeros(2, 16, 32), torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="expert_offsets"):
+        gemm2(act, w2, be, config=cfg)
+    with pytest.raises(ValueError, match="expert_offsets"):
+        gemm2(act, w2, be, config=cfg, expert_offsets=torch.zeros(2, dtype=torch.int32))
+
+
 def test_tuning_lookup_reads_files_and_logs_default(tmp_path, caplog):
     from service.kernels import tuning
     from service.kernels.grouped_gemm import GemmConfig
 
     seed = tuning.lookup("NVIDIA H200", "gemm1", 64, 4096, 768, M=16000)
     assert (seed.BN, seed.BK, seed.num_warps, seed.num_stages) == (128, 64, 8, 4)
-    flagged = GemmConfig(BN=64, BK=64, num_warps=8, num_stages=3, w_desc=True)
+    flagged = GemmConfig(BN=64, BK=64, num_warps=8, num_stages=3, w_desc=True, split_tail=False, ctas_per_sm=2,
+                         queue=True, pn_major=True)
     assert tuning.config_from_dict(tuning.config_to_dict(flagged)) == flagged
     small = GemmConfig(BN=32, BK=32, num_warps=4, num_stages=2)
     big = GemmConfig(BN=64, BK=64, num_warps=8, num_stages=3)
@@ -293,7 +312,7 @@ def test_gpu_matches_reference(shape, kind, dtype, w_desc):
         pytest.skip("seed shape runs in bf16 only (time)")
     if w_desc and (H % 64 or Ir % 64):
         pytest.skip("weight descriptors need K % BK == 0")
-    a, w13, w2, block_expert, _ = _gpu_problem(E, H, Ir, hits, kind, dtype, seed=hits + E)
+    a, w13, w2, block_expert, offsets = _gpu_problem(E, H, Ir, hits, kind, dtype, seed=hits + E)
     used = (block_expert < E).repeat_interleave(BM)
     cfg1 = dataclasses.replace(lookup_for_device(a.device, "gemm1", E, H, Ir), w_desc=w_desc)
     cfg2 = dataclasses.replace(lookup_for_device(a.device, "gemm2", E, H, Ir), w_desc=w_desc)
@@ -313,10 +332,13 @@ def test_gpu_matches_reference(shape, kind, dtype, w_desc):
         act_g = torch.full_like(act, float("nan"))
         gemm1_swiglu(x, w13, block_expert, config=cfg1, out=act_g, row_token=torch.where(used, perm, -1).int())
         assert torch.equal(act_g[used], act[used]), "GEMM1 with row_token differs from GEMM1 on the laid-out rows"
-        # The tile queue (GemmConfig.queue): the same tiles in another order, the same bits.
+        # The tile queue and pn_major order (GemmConfig): the same tiles in another order, the same bits.
         act_q, d_q = torch.full_like(act, float("nan")), torch.full_like(d, float("nan"))
-        gemm1_swiglu(a, w13, block_expert, config=dataclasses.replace(cfg1, queue=not cfg1.queue), out=act_q)
-        gemm2(act_in, w2, block_expert, config=dataclasses.replace(cfg2, queue=not cfg2.queue), out=d_q)
+        order = dict(queue=not cfg1.queue, pn_major=not cfg1.pn_major)
+        gemm1_swiglu(a, w13, block_expert, config=dataclasses.replace(cfg1, **order), out=act_q,
+                     expert_offsets=offsets.to(a.device))
+        gemm2(act_in, w2, block_expert, config=dataclasses.replace(cfg2, **order), out=d_q,
+              expert_offsets=offsets.to(a.device))
         assert torch.equal(act_q[used], act[used]) and torch.equal(d_q[used], d[used]), "the tile queue changed bits"
         assert torch.isnan(act_q[~used]).all(), "the tile queue wrote rows of unused blocks"
         assert torch.isfinite(act[used]).all() and torch.isfinite(d[used]).all(), "NaN left in used rows"

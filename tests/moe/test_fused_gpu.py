@@ -71,8 +71,12 @@ def _schedule(R: int):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("graph,w_desc", [(True, False), (False, False), (True, True)])
-def test_r1_matches_reference(graph, w_desc):
+ORDERS = {"static": {}, "queue_pn_major": {"queue": True, "pn_major": True}}  # GemmConfig tile orders
+
+
+@pytest.mark.parametrize("graph,w_desc,order", [(True, False, "static"), (False, False, "static"),
+                                                (True, True, "static"), (True, False, "queue_pn_major")])
+def test_r1_matches_reference(graph, w_desc, order):
     from service.moe.fused import FusedLayer, fused_unavailable_reason
     from service.moe.reference import moe_reference
     from service.moe.weights import RankWeights
@@ -82,8 +86,9 @@ def test_r1_matches_reference(graph, w_desc):
     assert fused_unavailable_reason(cfg, dev) is None
     gate, up, down = _weights(cfg)
     layer = FusedLayer(cfg, RankWeights(*slice_rank(gate, up, down, 0, 1)), rank=0, device=dev, graph=graph,
-                       w_desc=w_desc)
+                       w_desc=w_desc, gemm=ORDERS[order])
     assert layer.plan.config1.w_desc == layer.plan.config2.w_desc == w_desc
+    assert layer.plan.config1.queue == layer.plan.config2.queue == bool(ORDERS[order])
     gen = torch.Generator().manual_seed(11)
     gate, up, down = gate.to(dev), up.to(dev), down.to(dev)
     for seq, (counts, kind) in enumerate(_schedule(1), start=1):
@@ -190,7 +195,8 @@ def _run_group(R: int, mode: str, tmp_path, plan: dict | None = None) -> list[di
 
 # Plan variants under trial (bench/fused_layer.py --variants): proven across processes here
 # before one becomes the default.
-PLAN_VARIANTS = {"default": {}, "one-puller": {"num_comm1": 1}}  # one puller: the gates wait most
+PLAN_VARIANTS = {"default": {}, "one-puller": {"num_comm1": 1},  # one puller: the gates wait most
+                 "queue": {"gemm": {"queue": True, "pn_major": True}}}  # the tile queues, across ranks
 
 
 @pytest.mark.parametrize("plan", sorted(PLAN_VARIANTS))
