@@ -2,7 +2,7 @@
 and the layer a user would run instead (issue 12).
 
     python bench/core.py --anchors PATH/bench_anchors.py [--tokens 2048] [--K 8] [--E 64] [--H 4096]
-                         [--Ir 768] [--iters 100] [--w-desc off] [--split on,off] [--queue off]
+                         [--Ir 768] [--iters 100] [--w-desc off] [--split on,off] [--order static,queue]
                          [--routing balanced,skewed] [--json FILE] [--profile]
 
 Shape: the seed preset's per-rank share (T = 2048 tokens, K = 8, E = 64, H = 4096, Ir = 768), all on
@@ -21,8 +21,9 @@ Rows, per routing:
              tuned-H100-N768; its align is plain torch: vLLM's CUDA op takes ~20 us), and its GEMMs
 each of this project's rows once per combination of --w-desc (GemmConfig.w_desc: weights through
 TMA descriptors), --split (GemmConfig.split_tail: half tiles for tail blocks; "nosplit" rows run
-full tiles everywhere) and --queue values (GemmConfig.queue: the serial GEMMs take tiles from an
-atomic counter), tagged by what differs from the defaults.
+full tiles everywhere) and --order values (GemmConfig.queue: the GEMM programs take tiles from an
+atomic counter; pn_major: an expert's tiles column-tile-major), tagged by what differs from the
+defaults.
 --profile: no timing, no layers, no anchor rows: each variant's GEMM1 and GEMM2 run once per
 routing (what `ncu -k regex:grouped_gemm --launch-count N` profiles, bench/gpu_core.sh).
 Timing as the anchor times: our GEMMs and the dense matmul are captured in a graph
@@ -82,21 +83,24 @@ def time_steps(layer, x, ids, w, iters: int, seq0: int) -> float:
     return statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
 
 
-VARIED = (("w_desc", "w_desc", "w_desc"), ("split", "split_tail", "split"), ("queue", "queue", "queue"),
-          ("pn_major", "pn_major", "pn_major"))
+VARIED = (("w_desc", "w_desc", "w_desc"), ("split", "split_tail", "split"))
+ORDERS = {"static": {}, "queue": {"queue": True}, "pn_major": {"pn_major": True},
+          "queue+pn_major": {"queue": True, "pn_major": True}}  # --order: GemmConfig tile orders
+TAGGED = (("queue", "queue", "queue"), ("pn_major", "pn_major", "pn_major"))
 
 
 def variant_list(args, base) -> list[tuple[str, dict]]:
-    """(tag, GemmConfig fields) for every combination of the --w-desc, --split and --queue values;
+    """(tag, GemmConfig fields) for every combination of the --w-desc, --split and --order values;
     the tag names the fields that differ from `base` (" nosplit", " queue", ...)."""
     choices = [[(field, v == "on") for v in getattr(args, arg.replace("-", "_")).split(",")]
                for arg, field, _ in VARIED]
     out = []
     for combo in itertools.product(*choices):
-        change = dict(combo)
-        tag = "".join(f" {name}" if change[field] else f" no{name}"
-                      for _, field, name in VARIED if change[field] != getattr(base, field))
-        out.append((tag, change))
+        for order in args.order.split(","):
+            change = dict(combo, queue=False, pn_major=False, **ORDERS[order])
+            tag = "".join(f" {name}" if change[field] else f" no{name}"
+                          for _, field, name in (*VARIED, *TAGGED) if change[field] != getattr(base, field))
+            out.append((tag, change))
     return out
 
 
@@ -279,8 +283,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--w-desc", default="off", help="GemmConfig.w_desc values to time: off, on or both")
     p.add_argument("--split", default="on,off", help="GemmConfig.split_tail values to time: on, off or both")
-    p.add_argument("--queue", default="off", help="GemmConfig.queue values to time: on, off or both")
-    p.add_argument("--pn-major", default="off", help="GemmConfig.pn_major values to time: on, off or both")
+    p.add_argument("--order", default="static", help=f"tile orders to time, of {sorted(ORDERS)} (GemmConfig.queue, "
+                   "pn_major)")
     p.add_argument("--repeats", type=int, default=1, help="rounds over all variants, interleaved; medians of rounds")
     p.add_argument("--profile", action="store_true", help="run each variant's GEMMs once, untimed (under ncu)")
     p.add_argument("--routing", default="balanced,skewed")
