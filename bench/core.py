@@ -97,7 +97,7 @@ def variant_list(args, base) -> list[tuple[str, dict]]:
     out = []
     for combo in itertools.product(*choices):
         for order in args.order.split(","):
-            change = dict(combo, queue=False, pn_major=False, **ORDERS[order])
+            change = {**dict(combo), "queue": False, "pn_major": False, **ORDERS[order]}
             tag = "".join(f" {name}" if change[field] else f" no{name}"
                           for _, field, name in (*VARIED, *TAGGED) if change[field] != getattr(base, field))
             out.append((tag, change))
