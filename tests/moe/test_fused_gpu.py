@@ -71,7 +71,8 @@ def _schedule(R: int):
 # ---------------------------------------------------------------------------------------------
 
 
-ORDERS = {"static": {}, "queue_pn_major": {"queue": True, "pn_major": True}}  # GemmConfig tile orders
+# GemmConfig tile orders, set explicitly (the device's tile config may choose either).
+ORDERS = {"static": {"queue": False, "pn_major": False}, "queue_pn_major": {"queue": True, "pn_major": True}}
 
 
 @pytest.mark.parametrize("graph,w_desc,order", [(True, False, "static"), (False, False, "static"),
@@ -88,7 +89,7 @@ def test_r1_matches_reference(graph, w_desc, order):
     layer = FusedLayer(cfg, RankWeights(*slice_rank(gate, up, down, 0, 1)), rank=0, device=dev, graph=graph,
                        w_desc=w_desc, gemm=ORDERS[order])
     assert layer.plan.config1.w_desc == layer.plan.config2.w_desc == w_desc
-    assert layer.plan.config1.queue == layer.plan.config2.queue == bool(ORDERS[order])
+    assert layer.plan.config1.queue == layer.plan.config2.queue == ORDERS[order]["queue"]
     gen = torch.Generator().manual_seed(11)
     gate, up, down = gate.to(dev), up.to(dev), down.to(dev)
     for seq, (counts, kind) in enumerate(_schedule(1), start=1):
@@ -196,7 +197,8 @@ def _run_group(R: int, mode: str, tmp_path, plan: dict | None = None) -> list[di
 # Plan variants under trial (bench/fused_layer.py --variants): proven across processes here
 # before one becomes the default.
 PLAN_VARIANTS = {"default": {}, "one-puller": {"num_comm1": 1},  # one puller: the gates wait most
-                 "queue": {"gemm": {"queue": True, "pn_major": True}}}  # the tile queues, across ranks
+                 "queue": {"gemm": {"queue": True, "pn_major": True}},  # the tile queues, across ranks
+                 "static": {"gemm": {"queue": False}}}  # the static walk, whatever the tile config says
 
 
 @pytest.mark.parametrize("plan", sorted(PLAN_VARIANTS))
