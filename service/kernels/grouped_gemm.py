@@ -21,21 +21,27 @@ memory.
 Work and traffic per launch, with M = used rows = expert_offsets[E] (FLOP and byte formulas in
 `flops()` / `bytes_moved()`):
     GEMM1: 2 * M * H * 2*Ir FLOP; reads A once per output-column tile and W13 of each used expert
-           once per row block (L2 absorbs most of the re-reads), writes M * Ir.
+           once per row block (L2 absorbs part of the re-reads: the tile order below), writes M * Ir.
     GEMM2: 2 * M * Ir * H FLOP; same pattern with N = H.
 At the seed shape (16,384 hits, H=4096, Ir=768) GEMM1 is 206 GFLOP against 805 MB of W13 and
 GEMM2 103 GFLOP against 403 MB of W2: close to the H200 ridge point, so tiles must be large.
 
-Schedule: a persistent grid of min(#SMs, tiles at capacity) programs walks the tiles
-t = pid, pid + P, ...; tile t is (row block t // n_tiles, column tile t % n_tiles), so tiles are
-taken in row-block order, which is expert order. Tiles whose block carries expert E are skipped
-without loading anything: the grid is sized at capacity and needs no host sync.
+Schedule: a persistent grid of min(ctas_per_sm * #SMs, tiles at capacity) programs walks the
+tiles t = pid, pid + P, ... (the static walk), or, with GemmConfig.queue, takes them from an atomic
+counter in order (`next_tile`). Tile t is (row block t // n_tiles, column tile t % n_tiles), so
+tiles come in row-block order, which is expert order; with GemmConfig.pn_major an expert's own
+range is column-tile-major instead (`tile_coords`). Tiles whose block carries expert E are
+skipped without loading anything: the grid is sized at capacity and needs no host sync.
+Why the order matters (ncu on an H200, bench/RESULTS.md): GEMM1 at the seed share is DRAM-bound
+on re-read weights; the blocks of one expert that share a weight column tile find it in L2 only
+when they read it within microseconds of each other. The static walk lets the programs drift
+apart (L2 hit rate 26-43 %); the queue starts sharers a few grabs apart (47 %).
 
 Tail tiles (compile-time SPLIT, GemmConfig.split_tail): an expert's real rows lead its run, so
 the padding of its last block is that block's tail. Given the layout's row_token, a block whose
 row BM/2 is padding (row_token < 0) runs a BM/2-row tile and leaves its rows BM/2.. unwritten
 (`half_tail`): an expert's padding then costs at most BM/2 - 1 computed rows instead of BM - 1
-(seed share, balanced: 20,608 rows computed for 16,384 hits become ~18,2xx; bench/NOTES.md).
+(seed share, balanced: 20,608 rows computed for 16,384 hits become 18,496; bench/NOTES.md).
 GEMM2 given the same row_token skips the same rows, which GEMM1 did not write.
 
 Row gather (compile-time GATHER): with `row_token [S]`, output row s reads row row_token[s] of A
