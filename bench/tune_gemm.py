@@ -6,7 +6,8 @@ request path): service/kernels/configs/<device>__<mode>__E<E>_H<H>_N<Ir>.json.
 Each candidate (BN, BK, warps, stages, programs per SM) is compiled and timed with
 triton.testing.do_bench on the layout of a balanced routing, as the layers run the GEMMs: GEMM1
 gathers its rows through row_token, both take row_token for the half tail tiles
-(GemmConfig.split_tail); candidates that do not fit the device's shared memory fail
+(GemmConfig.split_tail), in the tile order the current file sets (split_tail, queue, pn_major:
+bench/core.py measures those on the layers); candidates that do not fit the device's shared memory fail
 to compile and are skipped. The best one per mode is written with `"tuned": true`, the
 measurement and the runner-up, and printed next to the previous file's config (same run).
 """
@@ -14,6 +15,7 @@ measurement and the runner-up, and printed next to the previous file's config (s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -75,16 +77,19 @@ def main() -> None:
     out1 = torch.empty(S, Ir, device=dev, dtype=dtype)
     out2 = torch.empty(S, H, device=dev, dtype=dtype)
     runs = {
-        "gemm1": (lambda cfg: gemm1_swiglu(x, w13, be, config=cfg, out=out1, row_token=tables.row_token),
-                  flops(hits, H, Ir, swiglu=True)),
-        "gemm2": (lambda cfg: gemm2(act, w2, be, config=cfg, out=out2, row_token=tables.row_token),
-                  flops(hits, Ir, H, swiglu=False)),
+        "gemm1": (lambda cfg: gemm1_swiglu(x, w13, be, config=cfg, out=out1, row_token=tables.row_token,
+                                           expert_offsets=tables.expert_offsets), flops(hits, H, Ir, swiglu=True)),
+        "gemm2": (lambda cfg: gemm2(act, w2, be, config=cfg, out=out2, row_token=tables.row_token,
+                                    expert_offsets=tables.expert_offsets), flops(hits, Ir, H, swiglu=False)),
     }
     for mode, (run, work) in runs.items():
         previous = tuning.lookup(device_name, mode, E, H, Ir, M=hits, directory=args.out_dir,
                                  smem_per_block=torch.cuda.get_device_properties(dev).shared_memory_per_block_optin)
         results = []
-        for cfg in candidates(mode, args.quick) + [previous]:
+        # The tile order fields stay as the current file has them (bench/core.py --order / --split
+        # measure those on the layers); this script tunes the tile's shape.
+        order = dict(split_tail=previous.split_tail, queue=previous.queue, pn_major=previous.pn_major)
+        for cfg in [dataclasses.replace(c, **order) for c in candidates(mode, args.quick)] + [previous]:
             try:
                 run(cfg)
                 torch.cuda.synchronize()
