@@ -21,6 +21,7 @@ import torch
 
 from service.config import LayerConfig
 from service.errors import BackendUnavailable
+from service.moe.hostcomm import HostPeers
 from service.moe.timing import StageTimer
 from service.moe.weights import RankWeights
 
@@ -50,11 +51,13 @@ class Layer(Protocol):
 
 
 def make_layer(cfg: LayerConfig, weights: RankWeights, *, rank: int, device: torch.device,
-               backend: str = "auto", log: logging.Logger | None = None) -> Layer:
+               backend: str = "auto", log: logging.Logger | None = None,
+               host: HostPeers | None = None) -> Layer:
     """The fused layer when asked for (auto/fused) and possible, else the serial one for auto
     (rank 0 logs why: at INFO on the CPU, where serial is the expected path) and BackendUnavailable
     for fused. With R > 1 the probe is collective (every rank calls this) and gives every rank the
-    same verdict."""
+    same verdict. `host`: CPU ranks of one host, whose serial layer then communicates through
+    shared memory (service.moe.hostcomm) instead of the process group."""
     from service.moe.serial import SerialLayer
 
     if backend not in BACKENDS:
@@ -71,4 +74,4 @@ def make_layer(cfg: LayerConfig, weights: RankWeights, *, rank: int, device: tor
         if rank == 0:
             log.log(logging.INFO if device.type == "cpu" else logging.WARNING,
                     "backend %s: fused unavailable (%s); running serial", backend, reason)
-    return SerialLayer(cfg, weights, rank=rank, device=device)
+    return SerialLayer(cfg, weights, rank=rank, device=device, host=host)

@@ -12,8 +12,14 @@ every expert, W13 [E, H, 2*Ir] (gate columns, then up columns) and W2 [E, Ir, H]
     5. top-k combine in fp32: partial[g] = sum_k w_g[g,k] * D[slots[g,k]]   [R*C, H]
     6. reduce-scatter over ranks (sum of the Ir slices)   -> out_r [n_r, H]
 
-It runs on gloo (CPU) and NCCL (GPU) and is the baseline the fused backend is measured
-against, and its fallback.
+It runs on gloo or shared memory (CPU) and NCCL (GPU) and is the baseline the fused backend is
+measured against, and its fallback.
+
+Ranks on one host (the CPU default) pass `host` (service.moe.hostcomm): the routing blocks, the
+token rows and the partials then live in one region every rank maps, each rank writes its share
+in place and a barrier replaces each collective. A step has two: "all_gather" (every rank's
+routing block and tokens are written: nothing moves, x_g is that region) and "reduce_scatter"
+(every rank's partials plane is written; each rank then sums its own rows over the R planes).
 
 The step reads no host value: the rows come through `inputs` (x_in, ids_in, w_in) and the
 routing block's META words through `ctl`, one copy from pinned memory, so on a GPU (R = 1 or
@@ -24,7 +30,7 @@ per-stage times).
 Exposed communication of this backend (`exposed_comm_s()`, reported in `StepStats.exposed_comm_s`)
 is the time spent in the collectives (stages `all_gather` and `reduce_scatter`): nothing overlaps them.
 
-Gloo has no reduce-scatter; there the step all-reduces the partials and keeps its own rows
+Gloo (without `host`) has no reduce-scatter; there the step all-reduces the partials and keeps its own rows
 (R times the traffic of a reduce-scatter, on the CPU path only). On gloo the token all-gather and
 that all-reduce move only the first m = max(n_r) rows of every rank's block (the counts are on the
 host after the routing all-gather; the rows past n_r are padding): a step's traffic follows its
@@ -50,6 +56,7 @@ from service.config import BM, META, LayerConfig
 from service.moe import routing
 from service.moe import tables as torch_tables
 from service.moe.grouped import grouped_mm, native_grouped_mm_reason, prepare_weight, real_rows
+from service.moe.hostcomm import HostComm, HostPeers
 from service.moe.timing import StageTimer
 from service.moe.weights import RankWeights
 
@@ -163,30 +170,44 @@ class SerialLayer:
     name = "serial"
 
     def __init__(self, cfg: LayerConfig, weights: RankWeights, *, rank: int, device: torch.device,
-                 group: dist.ProcessGroup | None = None, gemm: str = "auto", graph: bool = False):
+                 group: dist.ProcessGroup | None = None, gemm: str = "auto", graph: bool = False,
+                 host: HostPeers | None = None):
         device = torch.device(device)
         self.cfg, self.rank, self.device, self.group = cfg, rank, device, group
         self.gemms = GroupedGemms(cfg, weights, device, gemm)
         R, C, K, H = cfg.R, cfg.C, cfg.K, cfg.H
-        self.nccl = dist.is_initialized() and dist.get_backend(group) == "nccl"
+        if host is not None and (device.type != "cpu" or R == 1):
+            raise ValueError("shared-memory collectives are for CPU ranks, R > 1")
+        self.host = None if host is None else HostComm(host, cfg, rank)
+        self.nccl = self.host is None and dist.is_initialized() and dist.get_backend(group) == "nccl"
+        self.gloo = self.host is None and not self.nccl and R > 1
         kw = dict(device=device)
-        # Routing block of this rank (layout: service.moe.routing) and every rank's.
-        L = routing.block_len(C, K)
-        self.routing = torch.zeros(L, dtype=torch.int32, **kw)        # [L]
-        self.routing_g = torch.zeros(R, L, dtype=torch.int32, **kw)   # [R, L]
         self._timer: StageTimer | None = None  # the last step's, for exposed_comm_s
-        self.x_g = torch.zeros(R * C, H, dtype=cfg.dtype, **kw)  # [R*C, H]
         self.out = torch.zeros(C, H, dtype=torch.float32, **kw)  # [C, H] fp32 sum of the slices
-        self.partial = torch.empty(R * C, H, dtype=torch.float32, **kw)  # [R*C, H] combine output
         self._rows = C  # rows of each rank's token block that the collectives move this step
-        if not self.nccl and R > 1:  # gloo's all-reduce of the first _rows rows of each block
+        if self.host is not None:  # every rank's blocks, tokens and partials in the shared region
+            self.routing_g = self.host.routing                          # [R, L]
+            self.routing = self.routing_g[rank]                         # [L] this rank's block
+            self.x_g = self.host.tokens.view(R * C, H)                  # [R*C, H]
+            self.x_in = self.host.tokens[rank]                          # [C, H] this rank's rows
+            self.partial = self.host.partials[rank]                     # [R*C, H] this rank's plane
+            self._meta_g = torch.zeros(R, META, dtype=torch.int32)     # [R, META] the step's, for check_seq
+        else:
+            # Routing block of this rank (layout: service.moe.routing) and every rank's.
+            L = routing.block_len(C, K)
+            self.routing = torch.zeros(L, dtype=torch.int32, **kw)        # [L]
+            self.routing_g = torch.zeros(R, L, dtype=torch.int32, **kw)   # [R, L]
+            self.x_g = torch.zeros(R * C, H, dtype=cfg.dtype, **kw)       # [R*C, H]
+            self.x_in = torch.zeros(C, H, dtype=cfg.dtype, **kw)          # [C, H]
+            self.partial = torch.empty(R * C, H, dtype=torch.float32, **kw)  # [R*C, H] combine output
+            self._meta_g = self.routing_g                                 # what check_seq reads
+        if self.gloo:  # gloo's all-reduce of the first _rows rows of each block
             self.reduce_buf = torch.empty(R * C, H, dtype=torch.float32, **kw)  # [R*C, H]
         if self.gemms.impl == "torch":  # the portable combine's gather buffer
             self.gathered = torch.empty(R * C, H, dtype=cfg.dtype, **kw)   # [R*C, H]
-        # This step's inputs (`inputs`: the caller may write its rows here) and control words: the
-        # routing block's META words (n, seq low, seq high, 0), copied to the device from pinned
-        # memory, so the step itself reads no host value and is CUDA-graph capturable.
-        self.x_in = torch.zeros(C, H, dtype=cfg.dtype, **kw)          # [C, H]
+        # This step's inputs (`inputs`: the caller may write its rows here; x_in is above) and control
+        # words: the routing block's META words (n, seq low, seq high, 0), copied to the device from
+        # pinned memory, so the step itself reads no host value and is CUDA-graph capturable.
         self.ids_in = torch.zeros(C, K, dtype=torch.int32, **kw)      # [C, K]
         self.w_in = torch.zeros(C, K, dtype=torch.float32, **kw)      # [C, K]
         self.ctl = torch.zeros(META, dtype=torch.int32, **kw)         # [META]
@@ -195,6 +216,7 @@ class SerialLayer:
         self._ctl_host = torch.zeros(META, dtype=torch.int32, pin_memory=cuda)
         self._ctl_copied = torch.cuda.Event() if cuda else None
         self._out = self.out
+        self._n = 0  # this step's rows (the host transport sums only those)
         self._graph = None
         if graph:
             if not cuda or (R > 1 and not self.nccl):
@@ -221,10 +243,12 @@ class SerialLayer:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
 
-    # -- collectives: the same call on gloo and NCCL -------------------------------------------
+    # -- collectives: the same call on gloo, NCCL and shared memory ------------------------------
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         if self.cfg.R == 1:
             out.copy_(inp.reshape(out.shape))
+        elif self.host is not None:  # inp is this rank's row of out, written in place
+            self.host.barrier()
         elif self.nccl:
             dist.all_gather_into_tensor(out, inp, group=self.group)
         else:
@@ -243,6 +267,10 @@ class SerialLayer:
         if self.nccl:
             dist.reduce_scatter_tensor(self.out, partial, group=self.group)
             return self.out
+        if self.host is not None:  # partial is this rank's plane: once all are written, sum our rows
+            self.host.barrier()
+            n, lo = self._n, self.rank * C
+            return torch.sum(self.host.partials[:, lo:lo + n], dim=0, out=self.out[:n])  # [n, H]
         m = self._rows
         rows = self.reduce_buf[:R * m].view(R, m, -1)              # [R, m, H]
         rows.copy_(partial.view(R, C, -1)[:, :m])
@@ -268,7 +296,7 @@ class SerialLayer:
     def _set_inputs(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, seq: int) -> None:
         """The step's rows into `inputs` (nothing to copy for views of them) and its META words
         into `ctl` (one copy from pinned memory on a GPU, after the previous step's copy read it)."""
-        n = x.shape[0]
+        n = self._n = x.shape[0]
         for buf, src in ((self.x_in, x), (self.ids_in, ids), (self.w_in, w)):
             if src.data_ptr() != buf.data_ptr():
                 buf[:n].copy_(src)
@@ -283,7 +311,7 @@ class SerialLayer:
         """Steps 1-6 on the device from `inputs` and `ctl`: no host value is read (on NCCL or
         R = 1), so the step is captured as it is (`graph=True`); the output lands in `_out`."""
         cfg = self.cfg
-        R, C, K = cfg.R, cfg.C, cfg.K
+        C, K = cfg.C, cfg.K
         timer = timer or _NO_TIMER  # capture: no timing events inside a graph
         mark = timer.mark
 
@@ -291,17 +319,21 @@ class SerialLayer:
         routing.pack(self.routing, self.ctl, self.ids_in, self.w_in, self._row)
         self._all_gather(self.routing_g, self.routing)
         mark("all_gather")
+        if self.host is not None:  # peers rewrite their blocks once this step is done: keep the seqs
+            self._meta_g.copy_(self.routing_g[:, :META])
         counts, ids_g, w_g = routing.unpack(self.routing_g, C, K)  # [R], [R*C, K], [R*C, K]
-        if not self.nccl and R > 1:  # gloo: the rows that travel (see above; a host read, never captured)
+        if self.gloo:  # the rows that travel (see above; a host read, never captured)
             self._rows = max(1, int(counts.max()))
 
         # 2. schedule tables, identical on every rank.
         tables = build_tables(ids_g, counts, cfg.E, C, cfg.S)
         mark("tables")
 
-        # 3. tokens: all-gather (rows past n are stale: padding tokens, which no row reads).
-        self._all_gather(self.x_g, self.x_in)
-        mark("all_gather")
+        # 3. tokens: all-gather (rows past n are stale: padding tokens, which no row reads). On
+        # the host transport they were written in place before the first barrier: nothing moves.
+        if self.host is None:
+            self._all_gather(self.x_g, self.x_in)
+            mark("all_gather")
 
         # 4. grouped GEMM1 + SwiGLU over the gathered layout, grouped GEMM2.
         d = self.gemms(self.x_g, tables, timer)                   # [S, H]
@@ -334,7 +366,7 @@ class SerialLayer:
     def check_seq(self, seq: int) -> None:
         """After a step: every rank must have run the same batch (read once the step is done,
         so on a GPU it costs no extra sync)."""
-        routing.check_seq(self.routing_g, seq, self.rank)
+        routing.check_seq(self._meta_g, seq, self.rank)
 
     def exposed_comm_s(self) -> float:
         """The last step's time in collectives (nothing overlaps them in this backend)."""

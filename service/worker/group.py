@@ -39,6 +39,7 @@ import torch
 
 from service.config import LayerConfig
 from service.errors import BackendUnavailable, GroupUnavailable, InvalidInput, WorkerError
+from service.moe.hostcomm import HostPeers
 from service.moe.layer import BACKENDS
 from service.worker.rank import RankOptions, rank_main
 from service.worker.shm import Slot, create_slots, remove_slots, remove_stale_slots
@@ -66,6 +67,12 @@ class StepStats:
     stages: dict[str, float]       # stage -> seconds
     exposed_comm_s: float          # communication not hidden by compute (see the backend)
     wall_s: float = 0.0            # parent's view: send to last answer
+
+
+def cpu_host_peers(ctx, cfg: LayerConfig, device: str, timeout_s: float) -> HostPeers | None:
+    """CPU ranks (R > 1) share one scratch region and R semaphores, made here before they spawn
+    (service.moe.hostcomm: their collectives through shared memory); None on CUDA (NCCL) or R = 1."""
+    return HostPeers.create(ctx, cfg, timeout_s) if device == "cpu" and cfg.R > 1 else None
 
 
 class WorkerGroup:
@@ -130,12 +137,12 @@ class WorkerGroup:
         for slot in self._slots:
             self._free.put(slot)
         threads = max(1, (os.cpu_count() or 1) // cfg.R) if self.device == "cpu" else 4
+        ctx = mp.get_context("spawn")
         opts = RankOptions(cfg=cfg, device=self.device, store_host="127.0.0.1",
                            store_port=port, slot_paths=tuple(s.path for s in self._slots),
                            weights=self.weights, weights_prefix=self.weights_prefix, seed=self.seed,
                            backend=self.requested_backend, timeout_s=self.start_timeout_s, threads=threads,
-                           log_level=self.log_level)
-        ctx = mp.get_context("spawn")
+                           log_level=self.log_level, host=cpu_host_peers(ctx, cfg, self.device, self.start_timeout_s))
         for rank in range(cfg.R):
             parent_end, child_end = ctx.Pipe()
             proc = ctx.Process(target=rank_main, args=(rank, opts, child_end), daemon=True,

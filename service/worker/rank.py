@@ -21,6 +21,7 @@ import torch
 
 from service.config import LayerConfig
 from service.errors import BackendUnavailable
+from service.moe.hostcomm import HostPeers
 
 LOOPBACK_IFNAME = "lo"  # Linux's loopback interface
 
@@ -38,6 +39,7 @@ class RankOptions:
     backend: str = "serial"
     timeout_s: float = 300.0    # process-group timeout (collectives, rendezvous)
     threads: int = 1            # CPU threads per rank
+    host: HostPeers | None = None  # CPU ranks, R > 1: the serial layer's shared-memory collectives
     log_level: str = "INFO"
 
 
@@ -114,7 +116,7 @@ def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
     log.info("weights ready in %.1f s (%s)", time.perf_counter() - t0, opts.weights or f"synthetic seed {opts.seed}")
     # The fused layer when asked for and possible, else serial (reason logged); a fused step whose
     # bounded wait expired raises FusedTimeout from check_seq, reported to the parent below.
-    layer = make_layer(cfg, weights, rank=rank, device=device, backend=opts.backend, log=log)
+    layer = make_layer(cfg, weights, rank=rank, device=device, backend=opts.backend, log=log, host=opts.host)
     del weights
     slots = [Slot.open(cfg, i, p) for i, p in enumerate(opts.slot_paths)]
     if device.type == "cuda":

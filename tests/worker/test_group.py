@@ -1,4 +1,5 @@
-"""The rank group on gloo (4 CPU ranks) against the fp32 reference, and its failure modes."""
+"""The rank group on CPU (R = 1, 2, 4 rank processes; shared-memory collectives for R > 1) against
+the fp32 reference, and its failure modes."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ SHAPES = {
     "e8k2-fp32": LayerConfig(E=8, H=64, I=128, K=2, R=4, C=16, dtype=torch.float32),
     "e16k4-bf16": LayerConfig(E=16, H=96, I=64, K=4, R=4, C=32, dtype=torch.bfloat16),
     "e5k1-fp32": LayerConfig(E=5, H=32, I=48, K=1, R=4, C=8, dtype=torch.float32),
+    "e7k3-r2-fp32": LayerConfig(E=7, H=40, I=32, K=3, R=2, C=13, dtype=torch.float32),
+    "e6k2-r1-fp32": LayerConfig(E=6, H=24, I=20, K=2, R=1, C=27, dtype=torch.float32),
 }
 
 
@@ -127,6 +130,40 @@ def test_killed_rank_fails_the_step_without_hanging():
         with pytest.raises(WorkerError, match="rank 2 died"):
             g.forward(torch.randn(3, SMALL.H), torch.zeros(3, 2, dtype=torch.int32), torch.ones(3, 2))
         assert time.monotonic() - t0 < 10
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_rank_killed_mid_step_fails_it_and_its_peers_do_not_spin():
+    """Rank 1 stopped, a step sent: its peers publish their rows and wait in the step's first barrier
+    (asleep: no CPU time while they wait); rank 1 killed: the step fails at once, nothing hangs."""
+    import concurrent.futures
+
+    with WorkerGroup(SMALL, step_timeout_s=60) as g:
+        g.forward(*_batch(5, 3))
+        os.kill(g.pids[1], signal.SIGSTOP)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            step = pool.submit(g.forward, *_batch(SMALL.tokens_per_step, 4))
+            time.sleep(1.0)  # the other ranks reach the barrier
+            peers = [g.pids[r] for r in (0, 2, 3)]
+            cpu0 = [_cpu_seconds(p) for p in peers]
+            time.sleep(1.0)
+            spent = [_cpu_seconds(p) - c for p, c in zip(peers, cpu0, strict=True)]
+            assert max(spent) < 0.2, spent  # waiting ranks sleep in the kernel
+            assert not step.done()
+            t0 = time.monotonic()
+            os.kill(g.pids[1], signal.SIGKILL)
+            with pytest.raises(WorkerError, match="rank 1 died"):
+                step.result(timeout=30)
+            assert time.monotonic() - t0 < 10
+        assert not g.alive
+    for pid in g.pids:  # every rank reaped, the waiting ones too
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 def test_stalled_rank_times_out():
