@@ -30,10 +30,11 @@ per-stage times).
 Exposed communication of this backend (`exposed_comm_s()`, reported in `StepStats.exposed_comm_s`)
 is the time spent in the collectives (stages `all_gather` and `reduce_scatter`): nothing overlaps them.
 
-Gloo (without `host`) has no reduce-scatter; there the step all-reduces the partials and keeps its own rows
-(R times the traffic of a reduce-scatter, on the CPU path only). On gloo the token all-gather and
-that all-reduce move only the first m = max(n_r) rows of every rank's block (the counts are on the
-host after the routing all-gather; the rows past n_r are padding): a step's traffic follows its
+Gloo (without `host`) has no reduce-scatter; there the step all-reduces the partials and keeps its
+own rows (R times the traffic of a reduce-scatter, on the CPU path only). On gloo the token
+all-gather and that all-reduce move only the first m = max(n_r) rows of every rank's block (the
+counts are on the host after the routing all-gather; the rows past n_r are padding), and on gloo
+and the CPU the portable combine computes only those rows: a step's traffic and combine follow its
 tokens. NCCL moves whole blocks (reading m would sync the device).
 
 Kernels, chosen once per rank and logged (`GEMMS`, `build_tables` below):
@@ -184,7 +185,7 @@ class SerialLayer:
         kw = dict(device=device)
         self._timer: StageTimer | None = None  # the last step's, for exposed_comm_s
         self.out = torch.zeros(C, H, dtype=torch.float32, **kw)  # [C, H] fp32 sum of the slices
-        self._rows = C  # rows of each rank's token block that the collectives move this step
+        self._rows = C  # leading rows of each rank's block that hold its tokens (m; C on CUDA but gloo)
         if self.host is not None:  # every rank's blocks, tokens and partials in the shared region
             self.routing_g = self.host.routing                          # [R, L]
             self.routing = self.routing_g[rank]                         # [L] this rank's block
@@ -322,7 +323,7 @@ class SerialLayer:
         if self.host is not None:  # peers rewrite their blocks once this step is done: keep the seqs
             self._meta_g.copy_(self.routing_g[:, :META])
         counts, ids_g, w_g = routing.unpack(self.routing_g, C, K)  # [R], [R*C, K], [R*C, K]
-        if self.gloo:  # the rows that travel (see above; a host read, never captured)
+        if self.gloo or self.device.type == "cpu":  # m: rows moved and combined (a host read, never captured)
             self._rows = max(1, int(counts.max()))
 
         # 2. schedule tables, identical on every rank.
@@ -353,15 +354,21 @@ class SerialLayer:
 
             return combine(d, slots, w_g, out=self.partial)
         # Portable: K rounds of gather + fused multiply-add into the buffers of __init__ (the
-        # multiply-add reads the layer dtype and accumulates in fp32). A padding token's slots are
-        # -1, read as row 0 with weight 0; its row is then zeroed (as is any non-finite value of row 0).
-        partial, gathered = self.partial, self.gathered                   # [R*C, H] fp32, [R*C, H]
-        partial.zero_()
-        idx = slots.long().clamp(min=0)                                   # [R*C, K]
-        for k in range(slots.shape[1]):
+        # multiply-add reads the layer dtype and accumulates in fp32), over the first m rows of each
+        # rank's block only (the rest are padding tokens, which nothing reads). A padding token's
+        # slots are -1, read as row 0 with weight 0; its row is then zeroed (as is any non-finite
+        # value of row 0).
+        R, C, K, m = self.cfg.R, self.cfg.C, slots.shape[1], self._rows
+        part = self.partial.view(R, C, -1)[:, :m]                          # [R, m, H] fp32
+        gathered = self.gathered[:R * m]                                   # [R*m, H]
+        slots, w_g = slots.view(R, C, K)[:, :m], w_g.view(R, C, K)[:, :m]  # [R, m, K]
+        idx = slots.reshape(R * m, K).long().clamp(min=0)                  # [R*m, K]
+        part.zero_()
+        for k in range(K):
             torch.index_select(d, 0, idx[:, k], out=gathered)
-            partial.addcmul_(gathered, w_g[:, k:k + 1])
-        return partial.masked_fill_(slots[:, :1] < 0, 0.0)
+            part.addcmul_(gathered.view(R, m, -1), w_g[:, :, k:k + 1])
+        part.masked_fill_(slots[:, :, :1] < 0, 0.0)
+        return self.partial
 
     def check_seq(self, seq: int) -> None:
         """After a step: every rank must have run the same batch (read once the step is done,
