@@ -182,6 +182,9 @@ class SerialLayer:
         self.host = None if host is None else HostComm(host, cfg, rank)
         self.nccl = self.host is None and dist.is_initialized() and dist.get_backend(group) == "nccl"
         self.gloo = self.host is None and not self.nccl and R > 1
+        if R > 1:
+            log.info("collectives: %s", "shared memory (service.moe.hostcomm)" if self.host else
+                     "NCCL" if self.nccl else "gloo")
         kw = dict(device=device)
         self._timer: StageTimer | None = None  # the last step's, for exposed_comm_s
         self.out = torch.zeros(C, H, dtype=torch.float32, **kw)  # [C, H] fp32 sum of the slices
