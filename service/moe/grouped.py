@@ -9,9 +9,9 @@ Two implementations:
 - `torch._grouped_mm` (CUTLASS grouped GEMM) on CUDA devices of compute capability 9.x/10.x
   with bf16 operands: one launch, offsets stay on the device (no host sync).
 - a per-expert `torch.mm` loop everywhere else (CPU, other GPUs, fp32/fp16). It reads the
-  offsets on the host, which syncs on CUDA; on the CPU that costs nothing. Given each expert's
-  real rows (`real_rows`: the head of its run, service.moe.tables), it computes only those, not
-  the padding up to the next multiple of BM: a step's cost then follows its tokens.
+  offsets on the host, which syncs on CUDA; on the CPU that costs nothing. The serial layer
+  hands it the hits alone, packed (offsets from `real_rows`: each expert's real rows lead its run
+  in service.moe.tables), so it computes no padding row: a step's cost then follows its tokens.
 """
 
 from __future__ import annotations
@@ -60,29 +60,26 @@ def real_rows(offsets: torch.Tensor, row_token: torch.Tensor) -> list[int]:
     return (real[off[1:]] - real[off[:-1]]).tolist()
 
 
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
-               rows: list[int] | None = None) -> torch.Tensor:
-    """`a [S, Kd]` times `b [E, Kd, N]` per expert row range; `offsets [E+1]` int32 -> `[S, N]`.
-    With `rows` (per expert, from `real_rows`) the loop computes only the first rows[e] rows of
-    each range; the native kernel computes whole ranges either way."""
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`a [S, Kd]` times `b [E, Kd, N]` per expert row range; `offsets [E+1]` int -> `[S, N]`."""
     assert a.dim() == 2 and b.dim() == 3 and a.shape[1] == b.shape[1], (a.shape, b.shape)
     assert offsets.numel() == b.shape[0] + 1, (offsets.shape, b.shape)
     if native_grouped_mm_reason(a.device, a.dtype) is None:
         # offs are the cumulative row ends of the E groups; rows past offs[-1] are left alone.
         return torch._grouped_mm(a, b, offs=offsets[1:].to(torch.int32))
-    return grouped_mm_loop(a, b, offsets, rows)
+    return grouped_mm_loop(a, b, offsets)
 
 
 def grouped_mm_loop(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
-                    rows: list[int] | None = None) -> torch.Tensor:
-    """The portable fallback: one `mm` per expert with rows (its real rows when `rows` is given;
-    the other rows of the output are left undefined)."""
-    out = torch.empty(a.shape[0], b.shape[2], dtype=a.dtype, device=a.device)  # [S, N]
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """The portable fallback: one `mm` per expert with rows (rows past offsets[E] are left
+    undefined), into `out` [S, N] when given (a buffer reused across steps)."""
+    if out is None:
+        out = torch.empty(a.shape[0], b.shape[2], dtype=a.dtype, device=a.device)  # [S, N]
+    assert out.shape == (a.shape[0], b.shape[2]) and out.is_contiguous(), (out.shape, a.shape, b.shape)
     bounds = offsets.tolist()
     for e in range(b.shape[0]):
         lo, hi = bounds[e], bounds[e + 1]
-        if rows is not None:
-            hi = lo + rows[e]
         if hi > lo:
             torch.mm(a[lo:hi], b[e], out=out[lo:hi])
     return out

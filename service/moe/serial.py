@@ -56,7 +56,7 @@ import torch.distributed as dist
 from service.config import BM, META, LayerConfig
 from service.moe import routing
 from service.moe import tables as torch_tables
-from service.moe.grouped import grouped_mm, native_grouped_mm_reason, prepare_weight, real_rows
+from service.moe.grouped import grouped_mm, grouped_mm_loop, native_grouped_mm_reason, prepare_weight, real_rows
 from service.moe.hostcomm import HostComm, HostPeers
 from service.moe.timing import StageTimer
 from service.moe.weights import RankWeights
@@ -102,15 +102,24 @@ class GroupedGemms:
         else:
             self.w13 = prepare_weight(weights.w13.to(device, cfg.dtype))  # [E, H, 2*Ir]
             self.w2 = prepare_weight(weights.w2.to(device, cfg.dtype))    # [E, Ir, H]
-            self.A = torch.zeros(cfg.S, cfg.H, dtype=cfg.dtype, device=device)  # [S, H] gathered layout
+            if native_grouped_mm_reason(device, cfg.dtype) is None:
+                self.A = torch.zeros(cfg.S, cfg.H, dtype=cfg.dtype, device=device)  # [S, H] gathered layout
+            else:  # the packed hits, at most R*C*K (reused: a fresh 2 MB block costs its page faults every step)
+                hits = cfg.R * cfg.C * cfg.K
+                self.A = torch.zeros(hits, cfg.H, dtype=cfg.dtype, device=device)       # [N, H] tokens
+                self.h = torch.zeros(hits, 2 * cfg.Ir, dtype=cfg.dtype, device=device)  # [N, 2*Ir]
+                self.d = torch.zeros(hits, cfg.H, dtype=cfg.dtype, device=device)       # [N, H]
         self.act = cfg.act
         self.b13 = None if weights.b13 is None else weights.b13.to(device, cfg.dtype)  # [E, 2*Ir]
         self.b2 = None if weights.b2 is None else weights.b2.to(device, cfg.dtype)    # [E, H] (rank 0)
 
-    def __call__(self, x_g: torch.Tensor, tables, timer: StageTimer) -> torch.Tensor:
-        """Global tokens x_g [R*C, H] -> D [S, H] over the gathered layout; marks the stages
-        scatter and swiglu (torch only), gemm1 and gemm2. The Triton GEMM1 reads each row's token
-        through row_token; the torch path first copies the tokens into the layout."""
+    def __call__(self, x_g: torch.Tensor, tables, timer: StageTimer) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global tokens x_g [R*C, H] -> (D, slots): D's rows hold the hits' expert outputs and
+        slots [R*C, K] (int32, or int64 from the loop) addresses them (-1 for padding tokens).
+        Marks the stages scatter and swiglu (torch only), gemm1 and gemm2. Triton and the native
+        grouped GEMM compute over the gathered layout (D [S, H], tables.slots); the Triton GEMM1
+        reads each row's token through row_token, the native path first copies the tokens into the
+        layout. The per-expert loop computes the hits alone, packed (D [N, H], slots renumbered)."""
         Ir = self.w2.shape[1]
         if self.impl == "triton":
             from service.kernels.grouped_gemm import gemm1_swiglu, gemm2
@@ -121,37 +130,54 @@ class GroupedGemms:
             gemm2(self.h, self.w2, tables.block_expert, config=self.configs[1], out=self.d, bias=self.b2,
                   row_token=tables.row_token, expert_offsets=tables.expert_offsets)
             timer.mark("gemm2")
-            return self.d
-        if native_grouped_mm_reason(x_g.device, x_g.dtype) is None:  # one launch over whole ranges
-            rows = None
-            A = torch.index_select(x_g, 0, tables.row_token.clamp(min=0), out=self.A)  # [S, H]
-        else:  # the per-expert loop: real rows only (a step's cost follows its tokens)
-            rows = real_rows(tables.expert_offsets, tables.row_token)
-            A = self.A
-            for lo, n in zip(tables.expert_offsets.tolist()[:-1], rows, strict=True):
-                if n:
-                    torch.index_select(x_g, 0, tables.row_token[lo:lo + n], out=A[lo:lo + n])
+            return self.d, tables.slots
+        if native_grouped_mm_reason(x_g.device, x_g.dtype) is not None:
+            return self._packed(x_g, tables, timer)
+        A = torch.index_select(x_g, 0, tables.row_token.clamp(min=0), out=self.A)  # [S, H]
         timer.mark("scatter")
-        h = grouped_mm(A, self.w13, tables.expert_offsets, rows)   # [S, 2*Ir]
+        h = grouped_mm(A, self.w13, tables.expert_offsets)        # [S, 2*Ir] one launch over whole ranges
         if self.b13 is not None or self.b2 is not None:
             # Expert of every row (blocks past the last expert carry E: clamped, their rows are unused).
             row_expert = tables.block_expert.long().clamp(max=self.w13.shape[0] - 1).repeat_interleave(BM)  # [S]
         if self.b13 is not None:
             h += self.b13[row_expert]
         timer.mark("gemm1")
-        if rows is None:
-            act = self.act.apply(h[:, :Ir], h[:, Ir:])             # [S, Ir]
-        else:  # real rows only
-            act = torch.empty(h.shape[0], Ir, dtype=h.dtype, device=h.device)  # [S, Ir]
-            for lo, n in zip(tables.expert_offsets.tolist()[:-1], rows, strict=True):
-                if n:
-                    act[lo:lo + n] = self.act.apply(h[lo:lo + n, :Ir], h[lo:lo + n, Ir:])
+        act = self.act.apply(h[:, :Ir], h[:, Ir:])                 # [S, Ir]
         timer.mark("swiglu")
-        d = grouped_mm(act, self.w2, tables.expert_offsets, rows)  # [S, H]
+        d = grouped_mm(act, self.w2, tables.expert_offsets)       # [S, H]
         if self.b2 is not None:
             d += self.b2[row_expert]
         timer.mark("gemm2")
-        return d
+        return d, tables.slots
+
+    def _packed(self, x_g: torch.Tensor, tables, timer: StageTimer) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-expert loop over the hits alone (a step's cost follows its tokens): the layout's
+        real rows, kept in layout order (so by expert), packed into N rows; one gather, one
+        activation and E matmuls per GEMM instead of E of each. Offsets are read on the host."""
+        Ir = self.w2.shape[1]
+        hits = torch.tensor(real_rows(tables.expert_offsets, tables.row_token))  # [E] hits per expert
+        offsets = torch.zeros(hits.numel() + 1, dtype=torch.int64)
+        torch.cumsum(hits, 0, out=offsets[1:])                      # [E+1] packed offsets
+        real = tables.row_token >= 0                                 # [S]
+        tokens = tables.row_token[real]                              # [N] the hits' tokens
+        A = torch.index_select(x_g, 0, tokens, out=self.A[:tokens.numel()])  # [N, H]
+        timer.mark("scatter")
+        N = tokens.numel()
+        h = grouped_mm_loop(A, self.w13, offsets, out=self.h[:N])   # [N, 2*Ir]
+        if self.b13 is not None or self.b2 is not None:
+            row_expert = torch.repeat_interleave(hits).to(x_g.device)  # [N] expert of each packed row
+        if self.b13 is not None:
+            h += self.b13[row_expert]
+        timer.mark("gemm1")
+        act = self.act.apply(h[:, :Ir], h[:, Ir:])                  # [N, Ir]
+        timer.mark("swiglu")
+        d = grouped_mm_loop(act, self.w2, offsets, out=self.d[:N])  # [N, H]
+        if self.b2 is not None:
+            d += self.b2[row_expert]
+        timer.mark("gemm2")
+        packed = torch.cumsum(real, 0) - 1                           # [S] packed row of each real row
+        slots = packed[tables.slots.long().clamp(min=0)]             # [R*C, K] int64
+        return d, slots.masked_fill_(tables.slots < 0, -1)
 
 
 def build_tables(ids: torch.Tensor, counts: torch.Tensor, E: int, C: int, S: int) -> torch_tables.Tables:
@@ -340,10 +366,10 @@ class SerialLayer:
             mark("all_gather")
 
         # 4. grouped GEMM1 + SwiGLU over the gathered layout, grouped GEMM2.
-        d = self.gemms(self.x_g, tables, timer)                   # [S, H]
+        d, slots = self.gemms(self.x_g, tables, timer)            # [S or N, H], [R*C, K]
 
         # 5. top-k combine in fp32 -> partial [R*C, H]; padding tokens' rows are 0.
-        partial = self._combine(d, tables.slots, w_g)
+        partial = self._combine(d, slots, w_g)
         mark("combine")
 
         # 6. reduce-scatter: this rank's rows of the sum over the R intermediate slices.
@@ -367,6 +393,8 @@ class SerialLayer:
         slots, w_g = slots.view(R, C, K)[:, :m], w_g.view(R, C, K)[:, :m]  # [R, m, K]
         idx = slots.reshape(R * m, K).long().clamp(min=0)                  # [R*m, K]
         part.zero_()
+        if d.shape[0] == 0:  # a step without hits (no tokens anywhere): the partials are 0
+            return self.partial
         for k in range(K):
             torch.index_select(d, 0, idx[:, k], out=gathered)
             part.addcmul_(gathered.view(R, m, -1), w_g[:, :, k:k + 1])
