@@ -1,11 +1,15 @@
 """Per-stage time of the CPU rank group's step (rank 0's view), the group started as the server does.
 
-    python bench/cpu_stages.py [--sizes 8,512] [--steps 60] [--preset cpu]
+    python bench/cpu_stages.py [--sizes 8,512] [--steps 60] [--preset cpu] [--share]
 
 A WorkerGroup of the preset (cpu: E=16 H=256 I=512 K=4, R=4 CPU ranks, C=128, fp32), synthetic
 weights; per step size T: --steps steps on one slot of fresh balanced routing (the first 10 not
 counted), printed as the median wall time of a step (the parent's send to the last answer),
 the layer's stage sum on rank 0, its exposed communication, and each stage's median in ms.
+
+`--share`: one rank's share of the same step in this process, no group and no communication
+(SerialLayer at R=1 with C = R*C and I = I/R, one torch thread, as a rank runs): the step's own
+CPU work; "step wall" is then the forward call's time.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import datetime
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -32,26 +37,12 @@ def main() -> int:
     p.add_argument("--sizes", default="8,512")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--preset", default="cpu")
+    p.add_argument("--share", action="store_true", help="one rank's share in this process (no group)")
     args = p.parse_args()
     cfg = preset(args.preset)
     print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {cfg.describe()}, "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")
-    rows = []
-    with WorkerGroup(cfg, seed=0) as g:
-        for T in (int(t) for t in args.sizes.split(",")):
-            gen = torch.Generator().manual_seed(T)
-            slot = g.acquire_slot()
-            stats = []
-            for _ in range(args.steps + WARMUP):
-                slot.x[:T].copy_(torch.randn(T, cfg.H, generator=gen))
-                slot.ids[:T].copy_(torch.argsort(torch.rand(T, cfg.E, generator=gen), dim=1)[:, :cfg.K])
-                slot.w[:T].copy_(torch.softmax(torch.randn(T, cfg.K, generator=gen), dim=1))
-                stats.append(g.run(slot, T))
-            g.release(slot)
-            stats = stats[WARMUP:]
-            stages = {k: statistics.median(s.stages.get(k, 0.0) for s in stats) for k in stats[0].stages}
-            rows.append((T, statistics.median(s.wall_s for s in stats), statistics.median(s.layer_s for s in stats),
-                         statistics.median(s.exposed_comm_s for s in stats), stages))
+    rows = share(cfg, [int(t) for t in args.sizes.split(",")], args.steps) if args.share else group(cfg, args)
     names = list(rows[0][4])
     print("| T | step wall ms | layer ms | exposed comm ms | " + " | ".join(names) + " |")
     print("|---|---|---|---|" + "---|" * len(names))
@@ -59,6 +50,62 @@ def main() -> int:
         print(f"| {T} | {wall * 1e3:.2f} | {layer * 1e3:.2f} | {comm * 1e3:.2f} | "
               + " | ".join(f"{stages.get(n, 0.0) * 1e3:.2f}" for n in names) + " |")
     return 0
+
+
+def batch(cfg, T: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fresh rows: x [T, H], ids [T, K] int32 (K distinct experts), w [T, K] (softmax)."""
+    return (torch.randn(T, cfg.H, generator=gen),
+            torch.argsort(torch.rand(T, cfg.E, generator=gen), dim=1)[:, :cfg.K].to(torch.int32),
+            torch.softmax(torch.randn(T, cfg.K, generator=gen), dim=1))
+
+
+def summary(T: int, walls: list[float], stats: list[dict], comm: list[float]) -> tuple:
+    stages = {k: statistics.median(s.get(k, 0.0) for s in stats) for k in stats[0]}
+    layer = statistics.median(sum(s.values()) for s in stats)
+    return T, statistics.median(walls), layer, statistics.median(comm), stages
+
+
+def share(cfg, sizes: list[int], steps: int) -> list[tuple]:
+    from service.moe.serial import SerialLayer
+    from service.moe.timing import StageTimer
+    from service.moe.weights import synthetic_rank_weights
+
+    torch.set_num_threads(1)
+    one = cfg.replace(R=1, C=cfg.tokens_per_step, I=cfg.Ir)
+    layer = SerialLayer(one, synthetic_rank_weights(one, 0, 0), rank=0, device=torch.device("cpu"))
+    rows, seq = [], 0
+    for T in sizes:
+        gen = torch.Generator().manual_seed(T)
+        walls, stats = [], []
+        for i in range(steps * 5 + WARMUP):  # cheap steps: more of them
+            x, ids, w = batch(one, T, gen)
+            timer = StageTimer(torch.device("cpu"))
+            seq += 1
+            t0 = time.perf_counter()
+            layer.forward(x, ids, w, seq, timer)
+            if i >= WARMUP:
+                walls.append(time.perf_counter() - t0)
+                stats.append(timer.seconds())
+        rows.append(summary(T, walls, stats, [0.0]))
+    return rows
+
+
+def group(cfg, args) -> list[tuple]:
+    rows = []
+    with WorkerGroup(cfg, seed=0) as g:
+        for T in (int(t) for t in args.sizes.split(",")):
+            gen = torch.Generator().manual_seed(T)
+            slot = g.acquire_slot()
+            stats = []
+            for _ in range(args.steps + WARMUP):
+                for buf, t in zip((slot.x, slot.ids, slot.w), batch(cfg, T, gen), strict=True):
+                    buf[:T].copy_(t)
+                stats.append(g.run(slot, T))
+            g.release(slot)
+            stats = stats[WARMUP:]
+            rows.append(summary(T, [s.wall_s for s in stats], [s.stages for s in stats],
+                                [s.exposed_comm_s for s in stats]))
+    return rows
 
 
 if __name__ == "__main__":
