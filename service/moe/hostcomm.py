@@ -1,20 +1,21 @@
 """Collectives among the ranks of one host through shared memory: the serial layer's CPU transport.
 
-Dimension letters: R ranks, C capacity per rank, H hidden, K top-k, L routing-block words.
+Dimension letters: R ranks, C capacity per rank, H hidden, N = R*C tokens of a full step.
 
 On the CPU default (4 rank processes on a few cores) a gloo collective of a few KB takes
 milliseconds: each one is a ring of R-1 message hops, and every hop is a hand-off between threads
 of two processes (caller -> gloo worker -> socket -> peer's I/O loop -> peer's worker), ~28
 context switches per all-gather in one rank at R=4 (bench/cpu_collectives.py; bench/NOTES.md,
-issue 11c). Ranks on one host need none of that: every rank maps one scratch region, writes its
-share in place, and a barrier says when everybody's share is written.
+issue 11c). Ranks on one host need none of that. Their inputs need no exchange at all: every rank
+maps the step's slot (service.worker.shm), so each reads the whole step's rows, ids and weights
+where the front end wrote them. Only the partial sums cross ranks: each rank writes its plane of
+one scratch region, a barrier says when all are written, and each sums its own rows.
 
     peers = HostPeers.create(ctx, cfg, timeout_s)   # the group, before it spawns the ranks
     comm = HostComm(peers, cfg, rank)                # each rank: views of the scratch
-    comm.routing   [R, L] int32        row r: rank r's routing block (service.moe.routing)
-    comm.tokens    [R, C, H] cfg.dtype row r: rank r's token rows (rows >= n_r are stale)
-    comm.partials  [R, R*C, H] fp32    plane r: rank r's combine output for every global token
-    comm.barrier()                     returns once every rank has called it as often as this one
+    comm.partials(seq)  [R, N, H] fp32  plane r: rank r's combine output for every token of step seq
+    comm.seqs(seq)      [R] int64       word r: the step rank r ran (written before the barrier)
+    comm.barrier()                      returns once every rank has called it as often as this one
 
 The scratch is a multiprocessing RawArray (an unlinked file in /dev/shm, passed to the spawned
 ranks as a descriptor: nothing is left behind whatever happens), the wake-ups R multiprocessing
@@ -25,14 +26,13 @@ b, which needs every rank's post for b; so while some rank q has not arrived at 
 received at most (R-2)*b + (b-1) < (R-1)*b posts and cannot pass. A semaphore post orders the
 poster's earlier writes before the waiter's later reads.
 
-A step of the serial layer needs two barriers (service.moe.serial): after each rank wrote its
-routing block and tokens (then every rank reads all of them), and after each wrote its partials
-plane (then each sums its own C rows over the R planes). Nothing is double-buffered, because
-neither region is written again before everyone is done reading it: rank q rewrites its block
-and tokens for step s+1 only after the second barrier of step s, which every rank reaches after
-its last read of them (the combine); it rewrites its plane after the first barrier of step s+1,
-which every rank reaches after summing step s. The step's seq words are copied out after the
-first barrier for check_seq for the same reason.
+A step of the serial layer needs one barrier (service.moe.serial): after each rank wrote its
+partials plane and seq word; then each sums its own rows over the R planes and checks the R seq
+words. Planes and seq words are double-buffered by the step's parity: right after the barrier of
+step s a fast rank q may start step s+1 and write its plane while a slow rank p still sums step s,
+so step s+1 writes the other buffer; q writes step s's buffer again only in step s+2, after the
+barrier of step s+1, which p reaches only once it is done with step s. The slot's rows are read
+before the barrier and the front end reuses a slot only after every rank answered.
 
 A barrier waits at most `timeout_s` (the group's collective timeout) and gives up at once if the
 group's parent is gone. A rank that dies mid-step leaves its peers waiting here; the group sees
@@ -48,7 +48,6 @@ import time
 import torch
 
 from service.config import LayerConfig, round_up
-from service.moe import routing
 
 ALIGN = 64   # bytes; each region starts on a cache line
 SLICE_S = 1.0  # a waiting rank wakes this often to check the deadline and its parent
@@ -60,12 +59,11 @@ class BarrierTimeout(RuntimeError):
 
 def _layout(cfg: LayerConfig) -> tuple[dict[str, tuple[int, torch.dtype, tuple[int, ...]]], int]:
     """Region name -> (byte offset, dtype, shape); and the total size."""
-    R, C, H = cfg.R, cfg.C, cfg.H
+    R, N, H = cfg.R, cfg.tokens_per_step, cfg.H
     regions: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
         "arrived": (torch.int64, (R,)),                          # [R] barriers each rank entered
-        "routing": (torch.int32, (R, routing.block_len(C, cfg.K))),  # [R, L]
-        "tokens": (cfg.dtype, (R, C, H)),                        # [R, C, H]
-        "partials": (torch.float32, (R, R * C, H)),              # [R, R*C, H]
+        "seqs": (torch.int64, (2, R)),                           # [2, R] by step parity
+        "partials": (torch.float32, (2, R, N, H)),               # [2, R, N, H] by step parity
     }
     layout, offset = {}, 0
     for name, (dtype, shape) in regions.items():
@@ -102,14 +100,21 @@ class HostComm:
         for name, (offset, dtype, shape) in layout.items():
             nbytes = torch.Size(shape).numel() * dtype.itemsize
             views[name] = raw[offset:offset + nbytes].view(dtype).view(shape)
-        self.routing = views["routing"]      # [R, L] int32
-        self.tokens = views["tokens"]        # [R, C, H]
-        self.partials = views["partials"]    # [R, R*C, H] fp32
+        self._partials = views["partials"]   # [2, R, N, H] fp32
+        self._seqs = views["seqs"]           # [2, R] int64
         self._arrived = views["arrived"]     # [R] int64, for the timeout's message
         self.rank, self.R = rank, cfg.R
         self._sems, self._timeout_s = peers.sems, peers.timeout_s
         self._entered = 0
         self._parent = os.getppid()
+
+    def partials(self, seq: int) -> torch.Tensor:
+        """[R, N, H] fp32: every rank's plane of step `seq` (this rank writes plane `rank`)."""
+        return self._partials[seq % 2]
+
+    def seqs(self, seq: int) -> torch.Tensor:
+        """[R] int64: the step each rank ran, in step `seq`'s buffer (this rank writes word `rank`)."""
+        return self._seqs[seq % 2]
 
     def barrier(self) -> None:
         """Return once every rank has entered its barrier as many times as this one; BarrierTimeout

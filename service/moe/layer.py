@@ -9,6 +9,9 @@ Dimension letters: C capacity per rank, H hidden, K top-k, n rows of this rank's
     layer.check_seq(seq)                          # raises if the step failed or the ranks disagree
     layer.exposed_comm_s()                        # the step's communication not hidden by compute
 
+With `host` (CPU ranks of one host, service.moe.hostcomm) every rank passes the whole step's rows
+instead, x [T, H], ids [T, K], w [T, K] (the slot's), and gets its own rank_range rows back.
+
 Both backends (service.moe.serial, service.moe.fused) implement `Layer`; the rank uses nothing else.
 """
 
@@ -57,7 +60,8 @@ def make_layer(cfg: LayerConfig, weights: RankWeights, *, rank: int, device: tor
     (rank 0 logs why: at INFO on the CPU, where serial is the expected path) and BackendUnavailable
     for fused. With R > 1 the probe is collective (every rank calls this) and gives every rank the
     same verdict. `host`: CPU ranks of one host, whose serial layer then communicates through
-    shared memory (service.moe.hostcomm) instead of the process group."""
+    shared memory (service.moe.hostcomm) instead of the process group; its `forward` takes the
+    whole step's rows (the slot's, every rank the same) and returns this rank's rows of them."""
     from service.moe.serial import SerialLayer
 
     if backend not in BACKENDS:

@@ -64,6 +64,17 @@ def unpack(blocks: torch.Tensor, C: int, K: int) -> tuple[torch.Tensor, torch.Te
 def check_seq(blocks: torch.Tensor, seq: int, rank: int) -> None:
     """Every rank's block must carry `seq` (read after the step: on a GPU it adds no sync)."""
     g = blocks[:, 1:3].cpu().long()  # [R, 2]
-    seqs = (g[:, 0] | (g[:, 1] << 31)).tolist()
+    check_seqs((g[:, 0] | (g[:, 1] << 31)).tolist(), seq, rank)
+
+
+def check_seqs(seqs: list[int], seq: int, rank: int) -> None:
+    """Every rank must have run step `seq` (seqs: the step each rank ran)."""
     if any(s != seq for s in seqs):
         raise SequenceMismatch(f"rank {rank} ran seq {seq}, the group ran {seqs}")
+
+
+def rank_range(T: int, R: int, rank: int) -> tuple[int, int]:
+    """Rows [start, start + n) of a T-token step that belong to `rank`: spread evenly."""
+    base, extra = divmod(T, R)
+    start = rank * base + min(rank, extra)
+    return start, base + (rank < extra)

@@ -15,11 +15,13 @@ every expert, W13 [E, H, 2*Ir] (gate columns, then up columns) and W2 [E, Ir, H]
 It runs on gloo or shared memory (CPU) and NCCL (GPU) and is the baseline the fused backend is
 measured against, and its fallback.
 
-Ranks on one host (the CPU default) pass `host` (service.moe.hostcomm): the routing blocks, the
-token rows and the partials then live in one region every rank maps, each rank writes its share
-in place and a barrier replaces each collective. A step has two: "all_gather" (every rank's
-routing block and tokens are written: nothing moves, x_g is that region) and "reduce_scatter"
-(every rank's partials plane is written; each rank then sums its own rows over the R planes).
+CPU ranks on one host (the CPU default) pass `host` (service.moe.hostcomm) and then run another
+step (`_host_step`): `forward` takes the whole step's rows, x [T, H], ids and w [T, K] (the slot's,
+which every rank maps: the same on every rank) and returns this rank's rows
+`routing.rank_range(T, R, rank)`. Nothing is gathered: the tables treat the step as one block of
+T real tokens (stage "all_gather" is copying its ids and weights), GEMM1 reads the tokens where
+they lie, the combine writes this rank's plane of the shared partials, and one barrier later
+each rank sums its own rows over the R planes (stage "reduce_scatter").
 
 The step reads no host value: the rows come through `inputs` (x_in, ids_in, w_in) and the
 routing block's META words through `ctl`, one copy from pinned memory, so on a GPU (R = 1 or
@@ -215,29 +217,27 @@ class SerialLayer:
         self._timer: StageTimer | None = None  # the last step's, for exposed_comm_s
         self.out = torch.zeros(C, H, dtype=torch.float32, **kw)  # [C, H] fp32 sum of the slices
         self._rows = C  # leading rows of each rank's block that hold its tokens (m; C on CUDA but gloo)
-        if self.host is not None:  # every rank's blocks, tokens and partials in the shared region
-            self.routing_g = self.host.routing                          # [R, L]
-            self.routing = self.routing_g[rank]                         # [L] this rank's block
-            self.x_g = self.host.tokens.view(R * C, H)                  # [R*C, H]
-            self.x_in = self.host.tokens[rank]                          # [C, H] this rank's rows
-            self.partial = self.host.partials[rank]                     # [R*C, H] this rank's plane
-            self._meta_g = torch.zeros(R, META, dtype=torch.int32)     # [R, META] the step's, for check_seq
-        else:
-            # Routing block of this rank (layout: service.moe.routing) and every rank's.
-            L = routing.block_len(C, K)
-            self.routing = torch.zeros(L, dtype=torch.int32, **kw)        # [L]
-            self.routing_g = torch.zeros(R, L, dtype=torch.int32, **kw)   # [R, L]
-            self.x_g = torch.zeros(R * C, H, dtype=cfg.dtype, **kw)       # [R*C, H]
-            self.x_in = torch.zeros(C, H, dtype=cfg.dtype, **kw)          # [C, H]
-            self.partial = torch.empty(R * C, H, dtype=torch.float32, **kw)  # [R*C, H] combine output
-            self._meta_g = self.routing_g                                 # what check_seq reads
-        if self.gloo:  # gloo's all-reduce of the first _rows rows of each block
-            self.reduce_buf = torch.empty(R * C, H, dtype=torch.float32, **kw)  # [R*C, H]
         if self.gemms.impl == "torch":  # the portable combine's gather buffer
             self.gathered = torch.empty(R * C, H, dtype=cfg.dtype, **kw)   # [R*C, H]
-        # This step's inputs (`inputs`: the caller may write its rows here; x_in is above) and control
-        # words: the routing block's META words (n, seq low, seq high, 0), copied to the device from
-        # pinned memory, so the step itself reads no host value and is CUDA-graph capturable.
+        self._graph = None
+        if self.host is not None:  # _host_step's own buffers; it needs nothing below
+            self.ids_g = torch.zeros(R * C, K, dtype=torch.int32)   # [R*C, K] the step's ids (rows >= T stale)
+            self.w_g = torch.zeros(R * C, K, dtype=torch.float32)   # [R*C, K] the step's weights
+            self._count = torch.zeros(1, dtype=torch.int64)         # [1] T: the step as one block
+            self._seqs: list[int] = []                              # the step each rank ran, for check_seq
+            return
+        # Routing block of this rank (layout: service.moe.routing) and every rank's.
+        L = routing.block_len(C, K)
+        self.routing = torch.zeros(L, dtype=torch.int32, **kw)        # [L]
+        self.routing_g = torch.zeros(R, L, dtype=torch.int32, **kw)   # [R, L]
+        self.x_g = torch.zeros(R * C, H, dtype=cfg.dtype, **kw)  # [R*C, H]
+        self.partial = torch.empty(R * C, H, dtype=torch.float32, **kw)  # [R*C, H] combine output
+        if self.gloo:  # gloo's all-reduce of the first _rows rows of each block
+            self.reduce_buf = torch.empty(R * C, H, dtype=torch.float32, **kw)  # [R*C, H]
+        # This step's inputs (`inputs`: the caller may write its rows here) and control words: the
+        # routing block's META words (n, seq low, seq high, 0), copied to the device from pinned
+        # memory, so the step itself reads no host value and is CUDA-graph capturable.
+        self.x_in = torch.zeros(C, H, dtype=cfg.dtype, **kw)          # [C, H]
         self.ids_in = torch.zeros(C, K, dtype=torch.int32, **kw)      # [C, K]
         self.w_in = torch.zeros(C, K, dtype=torch.float32, **kw)      # [C, K]
         self.ctl = torch.zeros(META, dtype=torch.int32, **kw)         # [META]
@@ -246,18 +246,17 @@ class SerialLayer:
         self._ctl_host = torch.zeros(META, dtype=torch.int32, pin_memory=cuda)
         self._ctl_copied = torch.cuda.Event() if cuda else None
         self._out = self.out
-        self._n = 0  # this step's rows (the host transport sums only those)
-        self._graph = None
         if graph:
             if not cuda or (R > 1 and not self.nccl):
                 raise ValueError("a graphed serial layer needs a CUDA device and, with R > 1, NCCL")
             self._capture()
 
     @property
-    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """x [C, H], ids [C, K] int32, w [C, K] fp32 on this rank's device: write a step's rows here
-        and pass the [:n] views to `forward`, which then copies nothing."""
-        return self.x_in, self.ids_in, self.w_in
+        and pass the [:n] views to `forward`, which then copies nothing. None with `host` (forward
+        reads the step's rows where they are)."""
+        return None if self.host is not None else (self.x_in, self.ids_in, self.w_in)
 
     def _capture(self) -> None:
         """One eager step with no tokens (compiles every kernel, warms NCCL), then the step as a
@@ -277,8 +276,6 @@ class SerialLayer:
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         if self.cfg.R == 1:
             out.copy_(inp.reshape(out.shape))
-        elif self.host is not None:  # inp is this rank's row of out, written in place
-            self.host.barrier()
         elif self.nccl:
             dist.all_gather_into_tensor(out, inp, group=self.group)
         else:
@@ -297,10 +294,6 @@ class SerialLayer:
         if self.nccl:
             dist.reduce_scatter_tensor(self.out, partial, group=self.group)
             return self.out
-        if self.host is not None:  # partial is this rank's plane: once all are written, sum our rows
-            self.host.barrier()
-            n, lo = self._n, self.rank * C
-            return torch.sum(self.host.partials[:, lo:lo + n], dim=0, out=self.out[:n])  # [n, H]
         m = self._rows
         rows = self.reduce_buf[:R * m].view(R, m, -1)              # [R, m, H]
         rows.copy_(partial.view(R, C, -1)[:, :m])
@@ -311,7 +304,10 @@ class SerialLayer:
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, seq: int,
                 timer: StageTimer | None = None) -> torch.Tensor:
         """x [n, H], ids [n, K], w [n, K] on any device (ideally views of `inputs`) -> this rank's
-        output [n, H] fp32 (a view of a buffer the next step overwrites)."""
+        output [n, H] fp32 (a view of a buffer the next step overwrites). With `host`: the whole
+        step's rows x [T, H], ids, w [T, K] (the same on every rank) -> this rank's rows of it."""
+        if self.host is not None:
+            return self._host_step(x, ids, w, seq, timer)
         n = x.shape[0]
         assert n <= self.cfg.C, f"rank {self.rank} got {n} tokens, capacity is {self.cfg.C}"
         timer = self._timer = timer or StageTimer(self.device)
@@ -326,7 +322,7 @@ class SerialLayer:
     def _set_inputs(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, seq: int) -> None:
         """The step's rows into `inputs` (nothing to copy for views of them) and its META words
         into `ctl` (one copy from pinned memory on a GPU, after the previous step's copy read it)."""
-        n = self._n = x.shape[0]
+        n = x.shape[0]
         for buf, src in ((self.x_in, x), (self.ids_in, ids), (self.w_in, w)):
             if src.data_ptr() != buf.data_ptr():
                 buf[:n].copy_(src)
@@ -341,7 +337,7 @@ class SerialLayer:
         """Steps 1-6 on the device from `inputs` and `ctl`: no host value is read (on NCCL or
         R = 1), so the step is captured as it is (`graph=True`); the output lands in `_out`."""
         cfg = self.cfg
-        C, K = cfg.C, cfg.K
+        R, C, K = cfg.R, cfg.C, cfg.K
         timer = timer or _NO_TIMER  # capture: no timing events inside a graph
         mark = timer.mark
 
@@ -349,8 +345,6 @@ class SerialLayer:
         routing.pack(self.routing, self.ctl, self.ids_in, self.w_in, self._row)
         self._all_gather(self.routing_g, self.routing)
         mark("all_gather")
-        if self.host is not None:  # peers rewrite their blocks once this step is done: keep the seqs
-            self._meta_g.copy_(self.routing_g[:, :META])
         counts, ids_g, w_g = routing.unpack(self.routing_g, C, K)  # [R], [R*C, K], [R*C, K]
         if self.gloo or self.device.type == "cpu":  # m: rows moved and combined (a host read, never captured)
             self._rows = max(1, int(counts.max()))
@@ -359,52 +353,82 @@ class SerialLayer:
         tables = build_tables(ids_g, counts, cfg.E, C, cfg.S)
         mark("tables")
 
-        # 3. tokens: all-gather (rows past n are stale: padding tokens, which no row reads). On
-        # the host transport they were written in place before the first barrier: nothing moves.
-        if self.host is None:
-            self._all_gather(self.x_g, self.x_in)
-            mark("all_gather")
+        # 3. tokens: all-gather (rows past n are stale: padding tokens, which no row reads).
+        self._all_gather(self.x_g, self.x_in)
+        mark("all_gather")
 
         # 4. grouped GEMM1 + SwiGLU over the gathered layout, grouped GEMM2.
         d, slots = self.gemms(self.x_g, tables, timer)            # [S or N, H], [R*C, K]
 
         # 5. top-k combine in fp32 -> partial [R*C, H]; padding tokens' rows are 0.
-        partial = self._combine(d, slots, w_g)
+        partial = self._combine(d, slots, w_g, self.partial, R, self._rows)
         mark("combine")
 
         # 6. reduce-scatter: this rank's rows of the sum over the R intermediate slices.
         self._out = self._reduce_scatter(partial)                 # [C, H]
         mark("reduce_scatter")
 
-    def _combine(self, d: torch.Tensor, slots: torch.Tensor, w_g: torch.Tensor) -> torch.Tensor:
-        """partial[g] = sum_k w_g[g, k] * d[slots[g, k]] in fp32; rows of padding tokens are 0."""
+    def _host_step(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, seq: int,
+                   timer: StageTimer | None) -> torch.Tensor:
+        """CPU ranks of one host (module docstring): x [T, H], ids [T, K], w [T, K] the whole step's
+        rows -> this rank's rows of the output [n, H] fp32. One barrier, after the own plane."""
+        cfg = self.cfg
+        T, N = x.shape[0], cfg.tokens_per_step
+        assert T <= N, f"a step has at most {N} tokens, got {T}"
+        start, n = routing.rank_range(T, cfg.R, self.rank)
+        timer = self._timer = timer or StageTimer(self.device)
+        timer.start()
+        self.ids_g[:T].copy_(ids)   # rows >= T: padding tokens (the tables ignore their ids)
+        self.w_g[:T].copy_(w)
+        self._count[0] = T
+        timer.mark("all_gather")
+        tables = build_tables(self.ids_g, self._count, cfg.E, N, cfg.S)   # the step as one block of N
+        timer.mark("tables")
+        d, slots = self.gemms(x, tables, timer)                           # row tokens < T index x
+        self._combine(d, slots, self.w_g, self.host.partials(seq)[self.rank], 1, T)
+        self.host.seqs(seq)[self.rank] = seq
+        timer.mark("combine")
+        self.host.barrier()                                               # every plane is written
+        self._seqs = self.host.seqs(seq).tolist()
+        out = torch.sum(self.host.partials(seq)[:, start:start + n], dim=0, out=self.out[:n])  # [n, H]
+        timer.mark("reduce_scatter")
+        return out
+
+    def _combine(self, d: torch.Tensor, slots: torch.Tensor, w_g: torch.Tensor, out: torch.Tensor,
+                 blocks: int, m: int) -> torch.Tensor:
+        """out[g] = sum_k w_g[g, k] * d[slots[g, k]] in fp32 -> out [N, H]; rows of padding tokens
+        are 0. The N tokens are `blocks` blocks of which only the first m rows hold real tokens."""
         if self.gemms.impl == "triton":  # CUDA with Triton: one streaming kernel
             from service.kernels.combine import combine
 
-            return combine(d, slots, w_g, out=self.partial)
+            return combine(d, slots, w_g, out=out)
         # Portable: K rounds of gather + fused multiply-add into the buffers of __init__ (the
         # multiply-add reads the layer dtype and accumulates in fp32), over the first m rows of each
         # rank's block only (the rest are padding tokens, which nothing reads). A padding token's
         # slots are -1, read as row 0 with weight 0; its row is then zeroed (as is any non-finite
         # value of row 0).
-        R, C, K, m = self.cfg.R, self.cfg.C, slots.shape[1], self._rows
-        part = self.partial.view(R, C, -1)[:, :m]                          # [R, m, H] fp32
-        gathered = self.gathered[:R * m]                                   # [R*m, H]
-        slots, w_g = slots.view(R, C, K)[:, :m], w_g.view(R, C, K)[:, :m]  # [R, m, K]
-        idx = slots.reshape(R * m, K).long().clamp(min=0)                  # [R*m, K]
+        B, K = blocks, slots.shape[1]
+        C = slots.shape[0] // B
+        part = out.view(B, C, -1)[:, :m]                                   # [B, m, H] fp32
+        gathered = self.gathered[:B * m]                                   # [B*m, H]
+        slots, w_g = slots.view(B, C, K)[:, :m], w_g.view(B, C, K)[:, :m]  # [B, m, K]
+        idx = slots.reshape(B * m, K).long().clamp(min=0)                  # [B*m, K]
         part.zero_()
         if d.shape[0] == 0:  # a step without hits (no tokens anywhere): the partials are 0
-            return self.partial
+            return out
         for k in range(K):
             torch.index_select(d, 0, idx[:, k], out=gathered)
-            part.addcmul_(gathered.view(R, m, -1), w_g[:, :, k:k + 1])
+            part.addcmul_(gathered.view(B, m, -1), w_g[:, :, k:k + 1])
         part.masked_fill_(slots[:, :, :1] < 0, 0.0)
-        return self.partial
+        return out
 
     def check_seq(self, seq: int) -> None:
         """After a step: every rank must have run the same batch (read once the step is done,
         so on a GPU it costs no extra sync)."""
-        routing.check_seq(self._meta_g, seq, self.rank)
+        if self.host is not None:
+            routing.check_seqs(self._seqs, seq, self.rank)
+        else:
+            routing.check_seq(self.routing_g, seq, self.rank)
 
     def exposed_comm_s(self) -> float:
         """The last step's time in collectives (nothing overlaps them in this backend)."""

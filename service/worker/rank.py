@@ -22,6 +22,7 @@ import torch
 from service.config import LayerConfig
 from service.errors import BackendUnavailable
 from service.moe.hostcomm import HostPeers
+from service.moe.routing import rank_range  # the split of a step's rows (the group and tests use it from here)
 
 LOOPBACK_IFNAME = "lo"  # Linux's loopback interface
 
@@ -41,13 +42,6 @@ class RankOptions:
     threads: int = 1            # CPU threads per rank
     host: HostPeers | None = None  # CPU ranks, R > 1: the serial layer's shared-memory collectives
     log_level: str = "INFO"
-
-
-def rank_range(T: int, R: int, rank: int) -> tuple[int, int]:
-    """Rows [start, start + n) of a T-token step that belong to `rank`: spread evenly."""
-    base, extra = divmod(T, R)
-    start = rank * base + min(rank, extra)
-    return start, base + (rank < extra)
 
 
 def pin_slot(slot) -> None:
@@ -152,7 +146,9 @@ def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
         rows = slice(start, start + n)
         wall0 = time.perf_counter()
         x, ids, w = slot.x[rows], slot.ids[rows], slot.w[rows]
-        if device.type == "cuda":  # DMA from the pinned slot, in stream order before the step
+        if opts.host is not None:  # CPU ranks of one host: the layer reads every rank's rows from the slot
+            x, ids, w = slot.x[:T], slot.ids[:T], slot.w[:T]
+        elif device.type == "cuda":  # DMA from the pinned slot, in stream order before the step
             x, ids, w = (buf[:n].copy_(src, non_blocking=True) for buf, src in zip(inputs, (x, ids, w), strict=True))
         out = layer.forward(x, ids, w, seq, timer)
         if device.type == "cuda":  # cast on the device (half the bytes to move), DMA into the slot

@@ -1,6 +1,7 @@
 """The serial layer on shared-memory collectives (service.moe.hostcomm): ranks as threads of this
-process sharing one HostPeers, every rank's rows against the fp32 reference; the barrier's bounds.
-(The same transport across rank processes: tests/worker/test_group.py.)"""
+process sharing one HostPeers, each given the whole step's rows (as the rank processes read them
+from the slot), every rank's own rows against the fp32 reference; the barrier's bounds. (The same
+transport across rank processes: tests/worker/test_group.py.)"""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ from service.config import LayerConfig
 from service.moe import hostcomm
 from service.moe.hostcomm import BarrierTimeout, HostComm, HostPeers
 from service.moe.reference import full_weights, moe_reference
+from service.moe.routing import SequenceMismatch, rank_range
 from service.moe.serial import SerialLayer
 from service.moe.weights import synthetic_rank_weights
-from service.worker.rank import rank_range
 from tests.helpers import TOL, one_thread, rel_err, routing  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,16 +36,15 @@ def make_ranks(cfg: LayerConfig, timeout_s: float = 30.0) -> list[SerialLayer]:
 
 
 def run_step(layers: list[SerialLayer], x, ids, w, seq: int) -> list[torch.Tensor]:
-    """One step on every rank (a thread each, as the rank processes run it); each rank's rows out."""
-    R, T = len(layers), x.shape[0]
+    """One step on every rank (a thread each, as the rank processes run it); each rank's rows out.
+    With R > 1 (host transport) each rank gets the whole step, at R = 1 its own rows (the same)."""
+    R = len(layers)
     outs: list = [None] * R
     errors: list = []
 
     def rank(r: int) -> None:
         try:
-            start, n = rank_range(T, R, r)
-            rows = slice(start, start + n)
-            out = layers[r].forward(x[rows], ids[rows], w[rows], seq)
+            out = layers[r].forward(x, ids, w, seq)
             layers[r].check_seq(seq)
             outs[r] = out.clone()
         except BaseException as err:  # noqa: BLE001 - re-raised in the test's thread
@@ -88,7 +88,7 @@ def test_every_rank_matches_the_reference(R, kind):
 
 def test_ranks_out_of_step_keep_their_answers(monkeypatch):
     """A rank held up after a barrier while its peers run on (the interleavings of R processes on
-    fewer cores): no double buffering is needed, no step sees another's rows or seq words."""
+    fewer cores): with the partials and seq words double-buffered by parity, no step sees another's."""
     cfg = LayerConfig(E=5, H=24, I=32, K=3, R=4, C=6, dtype=torch.float32)
     layers, ref_weights = make_ranks(cfg), full_weights(cfg, SEED)
     barrier = HostComm.barrier
@@ -113,11 +113,9 @@ def test_ranks_out_of_step_keep_their_answers(monkeypatch):
 
     def rank(r: int) -> None:
         try:
-            for seq, T in enumerate(sizes, start=1):
-                start, n = rank_range(T, cfg.R, r)
-                rows = slice(start, start + n)
+            for seq in range(1, len(sizes) + 1):
                 ids, w = rw[seq - 1]
-                out = layers[r].forward(x[seq - 1][rows], ids[rows].to(torch.int32), w[rows], seq)
+                out = layers[r].forward(x[seq - 1], ids.to(torch.int32), w, seq)
                 layers[r].check_seq(seq)
                 outs[r, seq] = out.clone()
         except BaseException as err:  # noqa: BLE001
@@ -171,7 +169,7 @@ def test_ranks_disagreeing_on_the_step_are_caught():
 
     def rank(r: int, seq: int) -> None:
         try:
-            layers[r].forward(x[2 * r:2 * r + 2], ids[2 * r:2 * r + 2].to(torch.int32), w[2 * r:2 * r + 2], seq)
+            layers[r].forward(x, ids.to(torch.int32), w, seq)
             layers[r].check_seq(seq)
         except BaseException as err:  # noqa: BLE001
             errors.append(err)
@@ -181,7 +179,8 @@ def test_ranks_disagreeing_on_the_step_are_caught():
         t.start()
     for t in threads:
         t.join(JOIN_S)
-    assert len(errors) == 2 and all("the group ran [1, 2]" in str(e) for e in errors), errors
+    assert len(errors) == 2 and all(isinstance(e, SequenceMismatch) for e in errors), errors
+    assert "rank 0 ran seq 1, the group ran [1, 0]" in str(errors[0]) + str(errors[1])  # rank 1's word is elsewhere
 
 
 def test_host_transport_is_for_cpu_ranks_of_a_group():
