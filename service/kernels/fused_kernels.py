@@ -207,6 +207,22 @@ def _gemm1_tile(mine, w_ptr, act_ptr, bias_ptr, row_token_ptr, block, expert, pn
 
 
 @triton.jit
+def _arrivals(row_token_ptr, arrived_ptr, block, rank, N, C, seq, max_spins,
+              USE_PTX: tl.constexpr, SYNC: tl.constexpr, BM: tl.constexpr, GR: tl.constexpr):
+    """Kernel 1's gate: 1 once every remote token of the GR rows from row block `block` on (BM for
+    one block, 2 * BM for a pair tile) has arrived[g] >= seq, 0 when the bounded wait timed out.
+    Our own tokens and padding rows wait for nothing (they poll the dummy flag arrived[N], masked)."""
+    rows = block.to(tl.int64) * BM + tl.arange(0, GR)  # [GR]
+    rt = tl.load(row_token_ptr + rows)  # [GR]
+    g = tl.maximum(rt, 0)
+    local = (g // C == rank) | (rt < 0)  # [GR] rows read in place
+    ready = block * 0 + 1
+    if SYNC:
+        ready = wait_all_geq(arrived_ptr + tl.where(local, N, g), local == 0, seq, max_spins, USE_PTX)
+    return ready
+
+
+@triton.jit
 def _ag_gemm1_kernel(
     region_ptr, region_off, w_ptr, act_ptr,  # our region, [R] int64 (16 B units), W13 [E, H, 2*Ir] or its
                                           # descriptor, act [S, Ir]
@@ -221,7 +237,7 @@ def _ag_gemm1_kernel(
     ACT: tl.constexpr, CLAMP: tl.constexpr, BIAS: tl.constexpr, W_DESC: tl.constexpr,
     TB: tl.constexpr, BH: tl.constexpr, K: tl.constexpr,
     NUM_COMM: tl.constexpr, NUM_PROGRAMS: tl.constexpr, USE_PTX: tl.constexpr, SYNC: tl.constexpr,
-    SPLIT: tl.constexpr, QUEUE: tl.constexpr, PN_MAJOR: tl.constexpr,
+    SPLIT: tl.constexpr, QUEUE: tl.constexpr, PN_MAJOR: tl.constexpr, PAIR: tl.constexpr,
     IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
@@ -229,7 +245,8 @@ def _ag_gemm1_kernel(
     buffer when the token is ours (or s is a padding row: our row s mod C, output unused), else from
     `pulled` [N, H] in our region, where the comm programs copy each remote token once (one
     read from its owner, one local write: the K copies are the GEMM's re-reads of one row).
-    A tile waits until every remote token of its row block has arrived[g] >= seq."""
+    A tile waits until every remote token of its row block (a pair tile: of its two blocks) has
+    arrived[g] >= seq."""
     pid = tl.program_id(0)
     seq = tl.load(ctl_ptr)
     parity = (seq & 1).to(tl.int64)
@@ -260,6 +277,7 @@ def _ag_gemm1_kernel(
             # -- compute: persistent grouped GEMM1 over (block, column tile), gated -------------
             cp = pid - NUM_COMM
             n_tiles = tl.cdiv(Ir, BN)
+            n_pair = tl.cdiv(Ir, BN // 2)  # PAIR: column tiles of a pair tile
             alive = pid * 0 + 1
             waited = tl.zeros((), dtype=tl.int64)
             # No flattened loop: a tile's wait stays ahead of that tile's loads. Tiles in block
@@ -267,21 +285,28 @@ def _ag_gemm1_kernel(
             step = NUM_PROGRAMS - NUM_COMM
             tile = next_tile(queue_ptr, cp - step, step, QUEUE)
             while tile < NB * n_tiles:
-                block, pn, expert = tile_coords(tile, n_tiles, block_expert_ptr, offsets_ptr, E, PN_MAJOR, BM)
-                if (expert < E) & (alive != 0):  # expert == E: a block past the last expert
-                    rows = block.to(tl.int64) * BM + tl.arange(0, BM)  # [BM]
-                    rt = tl.load(row_token_ptr + rows)  # [BM]
-                    g = tl.maximum(rt, 0)
-                    owner = g // C
-                    local = (owner == rank) | (rt < 0)  # [BM] rows read in place
+                block, pn, expert, pair = tile_coords(tile, n_tiles, n_pair, block_expert_ptr, offsets_ptr,
+                                                      row_token_ptr, E, PN_MAJOR, PAIR, SPLIT, BM)
+                if (expert < E) & (alive != 0):  # expert == E: a block past the last expert, an empty pair slot
+                    pair_tile = False
+                    if PAIR:
+                        pair_tile = pair != 0
                     t0 = now_ns(USE_PTX)
-                    ready = alive
-                    if SYNC:
-                        ready = wait_all_geq(arrived_ptr + tl.where(local, N, g), local == 0, seq, max_spins, USE_PTX)
+                    if pair_tile:  # the gate covers both blocks' rows
+                        ready = _arrivals(row_token_ptr, arrived_ptr, block, rank, N, C, seq, max_spins,
+                                          USE_PTX, SYNC, BM, 2 * BM)
+                    else:
+                        ready = _arrivals(row_token_ptr, arrived_ptr, block, rank, N, C, seq, max_spins,
+                                          USE_PTX, SYNC, BM, BM)
                     waited += now_ns(USE_PTX) - t0
                     if ready == 0:
                         tl.atomic_cas(error_ptr, 0, ERR_GATE + block)
                         alive = ready
+                    elif pair_tile:  # blocks `block` and `block + 1`, BN/2 columns (grouped_gemm: pair tiles)
+                        _gemm1_tile(mine, w_ptr, act_ptr, bias_ptr, row_token_ptr, block, expert, pn, ready, rank,
+                                    C, H, Ir, tok_off, pull_off, parity, limit, alpha, stride_we, stride_wk,
+                                    stride_om, stride_be, ACT, CLAMP, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N,
+                                    BM, 2 * BM, BN // 2, BK)
                     elif half_tail(row_token_ptr, block, SPLIT, BM):
                         _gemm1_tile(mine, w_ptr, act_ptr, bias_ptr, row_token_ptr, block, expert, pn, ready, rank,
                                     C, H, Ir, tok_off, pull_off, parity, limit, alpha, stride_we, stride_wk,
@@ -350,7 +375,8 @@ def _gemm2_push_kernel(
             # not, so a block gains exactly n_tiles per batch and its target is seq * n_tiles.
             tile = next_tile(queue_ptr, pid - NUM_COMPUTE, NUM_COMPUTE, QUEUE)
             while tile < NB * n_tiles:
-                block, pn, expert = tile_coords(tile, n_tiles, block_expert_ptr, offsets_ptr, E, PN_MAJOR, BM)
+                block, pn, expert, _ = tile_coords(tile, n_tiles, n_tiles, block_expert_ptr, offsets_ptr, row_token_ptr,
+                                                   E, PN_MAJOR, False, SPLIT, BM)  # GEMM2 runs no pair tiles
                 if expert < E:
                     if half_tail(row_token_ptr, block, SPLIT, BM):  # the rows GEMM1 wrote, no more
                         _gemm2_tile(act_ptr, w_ptr, d_ptr, bias_ptr, block, expert, pn, H, Ir, stride_am, stride_we,
@@ -579,6 +605,9 @@ class Plan:
             "kernel 2: nobody takes jobs"
         assert self.job_tokens >= 1 and self.job_tokens & (self.job_tokens - 1) == 0, \
             f"job_tokens must be a power of two, got {self.job_tokens}"
+        if self.config2.pair:
+            raise ValueError("GemmConfig.pair tiles are GEMM1's: kernel 2 counts finished tiles per row block "
+                             "(its jobs' gate), so config2 must run BM-row tiles: turn pair off")
 
 
 def _p2(x: int) -> int:
@@ -623,7 +652,7 @@ def ag_gemm1(a: StepArgs, plan: Plan, tables) -> None:
         ACT=epi["ACT"], CLAMP=epi["CLAMP"], BIAS=b13 is not None, W_DESC=config.w_desc,
         TB=plan.pull_tokens, BH=min(_p2(a.H), 1024), K=a.K, NUM_COMM=plan.num_comm1, NUM_PROGRAMS=plan.num_programs,
         USE_PTX=plan.use_ptx, SYNC=plan.sync, SPLIT=config.split_tail, QUEUE=config.queue, PN_MAJOR=config.pn_major,
-        IEEE=a.w13.dtype == torch.float32, EVEN_K=a.H % config.BK == 0, EVEN_N=a.Ir % config.BN == 0,
+        PAIR=config.pair, IEEE=a.w13.dtype == torch.float32, EVEN_K=a.H % config.BK == 0, EVEN_N=a.Ir % config.BN == 0,
         BM=BM, BN=config.BN, BK=config.BK, num_warps=config.num_warps, num_stages=config.num_stages,
     )
 

@@ -44,6 +44,16 @@ row BM/2 is padding (row_token < 0) runs a BM/2-row tile and leaves its rows BM/
 (seed share, balanced: 20,608 rows computed for 16,384 hits become 18,496; bench/NOTES.md).
 GEMM2 given the same row_token skips the same rows, which GEMM1 did not write.
 
+Pair tiles (compile-time PAIR, GemmConfig.pair, GEMM1 only): an expert's consecutive full row
+blocks b, b+1 run one tile of 2*BM rows x BN/2 output columns (gate + up: 2 x BN/2 weight columns),
+so each weight K-slice is loaded once for 256 rows instead of once per block: the weight bytes per
+FLOP halve while the accumulators (2 x 2*BM x BN/2 fp32) and the shared memory per stage
+(2*BM*BK + BK*BN elements, 48 KB at BN = 128, BK = 64, bf16) stay the BM-row tile's. `tile_coords`
+maps the unchanged tile numbering onto pairs (an expert's odd last block and its half tail keep
+the BM-row tiles), so the grid, the queue and the fused kernel 1 need nothing else. At the seed
+share GEMM1 is DRAM-bound on re-read weights (bench/NOTES.md, issue 12): this is the step that
+reads W13 from DRAM once per pair instead of once per block, whatever the L2 keeps.
+
 Row gather (compile-time GATHER): with `row_token [S]`, output row s reads row row_token[s] of A
 (A is then the token matrix [N, H], not the gathered layout; -1 marks a padding row, whose output
 nobody uses: it reads row s mod N, spread so that padding rows do not all hit one cache line).
@@ -116,10 +126,18 @@ class GemmConfig:
     # Within an expert's tiles, column-tile-major order (tile_coords): the blocks that share a weight
     # column tile are consecutive tiles. Needs the layout's expert_offsets (the launchers' argument).
     pn_major: bool = False
+    # GEMM1 only: two consecutive full row blocks of one expert run one pair tile of 2*BM rows x BN/2
+    # columns (gate + up), which loads each weight K-slice once for both blocks (the weight stream
+    # per FLOP halves; the accumulators keep the BM x BN tile's size). An expert's odd last block
+    # and its half tail (split_tail) keep the BM-row tiles (tile_coords). Needs expert_offsets.
+    pair: bool = False
 
     def __post_init__(self) -> None:
         assert self.BM == BM, f"the gathered layout fixes BM = {BM}, got {self.BM}"
         assert self.ctas_per_sm >= 1, f"ctas_per_sm must be >= 1, got {self.ctas_per_sm}"
+        assert not self.pair or self.BN >= 32, f"a pair tile is BN/2 columns wide: BN must be >= 32, got {self.BN}"
+        assert not (self.pair and self.w_desc), "pair tiles read the weights by pointer loads: w_desc's [BK, BN] " \
+            "boxes are a BM-row tile's"
         for name in ("BN", "BK"):
             value = getattr(self, name)
             assert value >= 16 and value & (value - 1) == 0, f"{name} must be a power of two >= 16, got {value}"
@@ -175,8 +193,10 @@ def gemm_tile(a_ptr, a_rows, w_ptr, out_ptr, bias_ptr, block, expert, pn, ready,
               IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
               BM: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """out[the first TM rows of row block `block` (BM rows), column tile `pn`] = A @ W[expert] (ACT > 0:
-    gated_act(gate, up), two accumulators); one TM x BN output tile, the K loop inside. TM is BM, or
-    BM // 2 for a tail block whose second half is padding (`tile_rows`). The TM input rows start at
+    gated_act(gate, up), two accumulators); one TM x BN output tile, the K loop inside. TM is BM,
+    BM // 2 for a tail block whose second half is padding (`half_tail`), or 2 * BM for a pair tile
+    (`block` and the next block of the same expert, contiguous in the layout; its caller passes
+    the config's BN // 2 as BN, and EVEN_N of the config's BN, which implies it for BN // 2). The TM input rows start at
     `a_ptr + a_rows` ([TM] int64 element offsets: `rows * stride_am` for a contiguous A, or any
     gather of rows, e.g. a token per row); output rows are the block's. BIAS adds
     bias[expert, cols] (and bias[expert, up_col + cols] to the up half) before the activation.
@@ -254,23 +274,52 @@ def half_tail(row_token_ptr, block, SPLIT: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
-def tile_coords(tile, n_tiles, block_expert_ptr, offsets_ptr, num_experts, PN_MAJOR: tl.constexpr, BM: tl.constexpr):
-    """(row block, column tile, expert) of tile number `tile`. Tiles are numbered block by block
-    (an expert's tiles are one contiguous range, experts in order); within an expert's range the
-    order is block-major (column tile minor) or, with PN_MAJOR, column-tile-major: the expert's
-    blocks that share a weight column tile come one after another. expert == num_experts: a block
-    past the last expert (no rows)."""
+def tile_coords(tile, n_tiles, n_pair, block_expert_ptr, offsets_ptr, row_token_ptr, num_experts,
+                PN_MAJOR: tl.constexpr, PAIR: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr):
+    """(row block, column tile, expert, pair) of tile number `tile`. Tiles are numbered block by block,
+    n_tiles per block (an expert's tiles are one contiguous range of nb * n_tiles, experts in order);
+    within an expert's range the order is block-major (column tile minor) or, with PN_MAJOR,
+    column-tile-major: the expert's blocks that share a weight column tile come one after another.
+    expert == num_experts: nothing to compute (a block past the last expert, or an empty pair slot).
+    PAIR: the expert's range starts with its pairs of full blocks (blocks b0 + 2p, b0 + 2p + 1 for
+    p < n_pairs = full // 2; `full` counts the blocks that run a BM-row tile, all but a SPLIT half
+    tail): pair p owns 2 * n_tiles of the range's numbers, of which the first n_pair =
+    cdiv(N, BN/2) are its column tiles of BN/2 columns (2 * cdiv(N, BN) >= n_pair; the rest are
+    empty); pair == 1 and `block` is the pair's first block. The unpaired blocks (an odd last one,
+    the half tail) follow with today's tiles. The numbering, grid and queue stay as without PAIR."""
     block = tile // n_tiles
     pn = tile % n_tiles
     expert = tl.load(block_expert_ptr + block)
-    if PN_MAJOR:
+    pair = tile * 0
+    if PN_MAJOR or PAIR:
         if expert < num_experts:
             b0 = tl.load(offsets_ptr + expert) // BM  # the expert's first block, and its block count
             nb = tl.load(offsets_ptr + expert + 1) // BM - b0
-            local = tile - b0 * n_tiles
-            pn = local // nb
-            block = b0 + local % nb
-    return block, pn, expert
+            local = tile - b0 * n_tiles  # [0, nb * n_tiles): the tile's place in the expert's range
+            n_pairs = 0
+            if PAIR:
+                full = nb
+                if half_tail(row_token_ptr, b0 + nb - 1, SPLIT, BM):
+                    full = nb - 1
+                n_pairs = full // 2
+            pair_slots = 2 * n_tiles * n_pairs
+            pair = (local < pair_slots).to(tl.int32)
+            rest = local - pair_slots  # the place among the unpaired blocks' tiles (when pair == 0)
+            n_rest = tl.maximum(nb - 2 * n_pairs, 1)  # (1 when there are none: no division by 0)
+            if PN_MAJOR:
+                q = local // tl.maximum(n_pairs, 1)  # pair column tile, and the pair
+                p = local % tl.maximum(n_pairs, 1)
+                r_block = rest % n_rest
+                r_pn = rest // n_rest
+            else:
+                p = local // (2 * n_tiles)
+                q = local % (2 * n_tiles)
+                r_block = rest // n_tiles
+                r_pn = rest % n_tiles
+            block = tl.where(pair != 0, b0 + 2 * p, b0 + 2 * n_pairs + r_block)
+            pn = tl.where(pair != 0, q, r_pn)
+            expert = tl.where((pair != 0) & (q >= n_pair), num_experts, expert)  # an empty pair slot
+    return block, pn, expert, pair
 
 
 @triton.jit
@@ -307,7 +356,7 @@ def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr,            # A [S, K], W [E, K, n_w] (W_DESC: its descriptor), out [S, N]
     bias_ptr,                         # BIAS: [E, n_w] added before the activation (GEMM1) or to out (GEMM2)
     block_expert_ptr,                 # [S/BM] int32, E = unused block
-    offsets_ptr,                      # PN_MAJOR: [E+1] int32 expert_offsets (padded; multiples of BM)
+    offsets_ptr,                      # PN_MAJOR or PAIR: [E+1] int32 expert_offsets (padded; multiples of BM)
     row_token_ptr,                    # GATHER or SPLIT: [S] int32 row of A for output row s (-1: padding)
     queue_ptr,                        # QUEUE: [1] int32, 0 at launch: the next tile to take
     num_blocks, N, K, num_experts, num_a_rows,
@@ -315,21 +364,31 @@ def _grouped_gemm_kernel(
     limit, alpha,                     # fp32: the activation's clamp bound and gpt-oss's alpha
     stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
     ACT: tl.constexpr, CLAMP: tl.constexpr, BIAS: tl.constexpr, W_DESC: tl.constexpr, GATHER: tl.constexpr,
-    SPLIT: tl.constexpr, QUEUE: tl.constexpr, PN_MAJOR: tl.constexpr,
+    SPLIT: tl.constexpr, QUEUE: tl.constexpr, PN_MAJOR: tl.constexpr, PAIR: tl.constexpr,
     IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BN)
+    n_pair = tl.cdiv(N, BN // 2)  # PAIR: column tiles of a pair tile
     num_tiles = num_blocks * n_tiles
     # QUEUE: tiles in tile order to whichever program is free, so that tiles sharing an expert's
     # weight columns or a block's rows start close together and the second reader finds them in
     # L2; else the static walk pid, pid + P, ...
     tile = next_tile(queue_ptr, pid - NUM_PROGRAMS, NUM_PROGRAMS, QUEUE)
     while tile < num_tiles:
-        block, pn, expert = tile_coords(tile, n_tiles, block_expert_ptr, offsets_ptr, num_experts, PN_MAJOR, BM)
-        if expert < num_experts:  # expert == E: block past the last expert, no rows
-            if half_tail(row_token_ptr, block, SPLIT, BM):
+        block, pn, expert, pair = tile_coords(tile, n_tiles, n_pair, block_expert_ptr, offsets_ptr, row_token_ptr,
+                                              num_experts, PN_MAJOR, PAIR, SPLIT, BM)
+        if expert < num_experts:  # expert == E: block past the last expert (no rows) or an empty pair slot
+            pair_tile = False
+            if PAIR:
+                pair_tile = pair != 0
+            if pair_tile:  # blocks `block` and `block + 1`, BN/2 columns: one weight stream for 2*BM rows
+                _grouped_tile(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K, num_a_rows,
+                              up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om,
+                              stride_on, stride_be, ACT, CLAMP, BIAS, W_DESC, GATHER, IEEE, EVEN_K, EVEN_N,
+                              BM, 2 * BM, BN // 2, BK)
+            elif half_tail(row_token_ptr, block, SPLIT, BM):
                 _grouped_tile(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K, num_a_rows,
                               up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om,
                               stride_on, stride_be, ACT, CLAMP, BIAS, W_DESC, GATHER, IEEE, EVEN_K, EVEN_N,
@@ -412,9 +471,12 @@ def _launch(a, w, out, block_expert, *, n, up_col, act, bias, config, num_progra
         if gather and a.shape[0] == 0:
             raise ValueError("a gathered launch needs at least one row of A (padding rows read one)")
         tensors.append(row_token)
-    if config.pn_major:
+    if config.pair and act is None:
+        raise ValueError("GemmConfig.pair tiles are GEMM1's (gemm1_swiglu); GEMM2 runs BM-row tiles: turn pair off")
+    if config.pn_major or config.pair:
         if expert_offsets is None:
-            raise ValueError("GemmConfig.pn_major orders tiles by the layout's expert_offsets: pass expert_offsets")
+            raise ValueError("GemmConfig.pn_major and pair order tiles by the layout's expert_offsets: pass "
+                             "expert_offsets")
         if expert_offsets.shape != (E + 1,) or expert_offsets.dtype != torch.int32:
             raise ValueError(f"expert_offsets must be int32 [{E + 1}], got {expert_offsets.dtype} "
                              f"{list(expert_offsets.shape)}")
@@ -428,7 +490,7 @@ def _launch(a, w, out, block_expert, *, n, up_col, act, bias, config, num_progra
     epi = epilogue_args(act)
     _grouped_gemm_kernel[(P,)](
         a, weight_operand(w, config), out, bias if bias is not None else out, block_expert,
-        expert_offsets if config.pn_major else block_expert,  # a dummy pointer without PN_MAJOR
+        expert_offsets if config.pn_major or config.pair else block_expert,  # a dummy pointer without them
         row_token if row_token is not None else block_expert,  # a dummy pointer when GATHER and SPLIT are off
         torch.zeros(1, dtype=torch.int32, device=a.device) if config.queue else block_expert,  # QUEUE's counter
         S // BM, n, K, E, a.shape[0], up_col, epi["limit"], epi["alpha"],
@@ -436,7 +498,7 @@ def _launch(a, w, out, block_expert, *, n, up_col, act, bias, config, num_progra
         bias.stride(0) if bias is not None else 0,
         ACT=epi["ACT"], CLAMP=epi["CLAMP"], BIAS=bias is not None, W_DESC=config.w_desc, GATHER=gather,
         SPLIT=config.split_tail and row_token is not None, QUEUE=config.queue, PN_MAJOR=config.pn_major,
-        IEEE=a.dtype == torch.float32, EVEN_K=K % config.BK == 0, EVEN_N=n % config.BN == 0,
+        PAIR=config.pair, IEEE=a.dtype == torch.float32, EVEN_K=K % config.BK == 0, EVEN_N=n % config.BN == 0,
         BM=BM, BN=config.BN, BK=config.BK, NUM_PROGRAMS=P,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -451,7 +513,8 @@ def gemm1_swiglu(a, w13, block_expert, *, config: GemmConfig, out=None, num_prog
     a [S, H], w13 [E, H, 2*Ir], block_expert [S/BM] int32, bias b13 [E, 2*Ir] or None. Rows of unused
     blocks are not written. With row_token [S] int32, a is [N, H] and row s of A is a[row_token[s]]
     (padding rows: -1), and with config.split_tail rows BM/2.. of a block whose row BM/2 is padding
-    are not written either. expert_offsets [E+1] int32 (the layout's) is needed by config.pn_major.
+    are not written either. expert_offsets [E+1] int32 (the layout's) is needed by config.pn_major and
+    config.pair.
     """
     if w13.dim() != 3 or w13.shape[2] % 2:
         raise ValueError(f"w13 must be [E, H, 2*Ir], got {list(w13.shape)}")

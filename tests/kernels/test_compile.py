@@ -19,7 +19,8 @@ import triton
 
 ROOT = Path(__file__).resolve().parents[2]
 SMEM_LIMIT = {90: 232448, 120: 101376}  # bytes of shared memory per block (opt-in maximum)
-CONSTEXPRS = ("ACT", "CLAMP", "BIAS", "W_DESC", "GATHER", "SPLIT", "QUEUE", "PN_MAJOR", "IEEE", "EVEN_K", "EVEN_N",
+CONSTEXPRS = ("ACT", "CLAMP", "BIAS", "W_DESC", "GATHER", "SPLIT", "QUEUE", "PN_MAJOR", "PAIR", "IEEE", "EVEN_K",
+              "EVEN_N",
               "BM", "BN", "BK", "NUM_PROGRAMS")
 # What the runtime specialises at launch for the seed shape: 16-byte aligned pointers, strides
 # and sizes divisible by 16, unit inner strides. Without these hints no cp.async pipelining.
@@ -60,7 +61,7 @@ def compile_gemm(arch: int, *, swiglu: bool, config, dtype="bf16", gather=False,
                 attrs[(i,)] = [["tt.divisibility", 16]]
     constexprs = dict(ACT=act if swiglu else 0, CLAMP=clamp, BIAS=bias, W_DESC=config.w_desc, GATHER=gather,
                       SPLIT=config.split_tail, QUEUE=config.queue, PN_MAJOR=config.pn_major,
-                      IEEE=dtype == "fp32",
+                      PAIR=config.pair, IEEE=dtype == "fp32",
                       EVEN_K=True, EVEN_N=True, BM=BM, BN=config.BN, BK=config.BK, NUM_PROGRAMS=132,
                       **{name: 1 for name in UNIT})
     src = ASTSource(_grouped_gemm_kernel, sig, constexprs, attrs)
@@ -133,6 +134,31 @@ def test_epilogue_variants_compile(arch, variant):
     assert kernel.metadata.shared <= SMEM_LIMIT[arch]
     if arch == 90:
         assert "wgmma" in kernel.asm["ptx"], "sm_90 build without wgmma"
+
+
+def _gemm1_configs():
+    """GEMM1's configs per compile target: every committed gemm1 file entry and the defaults."""
+    return [case for case in _config_cases() if case.values[1] == "gemm1" and case.values[0] is not None]
+
+
+@interpreting
+@pytest.mark.parametrize("arch,mode,config", _gemm1_configs())
+def test_pair_tiles_compile(arch, mode, config):
+    """GemmConfig.pair as tuning.pair_config sets it on each GEMM1 config (the lead's switch): the
+    kernel with BM-row, half and pair tiles compiles for the target, its shared memory is what
+    tuning.gemm1_smem_bytes predicts and fits, and sm_90 keeps wgmma. On sm_90 at BN = 128 a
+    pair stage is the BM-row tile's 48 KB: the shared memory does not grow."""
+    from service.kernels import tuning
+
+    paired = tuning.pair_config(config, SMEM_LIMIT[arch])
+    kernel = compile_gemm(arch, swiglu=True, config=paired, gather=True)
+    shared = kernel.metadata.shared
+    assert shared <= SMEM_LIMIT[arch], f"pair {paired} needs {shared} B, sm_{arch} has {SMEM_LIMIT[arch]}"
+    assert shared == tuning.gemm1_smem_bytes(paired, SMEM_LIMIT[arch]), f"the byte model is off: {shared} B"
+    if arch == 90:
+        assert "wgmma" in kernel.asm["ptx"], "sm_90 pair build without wgmma"
+        if config.BN == 128 and paired.num_stages == config.num_stages:
+            assert shared == compile_gemm(arch, swiglu=True, config=config, gather=True).metadata.shared
 
 
 @interpreting

@@ -44,7 +44,7 @@ def compile_kernel(name: str, arch: int, *, config=None, dtype: str = "bf16", us
     constexprs = {"USE_PTX": use_ptx, "SYNC": True, "K": K, "KP": triton.next_power_of_2(K), "RP": 4, "TB": 4, "JT": 2,
                   "ACT": act, "CLAMP": clamp, "BIAS": bias, "W_DESC": bool(config and config.w_desc),
                   "SPLIT": bool(config and config.split_tail), "QUEUE": bool(config and config.queue),
-                  "PN_MAJOR": bool(config and config.pn_major)}
+                  "PN_MAJOR": bool(config and config.pn_major), "PAIR": bool(config and config.pair)}
     if config is not None:
         constexprs.update(BM=BM, BN=config.BN, BK=config.BK, IEEE=False, EVEN_K=True, EVEN_N=True,
                           NUM_PROGRAMS=132, NUM_COMM=8, NUM_COMPUTE=124, JOIN=True, BH=512)
@@ -97,6 +97,25 @@ def test_tile_queue_compiles(arch):
             f"{name}: the tile queue added other atomics: {set(after) - set(before)}"
         relaxed = [a for a in after if a.startswith("atom.global.gpu.relaxed.add.") and not a.endswith("64")]
         assert len(relaxed) > len([a for a in before if a in relaxed]), f"{name}: no tile-queue atomic"
+
+
+@interpreting
+@pytest.mark.parametrize("arch", [90, 120])
+def test_pair_tiles_compile(arch):
+    """Kernel 1 with GemmConfig.pair (tuning.pair_config of the target's default): within shared
+    memory, the tensor-core path and the gate's acquire polls kept, A rows still 16-byte copies."""
+    from service.kernels import tuning
+
+    config = tuning.pair_config(_configs(arch)[0], SMEM_LIMIT[arch])
+    k = compile_kernel("_ag_gemm1_kernel", arch, config=config)
+    ptx = k.asm["ptx"]
+    assert k.metadata.shared <= SMEM_LIMIT[arch], f"kernel 1 with pair tiles needs {k.metadata.shared} B"
+    assert k.metadata.shared == tuning.gemm1_smem_bytes(config, SMEM_LIMIT[arch])
+    if arch == 90:
+        assert "wgmma" in ptx, "sm_90 build without wgmma"
+    assert "ld.global.acquire.sys.b32" in ptx, "no gate poll"
+    sizes = set(re.findall(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^]]+\], \[[^]]+\], (\w+)", ptx))
+    assert sizes == {"0x10"}, f"async copy sizes {sizes}"
 
 
 @interpreting

@@ -49,8 +49,19 @@ CASES = {
     "r2_queue_pn_major": ("float32", 3, 32, 16, 2, 50, [[50, 37], [23, 50], [50, 50]], "skewed", 4, 1, 2, True, 1,
                           None),
     "r2_pn_major": ("float32", 3, 32, 16, 2, 50, [[50, 37]], "balanced", 4, 1, 2, False, 1, None),
+    # Kernel 1 with pair tiles (GemmConfig.pair, BN = 32: pair tiles 16 columns wide, Ir % 32 != 0):
+    # experts of two and more full blocks next to half tails and single blocks, pulled rows gated
+    # over both blocks of a pair, three steps; with the queue in pn_major order at R = 1 and a
+    # one-token step; fp16 with an empty expert; and a pair's gate timing out.
+    "r2_pair": ("float32", 3, 32, 48, 2, 130, [[130, 97], [64, 130], [130, 130]], "skewed", 4, 1, 2, False, 1, None),
+    "r1_pair_queue": ("float32", 2, 32, 32, 2, 200, [[200], [1]], "balanced", 3, 0, 2, True, 1, None),
+    "r2_fp16_pair_empty_expert": ("float16", 4, 48, 40, 2, 150, [[150, 130]], "empty_expert", 4, 1, 2, False, 1,
+                                  None),
+    "gate_timeout_pair": ("float32", 2, 32, 32, 2, 130, [[130, 130]], "balanced", 3, 1, 1, False, 1, "gate"),
 }
-ORDERS = {"r2_queue_pn_major": dict(queue=True, pn_major=True), "r2_pn_major": dict(pn_major=True)}
+ORDERS = {"r2_queue_pn_major": dict(queue=True, pn_major=True), "r2_pn_major": dict(pn_major=True),
+          "r1_pair_queue": dict(queue=True, pn_major=True)}
+PAIR = {"r2_pair", "r1_pair_queue", "r2_fp16_pair_empty_expert", "gate_timeout_pair"}
 W_DESC = {"r2_w_desc", "r2_fp16_w_desc_bias"}
 NO_SPLIT = {"r2_no_split"}
 # name -> (activation kind, clamp limit, biases, input scale); the scale makes the clamps bite.
@@ -69,6 +80,20 @@ JOB_TOKENS = {"r3_fp32": 1, "r2_wrap": 4}
 def _wrap32(v: int) -> int:
     v &= 0xFFFFFFFF
     return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def _pairs(tables, E: int) -> list[int]:
+    """First blocks of the pairs that GemmConfig.pair forms in this layout (split_tail on): an
+    expert's blocks but a half tail, paired from its first block."""
+    from service.config import BM
+
+    off, rt = tables.expert_offsets.tolist(), tables.row_token
+    firsts = []
+    for e in range(E):
+        b0, nb = off[e] // BM, (off[e + 1] - off[e]) // BM
+        full = nb - (1 if nb and int(rt[(b0 + nb - 1) * BM + BM // 2]) < 0 else 0)
+        firsts += [b0 + 2 * p for p in range(full // 2)]
+    return firsts
 
 
 def _run_case(name: str) -> dict:
@@ -104,8 +129,8 @@ def _run_case(name: str) -> dict:
     ptrs = [t.data_ptr() for t in regions]
     bufs = [fused_buffers.RankBuffers(cfg, r, regions[r], ptrs) for r in range(R)]
     order = ORDERS.get(name, {})
-    cfg1 = GemmConfig(BN=16, BK=16, num_warps=4, num_stages=1, w_desc=name in W_DESC, split_tail=name not in NO_SPLIT,
-                      **order)
+    cfg1 = GemmConfig(BN=32 if name in PAIR else 16, BK=16, num_warps=4, num_stages=1, w_desc=name in W_DESC,
+                      split_tail=name not in NO_SPLIT, pair=name in PAIR, **order)
     cfg2 = GemmConfig(BN=32, BK=16, num_warps=4, num_stages=1, w_desc=name in W_DESC, split_tail=name not in NO_SPLIT,
                       **order)
     plan = fk.Plan(num_programs=P, num_comm1=comm1, num_compute2=compute2, join=join, config1=cfg1,
@@ -178,6 +203,7 @@ def _run_case(name: str) -> dict:
             record["error_names"] = [fk.describe_error(e) for e in errors]
             if fault == "gate":
                 record["gate_blocks"] = gate_blocks
+                record["pairs"] = _pairs(tables[0], E)
             break
         refs = [moe_reference(x.float(), i, w, *full, act=cfg.act, biases=biases)
                 for x, i, w in zip(xs, ids, ws, strict=True)]
@@ -195,6 +221,7 @@ def _run_case(name: str) -> dict:
         d_tail = bufs[0].D.view(NB, BM, H)[half0][:, BM // 2:]
         record["steps"].append(dict(
             tiles_half_full=[int(half0.sum()), int((used0 & ~half0).sum())],
+            pairs=_pairs(tables[0], E),
             d_tail_nan=bool(torch.isnan(d_tail).all()), d_tail_finite=bool(torch.isfinite(d_tail).all()),
             seq=seq, counts=counts,
             err=[rel_err(o, ref) if n else 0.0 for o, ref, n in zip(outs, refs, counts, strict=True)],
@@ -245,6 +272,8 @@ def test_fused_pipeline_matches_reference(results, name):
         assert s["scratch_zero"], f"{where}: dispenser / tile queues / push counts not reset for the next step"
         assert s["seqs"] == [s["seq"] & 0x7FFFFFFF] * len(s["seqs"]), where
     first = r["steps"][0]
+    if name in PAIR:
+        assert all(s["pairs"] for s in r["steps"][:1]), "the case must run pair tiles"
     if name == "r2_mixed_tiles":
         assert min(first["tiles_half_full"]) > 0, f"the case must run half and full tiles: {first['tiles_half_full']}"
     if first["tiles_half_full"][0]:  # D was NaN before the first step: a half tile leaves rows BM/2.. alone
@@ -271,6 +300,21 @@ def test_gate_timeout_sets_error(results):
     assert "exception" not in r, r.get("exception")
     assert error_kind(r["errors"][0]) == ERR_GATE.value, r.get("error_names")
     assert r["errors"][0] - ERR_GATE.value in r["gate_blocks"], r.get("error_names")
+
+
+def test_pair_gate_timeout_sets_error(results):
+    """A pair tile's gate covers both blocks' rows: a remote token withheld from either block times
+    out, and the error names the pair's first block."""
+    from service.kernels.fused_kernels import ERR_GATE, error_kind
+
+    r = results["gate_timeout_pair"]
+    assert "exception" not in r, r.get("exception")
+    assert error_kind(r["errors"][0]) == ERR_GATE.value, r.get("error_names")
+    block = r["errors"][0] - ERR_GATE.value
+    in_pair = block in r["pairs"] and (block in r["gate_blocks"] or block + 1 in r["gate_blocks"])
+    assert in_pair or block in r["gate_blocks"], (block, r["gate_blocks"], r["pairs"], r.get("error_names"))
+    assert any(b in r["gate_blocks"] or b + 1 in r["gate_blocks"] for b in r["pairs"]), \
+        "the withheld token must sit in a pair, or this case does not test the pair's gate"
 
 
 if __name__ == "__main__":

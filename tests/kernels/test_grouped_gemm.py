@@ -15,8 +15,11 @@ import zlib
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from service.config import BM, cdiv, round_up
+from service.kernels.grouped_gemm import tile_coords
 from tests.helpers import TOL, rel_err
 from tests.interp import main, run_cases
 
@@ -72,6 +75,11 @@ CASES = {
     # which only feed masked output columns), an empty expert, biases, fp16.
     "fp32_w_desc_odd_n": ("float32", 3, 64, 48, [130, 0, 61], 1, 32, 16, True),
     "fp16_w_desc_bias": ("float16", 4, 64, 32, [5, 200, 0, 1], 1, 16, 16, True),
+    # Pair tiles (GemmConfig.pair, run in every case): experts of 0 / 1 / 129 / 256 / 257 rows and
+    # 4 blocks with a full tail (449: two pairs); a single token (T = 1); skewed counts, N % BN != 0.
+    "fp32_pair_rows": ("float32", 6, 48, 40, [257, 0, 1, 129, 256, 449], 1, 32, 16, False),
+    "fp16_pair_one_token": ("float16", 2, 32, 32, [1, 0], 1, 32, 16, False),
+    "fp32_pair_skewed_bias": ("float32", 5, 32, 24, [520, 190, 70, 3, 0], 0, 32, 16, False),
 }
 # name -> (activation kind, clamp limit, biases, input scale): the scale makes the clamps bite.
 EPILOGUES = {
@@ -79,6 +87,7 @@ EPILOGUES = {
     "fp32_gelu_tanh": ("gelu_tanh", None, False, 1.5),
     "fp32_gpt_oss_bias": ("gpt_oss", 1.5, True, 4.0),
     "fp16_w_desc_bias": ("silu", None, True, 1.0),
+    "fp32_pair_skewed_bias": ("gpt_oss", 1.5, True, 4.0),
 }
 
 
@@ -156,6 +165,23 @@ def _run_case(name: str) -> dict:
         same.append(bool(torch.equal(act_q.nan_to_num(7.0), act_s.nan_to_num(7.0))
                          and torch.equal(d_q.nan_to_num(7.0), d_s.nan_to_num(7.0))))
     record["queue_same"] = all(same)
+    # Pair tiles: the same config with BN >= 32 (a pair tile is BN/2 wide), pair off and on, split_tail
+    # on and off, static walk and queue + pn_major: the pair tiles must give the BM-row tiles' numbers
+    # (bit for bit in the interpreter) on every row, write no row the BM-row tiles leave alone (unused
+    # blocks, split_tail's padding halves: NaN stays NaN) and match the reference.
+    c_pair = dataclasses.replace(cfg1, BN=max(cfg1.BN, 32), w_desc=False)
+    pair_same, pair_err = [], []
+    for on in (True, False):
+        base = torch.full((S, Ir), float("nan"), dtype=dtype)
+        gemm1_swiglu(x, w13, block_expert, config=dataclasses.replace(c_pair, split_tail=on), out=base,
+                     row_token=rt_layout, num_programs=3, act=act_fn, bias=b13)
+        for order in ({}, dict(queue=True, pn_major=True)):
+            out = torch.full((S, Ir), float("nan"), dtype=dtype)
+            gemm1_swiglu(x, w13, block_expert, config=dataclasses.replace(c_pair, split_tail=on, pair=True, **order),
+                         out=out, row_token=rt_layout, num_programs=3, act=act_fn, bias=b13, expert_offsets=offsets)
+            pair_same.append(bool(torch.equal(out.nan_to_num(7.0), base.nan_to_num(7.0))))
+            pair_err.append(rel_err(out[real], ref1[real]) if real.any() else 0.0)
+    record.update(pair_same=all(pair_same), err1_pair=max(pair_err))
     record.update(
         skipped_rows=int(skipped.sum()),
         err1_split=rel_err(act_s[real], ref1[real]) if real.any() else 0.0,
@@ -175,9 +201,103 @@ def _run_case(name: str) -> dict:
     return record
 
 
+# The schedule's tile numbering (grouped_gemm.tile_coords) with pair tiles, dumped tile by tile by a
+# one-program-per-tile kernel and checked in Python: name -> (rows per expert, spare blocks, N, BN).
+TILE_MAPS = {
+    "map_mixed": ([0, 1, 129, 256, 257, 449, 64, 65, 200], 1, 48, 32),  # pair column tiles 3 of 4 slots
+    "map_even_n": ([0, 1, 129, 256, 257, 449, 64, 65, 200], 0, 64, 32),
+    "map_one_token": ([1], 1, 40, 32),
+    "map_skewed": ([900, 300, 120, 60, 20, 0, 3], 2, 96, 64),
+}
+
+
+@triton.jit
+def _map_kernel(block_expert_ptr, offsets_ptr, row_token_ptr, out_ptr, n_tiles, n_pair, num_experts,
+                PN_MAJOR: tl.constexpr, PAIR: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr):
+    """out[t] = tile_coords(t) for tile number t = program id (what the GEMM kernels' loops see)."""
+    t = tl.program_id(0)
+    block, pn, expert, pair = tile_coords(t, n_tiles, n_pair, block_expert_ptr, offsets_ptr, row_token_ptr,
+                                          num_experts, PN_MAJOR, PAIR, SPLIT, BM)
+    tl.store(out_ptr + t * 4, block)
+    tl.store(out_ptr + t * 4 + 1, pn)
+    tl.store(out_ptr + t * 4 + 2, expert)
+    tl.store(out_ptr + t * 4 + 3, pair)
+
+
+def _tile_map(name: str) -> dict:
+    """(block, pn, expert, pair) of every tile number, for pair off / on x split_tail x pn_major."""
+    rows, spare, N, BN = TILE_MAPS[name]
+    num_blocks = sum(cdiv(r, BM) for r in rows) + spare
+    block_expert, offsets = make_block_expert(rows, num_blocks)
+    real, _ = layout_real_rows(rows, num_blocks)
+    row_token = torch.where(real, 0, -1).to(torch.int32)
+    n_tiles, n_pair = cdiv(N, BN), cdiv(N, BN // 2)
+    maps = {}
+    for pair in (False, True):
+        for split in (True, False):
+            for pn_major in (False, True):
+                out = torch.full((num_blocks * n_tiles, 4), -9, dtype=torch.int32)
+                _map_kernel[(num_blocks * n_tiles,)](block_expert, offsets, row_token, out, n_tiles, n_pair, len(rows),
+                                                    PN_MAJOR=pn_major, PAIR=pair, SPLIT=split, BM=BM)
+                maps[f"{int(pair)}{int(split)}{int(pn_major)}"] = out.tolist()
+    return maps
+
+
+def _run_any(name: str) -> dict:
+    return _tile_map(name) if name in TILE_MAPS else _run_case(name)
+
+
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
     return run_cases(__file__)
+
+
+@pytest.mark.parametrize("name", list(TILE_MAPS))
+def test_pair_tiles_cover_every_output_once(interpreter_results, name):
+    """The tile numbering with GemmConfig.pair (and without): every output element of every used
+    row block is computed by exactly one tile (split_tail's padding halves by none), a pair tile
+    covers two consecutive blocks of its own expert, neither a half tail, so no row past an
+    expert's end is ever written; every expert with two full blocks or more gets its pairs."""
+    r = interpreter_results[name]
+    assert "exception" not in r, r.get("exception")
+    rows, spare, N, BN = TILE_MAPS[name]
+    E = len(rows)
+    num_blocks = sum(cdiv(n, BM) for n in rows) + spare
+    block_expert, _ = make_block_expert(rows, num_blocks)
+    real, skipped = layout_real_rows(rows, num_blocks)
+    half = real.view(num_blocks, BM)[:, 0] & ~real.view(num_blocks, BM)[:, BM // 2]  # [num_blocks] half tails
+    used = (block_expert < E).repeat_interleave(BM)  # [S]
+    want_pairs = 0
+    for n in rows:  # an expert's full blocks (all but a half tail), paired from its first block
+        full = cdiv(n, BM) - (1 if 0 < n % BM <= BM // 2 else 0)
+        want_pairs += full // 2
+    assert want_pairs > 0 or name == "map_one_token", "the case must have pairs"
+    for key, tiles in r.items():
+        pair_on, split = key[0] == "1", key[1] == "1"
+        cover = torch.zeros(num_blocks * BM, N, dtype=torch.int32)  # [S, N] tiles computing each output
+        pairs = 0
+        for block, pn, expert, is_pair in tiles:
+            if expert == E:
+                continue
+            assert expert == int(block_expert[block]), f"{key}: tile of block {block} names expert {expert}"
+            if is_pair:
+                assert pair_on, f"{key}: a pair tile with pair off"
+                pairs += 1
+                assert block + 1 < num_blocks and int(block_expert[block + 1]) == expert, \
+                    f"{key}: pair tile at block {block} crosses into another expert"
+                assert not (split and (half[block] or half[block + 1])), f"{key}: a half tail in a pair tile"
+                assert 0 <= pn < cdiv(N, BN // 2), f"{key}: pair column tile {pn}"
+                cover[block * BM:(block + 2) * BM, pn * (BN // 2):(pn + 1) * (BN // 2)] += 1
+            else:
+                assert 0 <= pn < cdiv(N, BN), f"{key}: column tile {pn}"
+                tm = BM // 2 if split and half[block] else BM
+                cover[block * BM:block * BM + tm, pn * BN:(pn + 1) * BN] += 1
+        computed = used & ~(skipped if split else torch.zeros_like(skipped))  # [S]
+        assert torch.equal(cover[computed], torch.ones_like(cover[computed])), \
+            f"{key}: an output of a used row computed {int(cover[computed].min())}..{int(cover[computed].max())} times"
+        assert int(cover[~computed].abs().sum()) == 0, f"{key}: rows outside the used rows (or padding halves) written"
+        want = (want_pairs if split else sum(cdiv(n, BM) // 2 for n in rows)) if pair_on else 0
+        assert pairs == want * cdiv(N, BN // 2), f"{key}: {pairs} pair tiles, want {want} pairs"
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -197,6 +317,8 @@ def test_interpreter_matches_reference(interpreter_results, name):
     assert r["split_skips"], "split_tail computed rows BM/2.. of a tail block that are all padding"
     assert r["queue_same"], "GEMM1 / GEMM2 through the tile queue or in pn_major order differ from the static walk"
     assert r["unsplit_writes"], "with split_tail off the full tile must write every row of a used block"
+    assert r["pair_same"], "GEMM1 with pair tiles differs from the BM-row tiles (values, or rows written)"
+    assert r["err1_pair"] <= tol, f"GEMM1 with pair tiles: relative error {r['err1_pair']:.3g} > {tol}"
     if name in EPILOGUES and EPILOGUES[name][1] is not None:
         assert r["clamped_share"] > 0.05, "inputs too small to reach the clamp"
 
@@ -229,6 +351,44 @@ def test_pn_major_needs_the_offsets():
         gemm2(act, w2, be, config=cfg, expert_offsets=torch.zeros(2, dtype=torch.int32))
 
 
+def test_pair_tiles_are_gemm1s_and_need_the_offsets():
+    """GemmConfig.pair is never dropped silently: GEMM2 (serial and fused kernel 2) refuses it, GEMM1
+    refuses it without the layout's expert_offsets, and a config cannot combine it with w_desc (whose
+    boxes are a BM-row tile's) or a BN below 32."""
+    from service.kernels.fused_kernels import Plan
+    from service.kernels.grouped_gemm import GemmConfig, gemm1_swiglu, gemm2
+
+    cfg = GemmConfig(BN=32, BK=16, num_warps=4, num_stages=2, pair=True)
+    plain = GemmConfig(BN=32, BK=16, num_warps=4, num_stages=2)
+    be, off = torch.zeros(2, dtype=torch.int32), torch.tensor([0, 2 * BM, 2 * BM], dtype=torch.int32)
+    with pytest.raises(ValueError, match="GEMM1"):
+        gemm2(torch.zeros(2 * BM, 16), torch.zeros(2, 16, 32), be, config=cfg, expert_offsets=off)
+    with pytest.raises(ValueError, match="expert_offsets"):
+        gemm1_swiglu(torch.zeros(2 * BM, 16), torch.zeros(2, 16, 64), be, config=cfg)
+    with pytest.raises(ValueError, match="GEMM1"):
+        Plan(num_programs=4, num_comm1=0, num_compute2=2, join=True, config1=cfg, config2=cfg)
+    Plan(num_programs=4, num_comm1=0, num_compute2=2, join=True, config1=cfg, config2=plain)
+    with pytest.raises(AssertionError, match="pointer loads"):
+        GemmConfig(BN=32, BK=16, num_warps=4, num_stages=2, pair=True, w_desc=True)
+    with pytest.raises(AssertionError, match="BN must be >= 32"):
+        GemmConfig(BN=16, BK=16, num_warps=4, num_stages=2, pair=True)
+
+
+def test_pair_config_fits_the_shared_memory():
+    """tuning.pair_config keeps sm_90's 4 stages at BN = 128 (a pair stage is the BM-row tile's 48 KB)
+    and drops sm_120's BN = 64 tile to 3 stages (40 KB against 32 KB a stage); the byte model is the
+    compile-only check's figures (tests/kernels/test_compile.py compiles these configs)."""
+    from service.kernels import tuning
+
+    big, small = tuning._DEFAULTS[("large", "gemm1")], tuning._DEFAULTS[("small", "gemm1")]
+    assert tuning.gemm1_smem_bytes(big, tuning.SMEM_LARGE) == 196608
+    assert tuning.gemm1_smem_bytes(small, tuning.SMEM_SMALL) == 98304
+    p_big, p_small = tuning.pair_config(big, tuning.SMEM_LARGE), tuning.pair_config(small, tuning.SMEM_SMALL)
+    assert p_big.pair and p_big.num_stages == 4 and tuning.gemm1_smem_bytes(p_big, tuning.SMEM_LARGE) == 196608
+    assert p_small.pair and p_small.num_stages == 3
+    assert tuning.gemm1_smem_bytes(p_small, tuning.SMEM_SMALL) == 81920 <= tuning.SMEM_SMALL
+
+
 def test_tuning_lookup_reads_files_and_logs_default(tmp_path, caplog):
     from service.kernels import tuning
     from service.kernels.grouped_gemm import GemmConfig
@@ -238,6 +398,8 @@ def test_tuning_lookup_reads_files_and_logs_default(tmp_path, caplog):
     flagged = GemmConfig(BN=64, BK=64, num_warps=8, num_stages=3, w_desc=True, split_tail=False, ctas_per_sm=2,
                          queue=True, pn_major=True)
     assert tuning.config_from_dict(tuning.config_to_dict(flagged)) == flagged
+    paired = GemmConfig(BN=128, BK=64, num_warps=8, num_stages=4, queue=True, pair=True)
+    assert tuning.config_from_dict(tuning.config_to_dict(paired)) == paired
     small = GemmConfig(BN=32, BK=32, num_warps=4, num_stages=2)
     big = GemmConfig(BN=64, BK=64, num_warps=8, num_stages=3)
     path = tuning.config_path("Fake GPU", "gemm2", 8, 256, 64, tmp_path)
@@ -384,4 +546,4 @@ def test_gpu_cuda_graph_capture():
 
 
 if __name__ == "__main__":
-    main(CASES, _run_case)
+    main([*CASES, *TILE_MAPS], _run_any)
