@@ -2,8 +2,9 @@
 and the layer a user would run instead (issue 12).
 
     python bench/core.py --anchors PATH/bench_anchors.py [--tokens 2048] [--K 8] [--E 64] [--H 4096]
-                         [--Ir 768] [--iters 100] [--w-desc off] [--split on,off] [--order static,queue]
-                         [--routing balanced,skewed] [--json FILE] [--profile]
+                         [--Ir 768] [--iters 100] [--w-desc off] [--split on,off] [--pair off,on]
+                         [--order static,queue] [--repeats N] [--routing balanced,skewed] [--json FILE] [--profile]
+                         [--no-anchor]
 
 Shape: the seed preset's per-rank share (T = 2048 tokens, K = 8, E = 64, H = 4096, Ir = 768), all on
 one GPU (R = 1, C = T), bf16. Weights and routing come from the anchor script's own generators
@@ -21,7 +22,9 @@ Rows, per routing:
              tuned-H100-N768; its align is plain torch: vLLM's CUDA op takes ~20 us), and its GEMMs
 each of this project's rows once per combination of --w-desc (GemmConfig.w_desc: weights through
 TMA descriptors), --split (GemmConfig.split_tail: half tiles for tail blocks; "nosplit" rows run
-full tiles everywhere) and --order values (GemmConfig.queue: the GEMM programs take tiles from an
+full tiles everywhere), --pair (GemmConfig.pair, GEMM1 and the fused kernel 1 only: two full blocks
+of one expert in one 2*BM x BN/2 tile, stages as tuning.pair_config fits them; w_desc rows skip it)
+and --order values (GemmConfig.queue: the GEMM programs take tiles from an
 atomic counter; pn_major: an expert's tiles column-tile-major), tagged by what differs from the
 defaults.
 --profile: no timing, no layers, no anchor rows: each variant's GEMM1 and GEMM2 run once per
@@ -83,7 +86,7 @@ def time_steps(layer, x, ids, w, iters: int, seq0: int) -> float:
     return statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
 
 
-VARIED = (("w_desc", "w_desc", "w_desc"), ("split", "split_tail", "split"))
+VARIED = (("w_desc", "w_desc", "w_desc"), ("split", "split_tail", "split"), ("pair", "pair", "pair"))
 ORDERS = {"static": {}, "queue": {"queue": True}, "pn_major": {"pn_major": True},
           "queue+pn_major": {"queue": True, "pn_major": True}}  # --order: GemmConfig tile orders
 TAGGED = (("queue", "queue", "queue"), ("pn_major", "pn_major", "pn_major"))
@@ -96,6 +99,8 @@ def variant_list(args, base) -> list[tuple[str, dict]]:
                for arg, field, _ in VARIED]
     out = []
     for combo in itertools.product(*choices):
+        if dict(combo)["w_desc"] and dict(combo)["pair"]:
+            continue  # GemmConfig refuses the pair (pointer loads only)
         for order in args.order.split(","):
             change = {**dict(combo), "queue": False, "pn_major": False, **ORDERS[order]}
             tag = "".join(f" {name}" if change[field] else f" no{name}"
@@ -106,7 +111,7 @@ def variant_list(args, base) -> list[tuple[str, dict]]:
 
 def run(args) -> dict:
     from service.kernels.grouped_gemm import gemm1_swiglu, gemm2
-    from service.kernels.tuning import lookup_for_device
+    from service.kernels.tuning import SMEM_SMALL, lookup_for_device, pair_config
     from service.moe.fused import FusedLayer
     from service.moe.serial import SerialLayer, build_tables
     from service.moe.weights import RankWeights
@@ -149,6 +154,13 @@ def run(args) -> dict:
         record("dense mm, same FLOPs", "-", dense_us, f1 + f2)
     base1 = lookup_for_device(dev, "gemm1", E, H, Ir)  # what both layers look up
     base2 = lookup_for_device(dev, "gemm2", E, H, Ir)
+    smem = getattr(torch.cuda.get_device_properties(dev), "shared_memory_per_block_optin", SMEM_SMALL)
+
+    def tile_configs(change: dict):
+        """(GEMM1, GEMM2) configs of a variant: `pair` is GEMM1's alone, its stages fitted to the device."""
+        c1 = dataclasses.replace(base1, **change)
+        c2 = dataclasses.replace(base2, **{k: v for k, v in change.items() if k != "pair"})
+        return (pair_config(c1, smem) if c1.pair else c1), c2
     variants = variant_list(args, base1)
     layers = {}
 
@@ -161,7 +173,7 @@ def run(args) -> dict:
 
         def measure() -> tuple[float, float | None]:
             if key not in layers:
-                c1, c2 = (dataclasses.replace(c, **change) for c in (base1, base2))
+                c1, c2 = tile_configs(change)
                 if kind == "serial":
                     layer = SerialLayer(cfg, weights, rank=0, device=dev, gemm="triton")
                     # The A/B switch for this run: the tile configs' fields (JSON fields in service use).
@@ -193,13 +205,17 @@ def run(args) -> dict:
         tables = build_tables(ids, torch.tensor([T], dtype=torch.int32, device=dev), E, T, cfg.S)
         used = int(tables.expert_offsets[-1])
         half = int((tables.row_token[BM // 2:used:BM] < 0).sum())  # blocks that run a half tile
+        nb = [(hi - lo) // BM for lo, hi in itertools.pairwise(tables.expert_offsets.tolist())]
+        tails = (tables.row_token.view(-1, BM)[:, BM // 2] < 0).tolist()  # per block: a half tail (if used)
+        ends = list(itertools.accumulate(nb))
+        pairs = sum((n - int(n > 0 and tails[end - 1])) // 2 for n, end in zip(nb, ends, strict=True))
         print(f"    layout rows {used} for {T * K} hits; with split_tail {used - half * BM // 2} computed "
-              f"({half} half tiles of {used // BM} blocks)", flush=True)
+              f"({half} half tiles of {used // BM} blocks); pair tiles would pair {2 * pairs} blocks", flush=True)
         act = torch.empty(cfg.S, Ir, device=dev, dtype=cfg.dtype)
         d = torch.empty(cfg.S, H, device=dev, dtype=cfg.dtype)
         timed: list = []  # (row name, measure() -> (us, rel err or None), FLOPs, extra fields)
         for tag, change in variants:
-            c1, c2 = (dataclasses.replace(c, **change) for c in (base1, base2))
+            c1, c2 = tile_configs(change)
             run1 = partial(gemm1_swiglu, x, weights.w13, tables.block_expert, config=c1, out=act,
                            row_token=tables.row_token, expert_offsets=tables.expert_offsets)
             run2 = partial(gemm2, act, weights.w2, tables.block_expert, config=c2, out=d, row_token=tables.row_token,
@@ -231,6 +247,9 @@ def run(args) -> dict:
                 times = [us for us, _ in samples[name]]
                 record(name, routing, statistics.median(times), flops, samples[name][0][1],
                        spread=[min(times), max(times)], **extra)
+        if args.no_anchor:  # an A/B of this project's variants: the anchor's rows are another call's
+            torch.cuda.empty_cache()
+            continue
         A.run_vllm(timer, x, w13_v, w2_v, ids, tw, ref, routing, "tuned-H100-N768",
                    A.CONFIG_SOURCES["tuned-H100-N768"][1](T, E, Ir, H, K))
         for r in A.ROWS[-7:]:
@@ -283,11 +302,13 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--w-desc", default="off", help="GemmConfig.w_desc values to time: off, on or both")
     p.add_argument("--split", default="on,off", help="GemmConfig.split_tail values to time: on, off or both")
+    p.add_argument("--pair", default="off", help="GemmConfig.pair values to time (GEMM1): off, on or both")
     p.add_argument("--order", default="static", help=f"tile orders to time, of {sorted(ORDERS)} (GemmConfig.queue, "
                    "pn_major)")
     p.add_argument("--repeats", type=int, default=1, help="rounds over all variants, interleaved; medians of rounds")
     p.add_argument("--profile", action="store_true", help="run each variant's GEMMs once, untimed (under ncu)")
     p.add_argument("--routing", default="balanced,skewed")
+    p.add_argument("--no-anchor", action="store_true", help="skip the vLLM anchor rows (A/B runs of our variants)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     result = run(args)

@@ -8,6 +8,10 @@
 #            the anchor), per variant
 #   service  the same at the service's weight-bound step (T=512, I=3072 on one GPU), balanced
 #   tune     bench/tune_gemm.py --quick --dry-run at the seed share (prints, writes nothing)
+#   pair     issue 12 third pass, the A/B of GemmConfig.pair (GEMM1 pair tiles): the pair GPU tests
+#            (tests/kernels/test_pair_gpu.py, <= 60 s), then bench/core.py at the seed share, balanced
+#            and skewed, pair off / on (split + the configs' queue), 3 interleaved rounds of 50
+#            replays, no anchor rows (<= 90 s): GEMM1, GEMM2, serial and fused layers
 # and a short table.
 # Usage: ANCHORS=path/bench_anchors.py COMMIT=$(git rev-parse HEAD) [STEPS="profile core"] bash bench/gpu_core.sh
 #        (PYTHON=...; OUT=dir; BUDGET=seconds for all steps; VARIANTS="--split on,off --queue off": the
@@ -71,6 +75,19 @@ step_service() {
   tail -n 12 "$LOG/service_step.txt"
 }
 
+step_pair() {
+  echo "== pair: GPU tests of the pair tiles, then pair off / on at the seed share"
+  timeout "$(cap 60)" "$PY" -m pytest -q -m gpu tests/kernels/test_pair_gpu.py -p no:cacheprovider -rfE \
+    --durations=5 > "$LOG/tests_pair.txt" 2>&1
+  RC[pair_tests]=$?
+  grep -E "^(FAILED|ERROR)" "$LOG/tests_pair.txt" | head -n 10
+  tail -n 3 "$LOG/tests_pair.txt"
+  timeout "$(cap ${PAIR_S:-90})" "$PY" bench/core.py --anchors "$ANCHORS" --iters 50 --repeats 3 --split on \
+    --pair off,on --order queue --no-anchor --json "$LOG/core_pair.json" > "$LOG/core_pair.txt" 2>&1
+  RC[pair_core]=$?
+  cat "$LOG/core_pair.txt"
+}
+
 step_tune() {
   (( $(left) > 30 )) || return 0
   echo "== tune: bench/tune_gemm.py --quick --dry-run, seed share"
@@ -86,4 +103,6 @@ echo "================ summary ($(( $(date +%s) - START )) s) ================"
 for step in "${!RC[@]}"; do printf '%-10s rc=%s\n' "$step" "${RC[$step]}"; done
 [[ -f "$LOG/tests.txt" ]] && grep -E '(passed|failed|error)' "$LOG/tests.txt" | tail -n 1
 [[ -f "$LOG/core.txt" ]] && grep -A8 "^| routing" "$LOG/core.txt"
+[[ -f "$LOG/tests_pair.txt" ]] && grep -E '(passed|failed|error)' "$LOG/tests_pair.txt" | tail -n 1
+[[ -f "$LOG/core_pair.txt" ]] && grep -A8 "^| routing" "$LOG/core_pair.txt"
 for step in "${!RC[@]}"; do [[ "${RC[$step]}" == 0 ]] || exit 1; done
