@@ -6,7 +6,7 @@ request path): service/kernels/configs/<device>__<mode>__E<E>_H<H>_N<Ir>.json.
 Each candidate (BN, BK, warps, stages, programs per SM) is compiled and timed with
 triton.testing.do_bench on the layout of a balanced routing, as the layers run the GEMMs: GEMM1
 gathers its rows through row_token, both take row_token for the half tail tiles
-(GemmConfig.split_tail), in the tile order the current file sets (split_tail, queue, pn_major:
+(GemmConfig.split_tail), in the tile order the current file sets (split_tail, queue, pn_major, pair:
 bench/core.py measures those on the layers); candidates that do not fit the device's shared memory fail
 to compile and are skipped. The best one per mode is written with `"tuned": true`, the
 measurement and the runner-up, and printed next to the previous file's config (same run).
@@ -88,7 +88,8 @@ def main() -> None:
         results = []
         # The tile order fields stay as the current file has them (bench/core.py --order / --split
         # measure those on the layers); this script tunes the tile's shape.
-        order = dict(split_tail=previous.split_tail, queue=previous.queue, pn_major=previous.pn_major)
+        order = dict(split_tail=previous.split_tail, queue=previous.queue, pn_major=previous.pn_major,
+                     pair=previous.pair)
         for cfg in [dataclasses.replace(c, **order) for c in candidates(mode, args.quick)] + [previous]:
             try:
                 run(cfg)
