@@ -2,7 +2,7 @@
 and the layer a user would run instead (issue 12).
 
     python bench/core.py --anchors PATH/bench_anchors.py [--tokens 2048] [--K 8] [--E 64] [--H 4096]
-                         [--Ir 768] [--iters 100] [--w-desc off] [--split on,off] [--pair off,on]
+                         [--Ir 768] [--iters 100] [--w-desc off] [--split on,off] [--pair off,gemm1,on]
                          [--order static,queue] [--repeats N] [--routing balanced,skewed] [--json FILE] [--profile]
                          [--no-anchor]
 
@@ -22,9 +22,9 @@ Rows, per routing:
              tuned-H100-N768; its align is plain torch: vLLM's CUDA op takes ~20 us), and its GEMMs
 each of this project's rows once per combination of --w-desc (GemmConfig.w_desc: weights through
 TMA descriptors), --split (GemmConfig.split_tail: half tiles for tail blocks; "nosplit" rows run
-full tiles everywhere), --pair (GemmConfig.pair, GEMM1 and the fused kernel 1 only: two full blocks
-of one expert in one 2*BM x BN/2 tile, stages as tuning.pair_config fits them; w_desc rows skip it)
-and --order values (GemmConfig.queue: the GEMM programs take tiles from an
+full tiles everywhere), --pair (GemmConfig.pair: two full blocks of one expert in one 2*BM x BN/2
+tile, stages as tuning.pair_config fits them; "on" in both GEMMs, "gemm1" in GEMM1 / kernel 1 only;
+w_desc rows skip it) and --order values (GemmConfig.queue: the GEMM programs take tiles from an
 atomic counter; pn_major: an expert's tiles column-tile-major), tagged by what differs from the
 defaults.
 --profile: no timing, no layers, no anchor rows: each variant's GEMM1 and GEMM2 run once per
@@ -86,26 +86,30 @@ def time_steps(layer, x, ids, w, iters: int, seq0: int) -> float:
     return statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
 
 
-VARIED = (("w_desc", "w_desc", "w_desc"), ("split", "split_tail", "split"), ("pair", "pair", "pair"))
+VARIED = (("w_desc", "w_desc", "w_desc"), ("split", "split_tail", "split"))
 ORDERS = {"static": {}, "queue": {"queue": True}, "pn_major": {"pn_major": True},
           "queue+pn_major": {"queue": True, "pn_major": True}}  # --order: GemmConfig tile orders
 TAGGED = (("queue", "queue", "queue"), ("pn_major", "pn_major", "pn_major"))
+# --pair: GemmConfig.pair in (GEMM1, GEMM2), tagged " pair" (both) / " pair1" (GEMM1's only).
+PAIRS = {"off": (False, False), "gemm1": (True, False), "on": (True, True)}
 
 
 def variant_list(args, base) -> list[tuple[str, dict]]:
-    """(tag, GemmConfig fields) for every combination of the --w-desc, --split and --order values;
-    the tag names the fields that differ from `base` (" nosplit", " queue", ...)."""
+    """(tag, fields) for every combination of the --w-desc, --split, --pair and --order values: the
+    GemmConfig fields of both GEMMs, but `pair` and `pair2` (GEMM1's and GEMM2's pair, `tile_configs`);
+    the tag names what differs from `base` (" nosplit", " queue", " pair", ...)."""
     choices = [[(field, v == "on") for v in getattr(args, arg.replace("-", "_")).split(",")]
                for arg, field, _ in VARIED]
     out = []
-    for combo in itertools.product(*choices):
-        if dict(combo)["w_desc"] and dict(combo)["pair"]:
+    for combo, pair in itertools.product(itertools.product(*choices), args.pair.split(",")):
+        if dict(combo)["w_desc"] and PAIRS[pair][0]:
             continue  # GemmConfig refuses the pair (pointer loads only)
         for order in args.order.split(","):
             change = {**dict(combo), "queue": False, "pn_major": False, **ORDERS[order]}
             tag = "".join(f" {name}" if change[field] else f" no{name}"
                           for _, field, name in (*VARIED, *TAGGED) if change[field] != getattr(base, field))
-            out.append((tag, change))
+            tag += {"off": "", "gemm1": " pair1", "on": " pair"}[pair]
+            out.append((tag, {**change, "pair": PAIRS[pair][0], "pair2": PAIRS[pair][1]}))
     return out
 
 
@@ -157,10 +161,11 @@ def run(args) -> dict:
     smem = getattr(torch.cuda.get_device_properties(dev), "shared_memory_per_block_optin", SMEM_SMALL)
 
     def tile_configs(change: dict):
-        """(GEMM1, GEMM2) configs of a variant: `pair` is GEMM1's alone, its stages fitted to the device."""
-        c1 = dataclasses.replace(base1, **change)
-        c2 = dataclasses.replace(base2, **{k: v for k, v in change.items() if k != "pair"})
-        return (pair_config(c1, smem) if c1.pair else c1), c2
+        """(GEMM1, GEMM2) configs of a variant (variant_list); pair tiles with their stages fitted to the device."""
+        fields = {k: v for k, v in change.items() if k not in ("pair", "pair2")}
+        c1, c2 = dataclasses.replace(base1, **fields), dataclasses.replace(base2, **fields)
+        return (pair_config(c1, smem, swiglu=True) if change["pair"] else c1,
+                pair_config(c2, smem, swiglu=False) if change["pair2"] else c2)
     variants = variant_list(args, base1)
     layers = {}
 
@@ -302,7 +307,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--w-desc", default="off", help="GemmConfig.w_desc values to time: off, on or both")
     p.add_argument("--split", default="on,off", help="GemmConfig.split_tail values to time: on, off or both")
-    p.add_argument("--pair", default="off", help="GemmConfig.pair values to time (GEMM1): off, on or both")
+    p.add_argument("--pair", default="off", help=f"GemmConfig.pair settings to time, of {sorted(PAIRS)} "
+                   "(gemm1: GEMM1's tiles only)")
     p.add_argument("--order", default="static", help=f"tile orders to time, of {sorted(ORDERS)} (GemmConfig.queue, "
                    "pn_major)")
     p.add_argument("--repeats", type=int, default=1, help="rounds over all variants, interleaved; medians of rounds")

@@ -10,8 +10,8 @@
 #   tune     bench/tune_gemm.py --quick --dry-run at the seed share (prints, writes nothing)
 #   pair     issue 12 third pass, the A/B of GemmConfig.pair (GEMM1 pair tiles): the pair GPU tests
 #            (tests/kernels/test_pair_gpu.py, <= 60 s), then bench/core.py at the seed share, balanced
-#            and skewed, pair off / on (split + the configs' queue), 3 interleaved rounds of 50
-#            replays, no anchor rows (<= 90 s): GEMM1, GEMM2, serial and fused layers
+#            and skewed, pair off / GEMM1 only / both GEMMs (split + the configs' queue), 3 interleaved
+#            rounds of 50 replays, no anchor rows (<= 90 s): GEMM1, GEMM2, serial and fused layers
 # and a short table.
 # Usage: ANCHORS=path/bench_anchors.py COMMIT=$(git rev-parse HEAD) [STEPS="profile core"] bash bench/gpu_core.sh
 #        (PYTHON=...; OUT=dir; BUDGET=seconds for all steps; VARIANTS="--split on,off --queue off": the
@@ -83,7 +83,7 @@ step_pair() {
   grep -E "^(FAILED|ERROR)" "$LOG/tests_pair.txt" | head -n 10
   tail -n 3 "$LOG/tests_pair.txt"
   timeout "$(cap ${PAIR_S:-90})" "$PY" bench/core.py --anchors "$ANCHORS" --iters 50 --repeats 3 --split on \
-    --pair off,on --order queue --no-anchor --json "$LOG/core_pair.json" > "$LOG/core_pair.txt" 2>&1
+    --pair ${PAIRS:-off,gemm1,on} --order queue --no-anchor --json "$LOG/core_pair.json" > "$LOG/core_pair.txt" 2>&1
   RC[pair_core]=$?
   cat "$LOG/core_pair.txt"
 }

@@ -223,6 +223,40 @@ def _arrivals(row_token_ptr, arrived_ptr, block, rank, N, C, seq, max_spins,
 
 
 @triton.jit
+def _gemm1_gated(mine, w_ptr, act_ptr, bias_ptr, row_token_ptr, arrived_ptr, error_ptr, block, expert, pn, rank, N,
+                 C, H, Ir, tok_off, pull_off, parity, seq, max_spins, limit, alpha, stride_we, stride_wk, stride_om,
+                 stride_be, ACT: tl.constexpr, CLAMP: tl.constexpr, BIAS: tl.constexpr, W_DESC: tl.constexpr,
+                 USE_PTX: tl.constexpr, SYNC: tl.constexpr, SPLIT: tl.constexpr, PAIR_TILE: tl.constexpr,
+                 IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Kernel 1's work for one tile number: the gate (every remote token of the tile's rows arrived),
+    then the tile: PAIR_TILE, blocks `block` and `block + 1` in one 2*BM x BN/2 tile; else a BM/2-row
+    tile for a half tail, a BM-row tile otherwise. A timed-out gate records ERR_GATE + block (a
+    pair's first block) and computes nothing. Returns (gate verdict, ns spent in the gate)."""
+    t0 = now_ns(USE_PTX)
+    if PAIR_TILE:
+        ready = _arrivals(row_token_ptr, arrived_ptr, block, rank, N, C, seq, max_spins, USE_PTX, SYNC, BM, 2 * BM)
+    else:
+        ready = _arrivals(row_token_ptr, arrived_ptr, block, rank, N, C, seq, max_spins, USE_PTX, SYNC, BM, BM)
+    dt = now_ns(USE_PTX) - t0
+    if ready == 0:
+        tl.atomic_cas(error_ptr, 0, ERR_GATE + block)
+    elif PAIR_TILE:
+        _gemm1_tile(mine, w_ptr, act_ptr, bias_ptr, row_token_ptr, block, expert, pn, ready, rank, C, H, Ir,
+                    tok_off, pull_off, parity, limit, alpha, stride_we, stride_wk, stride_om, stride_be,
+                    ACT, CLAMP, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N, BM, 2 * BM, BN // 2, BK)
+    elif half_tail(row_token_ptr, block, SPLIT, BM):
+        _gemm1_tile(mine, w_ptr, act_ptr, bias_ptr, row_token_ptr, block, expert, pn, ready, rank, C, H, Ir,
+                    tok_off, pull_off, parity, limit, alpha, stride_we, stride_wk, stride_om, stride_be,
+                    ACT, CLAMP, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N, BM, BM // 2, BN, BK)
+    else:
+        _gemm1_tile(mine, w_ptr, act_ptr, bias_ptr, row_token_ptr, block, expert, pn, ready, rank, C, H, Ir,
+                    tok_off, pull_off, parity, limit, alpha, stride_we, stride_wk, stride_om, stride_be,
+                    ACT, CLAMP, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N, BM, BM, BN, BK)
+    return ready, dt
+
+
+@triton.jit
 def _ag_gemm1_kernel(
     region_ptr, region_off, w_ptr, act_ptr,  # our region, [R] int64 (16 B units), W13 [E, H, 2*Ir] or its
                                           # descriptor, act [S, Ir]
@@ -288,35 +322,28 @@ def _ag_gemm1_kernel(
                 block, pn, expert, pair = tile_coords(tile, n_tiles, n_pair, block_expert_ptr, offsets_ptr,
                                                       row_token_ptr, E, PN_MAJOR, PAIR, SPLIT, BM)
                 if (expert < E) & (alive != 0):  # expert == E: a block past the last expert, an empty pair slot
-                    pair_tile = False
+                    # The tile kind by a compile-time flag per call (grouped_gemm._grouped_gemm_kernel: why).
                     if PAIR:
-                        pair_tile = pair != 0
-                    t0 = now_ns(USE_PTX)
-                    if pair_tile:  # the gate covers both blocks' rows
-                        ready = _arrivals(row_token_ptr, arrived_ptr, block, rank, N, C, seq, max_spins,
-                                          USE_PTX, SYNC, BM, 2 * BM)
+                        if pair != 0:
+                            ready, dt = _gemm1_gated(
+                                mine, w_ptr, act_ptr, bias_ptr, row_token_ptr, arrived_ptr, error_ptr, block, expert,
+                                pn, rank, N, C, H, Ir, tok_off, pull_off, parity, seq, max_spins, limit, alpha,
+                                stride_we, stride_wk, stride_om, stride_be, ACT, CLAMP, BIAS, W_DESC, USE_PTX, SYNC,
+                                SPLIT, True, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
+                        else:
+                            ready, dt = _gemm1_gated(
+                                mine, w_ptr, act_ptr, bias_ptr, row_token_ptr, arrived_ptr, error_ptr, block, expert,
+                                pn, rank, N, C, H, Ir, tok_off, pull_off, parity, seq, max_spins, limit, alpha,
+                                stride_we, stride_wk, stride_om, stride_be, ACT, CLAMP, BIAS, W_DESC, USE_PTX, SYNC,
+                                SPLIT, False, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
                     else:
-                        ready = _arrivals(row_token_ptr, arrived_ptr, block, rank, N, C, seq, max_spins,
-                                          USE_PTX, SYNC, BM, BM)
-                    waited += now_ns(USE_PTX) - t0
-                    if ready == 0:
-                        tl.atomic_cas(error_ptr, 0, ERR_GATE + block)
-                        alive = ready
-                    elif pair_tile:  # blocks `block` and `block + 1`, BN/2 columns (grouped_gemm: pair tiles)
-                        _gemm1_tile(mine, w_ptr, act_ptr, bias_ptr, row_token_ptr, block, expert, pn, ready, rank,
-                                    C, H, Ir, tok_off, pull_off, parity, limit, alpha, stride_we, stride_wk,
-                                    stride_om, stride_be, ACT, CLAMP, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N,
-                                    BM, 2 * BM, BN // 2, BK)
-                    elif half_tail(row_token_ptr, block, SPLIT, BM):
-                        _gemm1_tile(mine, w_ptr, act_ptr, bias_ptr, row_token_ptr, block, expert, pn, ready, rank,
-                                    C, H, Ir, tok_off, pull_off, parity, limit, alpha, stride_we, stride_wk,
-                                    stride_om, stride_be, ACT, CLAMP, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N,
-                                    BM, BM // 2, BN, BK)
-                    else:
-                        _gemm1_tile(mine, w_ptr, act_ptr, bias_ptr, row_token_ptr, block, expert, pn, ready, rank,
-                                    C, H, Ir, tok_off, pull_off, parity, limit, alpha, stride_we, stride_wk,
-                                    stride_om, stride_be, ACT, CLAMP, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N,
-                                    BM, BM, BN, BK)
+                        ready, dt = _gemm1_gated(
+                            mine, w_ptr, act_ptr, bias_ptr, row_token_ptr, arrived_ptr, error_ptr, block, expert,
+                            pn, rank, N, C, H, Ir, tok_off, pull_off, parity, seq, max_spins, limit, alpha,
+                            stride_we, stride_wk, stride_om, stride_be, ACT, CLAMP, BIAS, W_DESC, USE_PTX, SYNC,
+                            SPLIT, False, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
+                    waited += dt
+                    alive = ready  # 0 after a timed-out gate: this program computes nothing more
                 tile = next_tile(queue_ptr, tile, step, QUEUE)
             tl.atomic_add(stats_ptr + 1, waited, sem="relaxed")
 
@@ -339,15 +366,42 @@ def _gemm2_tile(act_ptr, w_ptr, d_ptr, bias_ptr, block, expert, pn, H, Ir, strid
 
 
 @triton.jit
+def _gemm2_block(act_ptr, w_ptr, d_ptr, bias_ptr, row_token_ptr, tiles_ptr, block, expert, pn, E, H, Ir, stride_am,
+                 stride_we, stride_wk, stride_om, stride_be, BIAS: tl.constexpr, W_DESC: tl.constexpr,
+                 USE_PTX: tl.constexpr, SPLIT: tl.constexpr, PAIR_TILE: tl.constexpr, MARKS: tl.constexpr,
+                 IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Kernel 2's work for one tile number: the tile when expert < E (PAIR_TILE: blocks `block` and
+    `block + 1` in one 2*BM x BN/2 tile; else BM/2 rows for a half tail, BM otherwise), then its
+    marks: +1 on both blocks of a pair, +MARKS on a block of its own (so every block gains MARKS
+    per own tile number per step, used or not)."""
+    if expert < E:
+        if PAIR_TILE:
+            _gemm2_tile(act_ptr, w_ptr, d_ptr, bias_ptr, block, expert, pn, H, Ir, stride_am, stride_we,
+                        stride_wk, stride_om, stride_be, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N, BM, 2 * BM, BN // 2, BK)
+        elif half_tail(row_token_ptr, block, SPLIT, BM):  # the rows GEMM1 wrote, no more
+            _gemm2_tile(act_ptr, w_ptr, d_ptr, bias_ptr, block, expert, pn, H, Ir, stride_am, stride_we,
+                        stride_wk, stride_om, stride_be, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N, BM, BM // 2, BN, BK)
+        else:
+            _gemm2_tile(act_ptr, w_ptr, d_ptr, bias_ptr, block, expert, pn, H, Ir, stride_am, stride_we,
+                        stride_wk, stride_om, stride_be, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N, BM, BM, BN, BK)
+    if PAIR_TILE:
+        signal_add(tiles_ptr + block, 1, USE_PTX)  # CTA barrier, release (local flag)
+        signal_add(tiles_ptr + block + 1, 1, USE_PTX)
+    else:
+        signal_add(tiles_ptr + block, MARKS, USE_PTX)
+
+
+@triton.jit
 def _gemm2_push_kernel(
     region_ptr, region_off, act_ptr, w_ptr, d_ptr,  # our region, [R] int64, act [S, Ir], W2 [E, Ir, H] or its
                                                     # descriptor, D [S, H]
     bias_ptr,                             # BIAS: b2 [E, H] (rank 0 only: the planes add up to one copy)
     block_expert_ptr, slots_ptr, job_ptr, routing_g_ptr,  # [NB], [N, K], [N], [R, L] int32
     row_token_ptr,                        # SPLIT: [S] int32, read at row BM/2 of each block (half_tail)
-    offsets_ptr,                          # PN_MAJOR: [E+1] int32 expert_offsets
+    offsets_ptr,                          # PN_MAJOR or PAIR: [E+1] int32 expert_offsets
     queue_ptr,                            # QUEUE: [1] int32 kernel 2's tile queue, zeroed by the final reduce
-    tiles_ptr,                            # [NB] int32 finished column tiles per block, monotonic
+    tiles_ptr,                            # [NB] int32 finished column tiles per block (MARKS each), monotonic
     disp_ptr, pushed_ptr,                 # [1] (disp[0]), [R] int32 local scratch, zeroed by the final reduce
     ctl_ptr, error_ptr, stats_ptr,
     rank, R, C, H, NB, Ir, E, L, stage_off, wm_off, max_spins,
@@ -355,13 +409,17 @@ def _gemm2_push_kernel(
     BIAS: tl.constexpr, W_DESC: tl.constexpr,
     K: tl.constexpr, KP: tl.constexpr, BH: tl.constexpr, JT: tl.constexpr,
     NUM_COMPUTE: tl.constexpr, NUM_PROGRAMS: tl.constexpr, JOIN: tl.constexpr, USE_PTX: tl.constexpr,
-    SYNC: tl.constexpr, SPLIT: tl.constexpr, QUEUE: tl.constexpr, PN_MAJOR: tl.constexpr,
+    SYNC: tl.constexpr, SPLIT: tl.constexpr, QUEUE: tl.constexpr, PN_MAJOR: tl.constexpr, PAIR: tl.constexpr,
     IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     seq = tl.load(ctl_ptr)
     n_tiles = tl.cdiv(H, BN)
+    n_pair = tl.cdiv(H, BN // 2)  # PAIR: column tiles of a pair tile
+    # A block's tile counter gains MARKS per step: 1 per tile number of its own (n_tiles), or with PAIR
+    # 2 per own number and 1 per number of its pair (2 * n_tiles numbers, each marks both blocks).
+    MARKS: tl.constexpr = 2 if PAIR else 1
     if tl.load(error_ptr) == 0:
         if pid == 0:
             # Owners with no tokens get no job, so no last writer: publish for them now.
@@ -371,22 +429,27 @@ def _gemm2_push_kernel(
                     store_release(wm, seq, USE_PTX)
         t_join = now_ns(USE_PTX)
         if pid < NUM_COMPUTE:
-            # -- compute: persistent grouped GEMM2; every tile of every block is marked, used or
-            # not, so a block gains exactly n_tiles per batch and its target is seq * n_tiles.
+            # -- compute: persistent grouped GEMM2; every tile number of every block is marked, used
+            # or not (an empty pair slot too), so a block gains exactly MARKS * n_tiles per batch and
+            # its target is seq * MARKS * n_tiles.
             tile = next_tile(queue_ptr, pid - NUM_COMPUTE, NUM_COMPUTE, QUEUE)
             while tile < NB * n_tiles:
-                block, pn, expert, _ = tile_coords(tile, n_tiles, n_tiles, block_expert_ptr, offsets_ptr, row_token_ptr,
-                                                   E, PN_MAJOR, False, SPLIT, BM)  # GEMM2 runs no pair tiles
-                if expert < E:
-                    if half_tail(row_token_ptr, block, SPLIT, BM):  # the rows GEMM1 wrote, no more
-                        _gemm2_tile(act_ptr, w_ptr, d_ptr, bias_ptr, block, expert, pn, H, Ir, stride_am, stride_we,
-                                    stride_wk, stride_om, stride_be, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N,
-                                    BM, BM // 2, BN, BK)
+                block, pn, expert, pair = tile_coords(tile, n_tiles, n_pair, block_expert_ptr, offsets_ptr,
+                                                      row_token_ptr, E, PN_MAJOR, PAIR, SPLIT, BM)
+                # The tile kind by a compile-time flag per call (grouped_gemm._grouped_gemm_kernel: why).
+                if PAIR:
+                    if pair != 0:  # an empty pair slot (expert == E) marks both blocks too
+                        _gemm2_block(act_ptr, w_ptr, d_ptr, bias_ptr, row_token_ptr, tiles_ptr, block, expert, pn, E,
+                                     H, Ir, stride_am, stride_we, stride_wk, stride_om, stride_be, BIAS, W_DESC,
+                                     USE_PTX, SPLIT, True, MARKS, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
                     else:
-                        _gemm2_tile(act_ptr, w_ptr, d_ptr, bias_ptr, block, expert, pn, H, Ir, stride_am, stride_we,
-                                    stride_wk, stride_om, stride_be, BIAS, W_DESC, IEEE, EVEN_K, EVEN_N,
-                                    BM, BM, BN, BK)
-                signal_add(tiles_ptr + block, 1, USE_PTX)  # CTA barrier, release (local flag)
+                        _gemm2_block(act_ptr, w_ptr, d_ptr, bias_ptr, row_token_ptr, tiles_ptr, block, expert, pn, E,
+                                     H, Ir, stride_am, stride_we, stride_wk, stride_om, stride_be, BIAS, W_DESC,
+                                     USE_PTX, SPLIT, False, MARKS, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
+                else:
+                    _gemm2_block(act_ptr, w_ptr, d_ptr, bias_ptr, row_token_ptr, tiles_ptr, block, expert, pn, E,
+                                 H, Ir, stride_am, stride_we, stride_wk, stride_om, stride_be, BIAS, W_DESC,
+                                 USE_PTX, SPLIT, False, MARKS, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
                 tile = next_tile(queue_ptr, tile, NUM_COMPUTE, QUEUE)
             t_join = now_ns(USE_PTX)
         if (pid >= NUM_COMPUTE) | JOIN:
@@ -400,7 +463,7 @@ def _gemm2_push_kernel(
             n_real = tl.load(routing_g_ptr)  # real tokens: they come first in job_order
             for o in range(1, R):
                 n_real += tl.load(routing_g_ptr + o * L)
-            target = seq * n_tiles
+            target = seq * (MARKS * n_tiles)
             j0 = tl.atomic_add(disp_ptr, JT, sem="relaxed", scope="gpu")
             go = j0 < n_real
             while go:
@@ -605,9 +668,6 @@ class Plan:
             "kernel 2: nobody takes jobs"
         assert self.job_tokens >= 1 and self.job_tokens & (self.job_tokens - 1) == 0, \
             f"job_tokens must be a power of two, got {self.job_tokens}"
-        if self.config2.pair:
-            raise ValueError("GemmConfig.pair tiles are GEMM1's: kernel 2 counts finished tiles per row block "
-                             "(its jobs' gate), so config2 must run BM-row tiles: turn pair off")
 
 
 def _p2(x: int) -> int:
@@ -671,7 +731,7 @@ def gemm2_push(a: StepArgs, plan: Plan, tables) -> None:
         BIAS=b2 is not None, W_DESC=config.w_desc, K=a.K, KP=_p2(a.K), BH=min(_p2(a.H), plan.job_cols),
         JT=plan.job_tokens, NUM_COMPUTE=plan.num_compute2, NUM_PROGRAMS=plan.num_programs,
         JOIN=plan.join, USE_PTX=plan.use_ptx, SYNC=plan.sync, SPLIT=config.split_tail, QUEUE=config.queue,
-        PN_MAJOR=config.pn_major, IEEE=a.act.dtype == torch.float32, EVEN_K=a.Ir % config.BK == 0,
+        PN_MAJOR=config.pn_major, PAIR=config.pair, IEEE=a.act.dtype == torch.float32, EVEN_K=a.Ir % config.BK == 0,
         EVEN_N=a.H % config.BN == 0,
         BM=BM, BN=config.BN, BK=config.BK, num_warps=config.num_warps, num_stages=config.num_stages,
     )

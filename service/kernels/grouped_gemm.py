@@ -44,13 +44,14 @@ row BM/2 is padding (row_token < 0) runs a BM/2-row tile and leaves its rows BM/
 (seed share, balanced: 20,608 rows computed for 16,384 hits become 18,496; bench/NOTES.md).
 GEMM2 given the same row_token skips the same rows, which GEMM1 did not write.
 
-Pair tiles (compile-time PAIR, GemmConfig.pair, GEMM1 only): an expert's consecutive full row
-blocks b, b+1 run one tile of 2*BM rows x BN/2 output columns (gate + up: 2 x BN/2 weight columns),
+Pair tiles (compile-time PAIR, GemmConfig.pair): an expert's consecutive full row blocks b, b+1
+run one tile of 2*BM rows x BN/2 output columns (GEMM1: gate + up, 2 x BN/2 weight columns),
 so each weight K-slice is loaded once for 256 rows instead of once per block: the weight bytes per
 FLOP halve while the accumulators (2 x 2*BM x BN/2 fp32) and the shared memory per stage
-(2*BM*BK + BK*BN elements, 48 KB at BN = 128, BK = 64, bf16) stay the BM-row tile's. `tile_coords`
-maps the unchanged tile numbering onto pairs (an expert's odd last block and its half tail keep
-the BM-row tiles), so the grid, the queue and the fused kernel 1 need nothing else. At the seed
+(GEMM1: 2*BM*BK + BK*BN elements, 48 KB at BN = 128, BK = 64, bf16; GEMM2 the same at its BN =
+256) stay the BM-row tile's. `tile_coords` maps the unchanged tile numbering onto pairs (an
+expert's odd last block and its half tail keep the BM-row tiles), so the grid and the queue need
+nothing else (the fused kernel 2 counts a pair's tiles on both its blocks). At the seed
 share GEMM1 is DRAM-bound on re-read weights (bench/NOTES.md, issue 12): this is the step that
 reads W13 from DRAM once per pair instead of once per block, whatever the L2 keeps.
 
@@ -126,10 +127,10 @@ class GemmConfig:
     # Within an expert's tiles, column-tile-major order (tile_coords): the blocks that share a weight
     # column tile are consecutive tiles. Needs the layout's expert_offsets (the launchers' argument).
     pn_major: bool = False
-    # GEMM1 only: two consecutive full row blocks of one expert run one pair tile of 2*BM rows x BN/2
-    # columns (gate + up), which loads each weight K-slice once for both blocks (the weight stream
-    # per FLOP halves; the accumulators keep the BM x BN tile's size). An expert's odd last block
-    # and its half tail (split_tail) keep the BM-row tiles (tile_coords). Needs expert_offsets.
+    # Two consecutive full row blocks of one expert run one pair tile of 2*BM rows x BN/2 columns
+    # (GEMM1: gate + up each), which loads each weight K-slice once for both blocks (the weight
+    # stream per FLOP halves; the accumulators keep the BM x BN tile's size). An expert's odd last
+    # block and its half tail (split_tail) keep the BM-row tiles (tile_coords). Needs expert_offsets.
     pair: bool = False
 
     def __post_init__(self) -> None:
@@ -352,6 +353,32 @@ def _grouped_tile(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert,
 
 
 @triton.jit
+def _grouped_block(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K, num_a_rows, up_col,
+                   limit, alpha, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_on, stride_be,
+                   ACT: tl.constexpr, CLAMP: tl.constexpr, BIAS: tl.constexpr, W_DESC: tl.constexpr,
+                   GATHER: tl.constexpr, SPLIT: tl.constexpr, PAIR_TILE: tl.constexpr, IEEE: tl.constexpr,
+                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The serial GEMMs' tile for one tile number: PAIR_TILE, blocks `block` and `block + 1` in one
+    2*BM x BN/2 tile (one weight stream for 2*BM rows); else a BM/2-row tile for a half tail, a
+    BM-row tile otherwise."""
+    if PAIR_TILE:
+        _grouped_tile(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K, num_a_rows,
+                      up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om,
+                      stride_on, stride_be, ACT, CLAMP, BIAS, W_DESC, GATHER, IEEE, EVEN_K, EVEN_N,
+                      BM, 2 * BM, BN // 2, BK)
+    elif half_tail(row_token_ptr, block, SPLIT, BM):
+        _grouped_tile(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K, num_a_rows,
+                      up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om,
+                      stride_on, stride_be, ACT, CLAMP, BIAS, W_DESC, GATHER, IEEE, EVEN_K, EVEN_N,
+                      BM, BM // 2, BN, BK)
+    else:
+        _grouped_tile(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K, num_a_rows,
+                      up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om,
+                      stride_on, stride_be, ACT, CLAMP, BIAS, W_DESC, GATHER, IEEE, EVEN_K, EVEN_N,
+                      BM, BM, BN, BK)
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr,            # A [S, K], W [E, K, n_w] (W_DESC: its descriptor), out [S, N]
     bias_ptr,                         # BIAS: [E, n_w] added before the activation (GEMM1) or to out (GEMM2)
@@ -380,24 +407,24 @@ def _grouped_gemm_kernel(
         block, pn, expert, pair = tile_coords(tile, n_tiles, n_pair, block_expert_ptr, offsets_ptr, row_token_ptr,
                                               num_experts, PN_MAJOR, PAIR, SPLIT, BM)
         if expert < num_experts:  # expert == E: block past the last expert (no rows) or an empty pair slot
-            pair_tile = False
+            # Which tile runs, decided by a compile-time flag per call (a runtime flag would build the
+            # pair tile into every kernel, which a weight descriptor's BN-wide boxes cannot compile).
             if PAIR:
-                pair_tile = pair != 0
-            if pair_tile:  # blocks `block` and `block + 1`, BN/2 columns: one weight stream for 2*BM rows
-                _grouped_tile(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K, num_a_rows,
-                              up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om,
-                              stride_on, stride_be, ACT, CLAMP, BIAS, W_DESC, GATHER, IEEE, EVEN_K, EVEN_N,
-                              BM, 2 * BM, BN // 2, BK)
-            elif half_tail(row_token_ptr, block, SPLIT, BM):
-                _grouped_tile(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K, num_a_rows,
-                              up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om,
-                              stride_on, stride_be, ACT, CLAMP, BIAS, W_DESC, GATHER, IEEE, EVEN_K, EVEN_N,
-                              BM, BM // 2, BN, BK)
+                if pair != 0:
+                    _grouped_block(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K,
+                                   num_a_rows, up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk,
+                                   stride_wn, stride_om, stride_on, stride_be, ACT, CLAMP, BIAS, W_DESC, GATHER,
+                                   SPLIT, True, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
+                else:
+                    _grouped_block(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K,
+                                   num_a_rows, up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk,
+                                   stride_wn, stride_om, stride_on, stride_be, ACT, CLAMP, BIAS, W_DESC, GATHER,
+                                   SPLIT, False, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
             else:
-                _grouped_tile(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K, num_a_rows,
-                              up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om,
-                              stride_on, stride_be, ACT, CLAMP, BIAS, W_DESC, GATHER, IEEE, EVEN_K, EVEN_N,
-                              BM, BM, BN, BK)
+                _grouped_block(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K,
+                               num_a_rows, up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk,
+                               stride_wn, stride_om, stride_on, stride_be, ACT, CLAMP, BIAS, W_DESC, GATHER,
+                               SPLIT, False, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
         tile = next_tile(queue_ptr, tile, NUM_PROGRAMS, QUEUE)
 
 
@@ -471,8 +498,6 @@ def _launch(a, w, out, block_expert, *, n, up_col, act, bias, config, num_progra
         if gather and a.shape[0] == 0:
             raise ValueError("a gathered launch needs at least one row of A (padding rows read one)")
         tensors.append(row_token)
-    if config.pair and act is None:
-        raise ValueError("GemmConfig.pair tiles are GEMM1's (gemm1_swiglu); GEMM2 runs BM-row tiles: turn pair off")
     if config.pn_major or config.pair:
         if expert_offsets is None:
             raise ValueError("GemmConfig.pn_major and pair order tiles by the layout's expert_offsets: pass "
@@ -533,7 +558,8 @@ def gemm2(act, w2, block_expert, *, config: GemmConfig, out=None, num_programs=N
 
     act [S, Ir], w2 [E, Ir, H], block_expert [S/BM] int32, bias b2 [E, H] or None. Rows of unused
     blocks are not written. row_token [S] int32 (the layout's; only its signs are read) lets
-    config.split_tail skip the padding half of tail blocks, as GEMM1 does; expert_offsets as GEMM1's.
+    config.split_tail skip the padding half of tail blocks, as GEMM1 does (and config.pair pair the
+    same blocks GEMM1 pairs); expert_offsets as GEMM1's.
     """
     if w2.dim() != 3:
         raise ValueError(f"w2 must be [E, Ir, H], got {list(w2.shape)}")

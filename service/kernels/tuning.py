@@ -16,8 +16,8 @@ An entry may add `"w_desc": true`: the weights are then read through TMA tensor 
 (GemmConfig.split_tail, on by default: tail blocks whose second half is padding run BM/2 rows);
 `"ctas_per_sm": 2`: the serial GEMMs' persistent grid holds two programs per SM; `"queue": true`:
 the programs take tiles from an atomic counter (GemmConfig.queue); `"pn_major": true`: an expert's
-tiles in column-tile-major order (GemmConfig.pn_major); `"pair": true` (gemm1 only): two full blocks
-of one expert run one 2*BM x BN/2 tile (GemmConfig.pair).
+tiles in column-tile-major order (GemmConfig.pn_major); `"pair": true`: two full blocks of one expert
+run one 2*BM x BN/2 tile (GemmConfig.pair).
 
 `bench/tune_gemm.py` writes these files on a GPU. The request path only reads them (cached);
 when no file matches, a default chosen by the device's shared memory is used and logged once.
@@ -53,25 +53,27 @@ _DEFAULTS = {
 }
 
 
-def gemm1_smem_bytes(config: GemmConfig, smem_per_block: int, itemsize: int = 2) -> int:
-    """Shared memory of a GEMM1 kernel with this config: its pipelined buffers of the largest tile
-    (A [TM, BK] + W [BK, 2 * TN], with TM x TN = BM x BN, or 2*BM x BN/2 for pair tiles). Triton 3.6
-    keeps num_stages buffers on sm_90 (wgmma: 196,608 B = 4 x 48 KB at 128 x (2 x 128) x 64) and
-    num_stages - 1 below it (sm_120: 98,304 B = 3 x 32 KB at 128 x (2 x 64) x 64), as the
-    compile-only check (tests/kernels/test_compile.py) measures."""
-    per_stage = config.BM * config.BK + config.BK * 2 * config.BN
+def tile_smem_bytes(config: GemmConfig, smem_per_block: int, *, swiglu: bool, itemsize: int = 2) -> int:
+    """Shared memory of a grouped-GEMM kernel with this config: its pipelined buffers of the largest
+    tile, A [TM, BK] + W [BK, TN] (GEMM1, swiglu: [BK, 2 * TN], gate + up), with TM x TN = BM x BN,
+    or 2*BM x BN/2 for pair tiles. Triton 3.6 keeps num_stages buffers on sm_90 (wgmma: 196,608 B =
+    4 x 48 KB at 128 x (2 x 128) x 64) and num_stages - 1 below it (sm_120: 98,304 B = 3 x 32 KB at
+    128 x (2 x 64) x 64), as the compile-only check (tests/kernels/test_compile.py) measures."""
+    w_cols = 2 if swiglu else 1
+    per_stage = config.BM * config.BK + config.BK * w_cols * config.BN
     if config.pair:
-        per_stage = max(per_stage, 2 * config.BM * config.BK + config.BK * config.BN)
+        per_stage = max(per_stage, 2 * config.BM * config.BK + config.BK * w_cols * config.BN // 2)
     buffers = config.num_stages if smem_per_block >= SMEM_LARGE else config.num_stages - 1
     return buffers * per_stage * itemsize
 
 
-def pair_config(config: GemmConfig, smem_per_block: int) -> GemmConfig:
-    """GEMM1's config with pair tiles on (GemmConfig.pair), with as many of its stages as still fit
-    the device's shared memory: at BN = 128 a pair stage is the BM-row tile's 48 KB (sm_90 keeps
-    all 4); at sm_120's BN = 64 a pair stage is 40 KB against 32 KB, so 4 stages become 3."""
+def pair_config(config: GemmConfig, smem_per_block: int, *, swiglu: bool) -> GemmConfig:
+    """The config with pair tiles on (GemmConfig.pair), with as many of its stages as still fit the
+    device's shared memory: at sm_90's tiles a pair stage is the BM-row tile's 48 KB (all 4 stages
+    stay); at sm_120's (GEMM1 BN = 64, GEMM2 BN = 128) a pair stage is 40 KB against 32 KB, so 4
+    stages become 3."""
     out = dataclasses.replace(config, pair=True)  # (GemmConfig refuses pair with w_desc)
-    while out.num_stages > 2 and gemm1_smem_bytes(out, smem_per_block) > smem_per_block:
+    while out.num_stages > 2 and tile_smem_bytes(out, smem_per_block, swiglu=swiglu) > smem_per_block:
         out = dataclasses.replace(out, num_stages=out.num_stages - 1)
     return out
 

@@ -23,8 +23,7 @@ def default_plan(cfg: LayerConfig, device: torch.device, *, w_desc: bool | None 
     """The plan for this layer on this device; `overrides` replace fields (benchmarks' sweeps).
     w_desc True / False reads both GEMMs' weights through TMA descriptors or not (None: as the
     tile configs say, GemmConfig.w_desc); `gemm` replaces GemmConfig fields in both GEMMs' tile
-    configs (A/B runs: {"queue": True}, {"split_tail": False}, ...), except `pair`, GEMM1's alone (kernel 2
-    runs BM-row tiles: Plan refuses a config2 with pair)."""
+    configs (A/B runs: {"queue": True}, {"split_tail": False}, ...)."""
     import dataclasses
 
     from service.kernels.fused_kernels import Plan
@@ -46,7 +45,7 @@ def default_plan(cfg: LayerConfig, device: torch.device, *, w_desc: bool | None 
     fields = dict(gemm or {}, **({} if w_desc is None else {"w_desc": w_desc}))
     if fields:
         plan.update(config1=dataclasses.replace(plan["config1"], **fields),
-                    config2=dataclasses.replace(plan["config2"], **{k: v for k, v in fields.items() if k != "pair"}))
+                    config2=dataclasses.replace(plan["config2"], **fields))
     return Plan(**plan)
 
 

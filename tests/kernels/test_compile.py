@@ -136,29 +136,25 @@ def test_epilogue_variants_compile(arch, variant):
         assert "wgmma" in kernel.asm["ptx"], "sm_90 build without wgmma"
 
 
-def _gemm1_configs():
-    """GEMM1's configs per compile target: every committed gemm1 file entry and the defaults."""
-    return [case for case in _config_cases() if case.values[1] == "gemm1" and case.values[0] is not None]
-
-
 @interpreting
-@pytest.mark.parametrize("arch,mode,config", _gemm1_configs())
+@pytest.mark.parametrize("arch,mode,config", [c for c in _config_cases() if c.values[0] is not None])
 def test_pair_tiles_compile(arch, mode, config):
-    """GemmConfig.pair as tuning.pair_config sets it on each GEMM1 config (the lead's switch): the
-    kernel with BM-row, half and pair tiles compiles for the target, its shared memory is what
-    tuning.gemm1_smem_bytes predicts and fits, and sm_90 keeps wgmma. On sm_90 at BN = 128 a
-    pair stage is the BM-row tile's 48 KB: the shared memory does not grow."""
+    """GemmConfig.pair as tuning.pair_config sets it on each committed config and default (the lead's
+    switch): the kernel with BM-row, half and pair tiles compiles for the target, its shared memory
+    is what tuning.tile_smem_bytes predicts (pair off too) and fits, and sm_90 keeps wgmma. At the
+    sm_90 defaults a pair stage is the BM-row tile's 48 KB in both GEMMs: no growth."""
     from service.kernels import tuning
 
-    paired = tuning.pair_config(config, SMEM_LIMIT[arch])
-    kernel = compile_gemm(arch, swiglu=True, config=paired, gather=True)
+    swiglu = mode == "gemm1"
+    paired = tuning.pair_config(config, SMEM_LIMIT[arch], swiglu=swiglu)
+    kernel = compile_gemm(arch, swiglu=swiglu, config=paired, gather=swiglu)
     shared = kernel.metadata.shared
     assert shared <= SMEM_LIMIT[arch], f"pair {paired} needs {shared} B, sm_{arch} has {SMEM_LIMIT[arch]}"
-    assert shared == tuning.gemm1_smem_bytes(paired, SMEM_LIMIT[arch]), f"the byte model is off: {shared} B"
+    assert shared == tuning.tile_smem_bytes(paired, SMEM_LIMIT[arch], swiglu=swiglu), f"byte model off: {shared} B"
     if arch == 90:
         assert "wgmma" in kernel.asm["ptx"], "sm_90 pair build without wgmma"
-        if config.BN == 128 and paired.num_stages == config.num_stages:
-            assert shared == compile_gemm(arch, swiglu=True, config=config, gather=True).metadata.shared
+    rows = compile_gemm(arch, swiglu=swiglu, config=config, gather=swiglu).metadata.shared  # pair off
+    assert rows == tuning.tile_smem_bytes(config, SMEM_LIMIT[arch], swiglu=swiglu), f"byte model off: {rows} B"
 
 
 @interpreting

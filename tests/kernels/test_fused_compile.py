@@ -102,20 +102,26 @@ def test_tile_queue_compiles(arch):
 @interpreting
 @pytest.mark.parametrize("arch", [90, 120])
 def test_pair_tiles_compile(arch):
-    """Kernel 1 with GemmConfig.pair (tuning.pair_config of the target's default): within shared
-    memory, the tensor-core path and the gate's acquire polls kept, A rows still 16-byte copies."""
+    """Both GEMM kernels with GemmConfig.pair (tuning.pair_config of the target's defaults): within
+    shared memory as tuning.tile_smem_bytes predicts, tensor cores and the acquire polls kept,
+    kernel 1's A rows still 16-byte copies, kernel 2 still marking tiles with release signals."""
     from service.kernels import tuning
 
-    config = tuning.pair_config(_configs(arch)[0], SMEM_LIMIT[arch])
-    k = compile_kernel("_ag_gemm1_kernel", arch, config=config)
-    ptx = k.asm["ptx"]
-    assert k.metadata.shared <= SMEM_LIMIT[arch], f"kernel 1 with pair tiles needs {k.metadata.shared} B"
-    assert k.metadata.shared == tuning.gemm1_smem_bytes(config, SMEM_LIMIT[arch])
-    if arch == 90:
-        assert "wgmma" in ptx, "sm_90 build without wgmma"
-    assert "ld.global.acquire.sys.b32" in ptx, "no gate poll"
-    sizes = set(re.findall(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^]]+\], \[[^]]+\], (\w+)", ptx))
-    assert sizes == {"0x10"}, f"async copy sizes {sizes}"
+    for name, config in zip(("_ag_gemm1_kernel", "_gemm2_push_kernel"), _configs(arch), strict=True):
+        swiglu = name == "_ag_gemm1_kernel"
+        paired = tuning.pair_config(config, SMEM_LIMIT[arch], swiglu=swiglu)
+        k = compile_kernel(name, arch, config=paired)
+        ptx = k.asm["ptx"]
+        assert k.metadata.shared <= SMEM_LIMIT[arch], f"{name} with pair tiles needs {k.metadata.shared} B"
+        assert k.metadata.shared == tuning.tile_smem_bytes(paired, SMEM_LIMIT[arch], swiglu=swiglu), name
+        if arch == 90:
+            assert "wgmma" in ptx, f"{name}: sm_90 build without wgmma"
+        assert "ld.global.acquire.sys.b32" in ptx, f"{name}: no acquire poll"
+        if swiglu:
+            sizes = set(re.findall(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^]]+\], \[[^]]+\], (\w+)", ptx))
+            assert sizes == {"0x10"}, f"{name}: async copy sizes {sizes}"
+        else:
+            assert "red.release.sys.global.add.s32" in ptx, f"{name}: no release tile marks"
 
 
 @interpreting

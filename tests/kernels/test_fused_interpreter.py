@@ -49,10 +49,11 @@ CASES = {
     "r2_queue_pn_major": ("float32", 3, 32, 16, 2, 50, [[50, 37], [23, 50], [50, 50]], "skewed", 4, 1, 2, True, 1,
                           None),
     "r2_pn_major": ("float32", 3, 32, 16, 2, 50, [[50, 37]], "balanced", 4, 1, 2, False, 1, None),
-    # Kernel 1 with pair tiles (GemmConfig.pair, BN = 32: pair tiles 16 columns wide, Ir % 32 != 0):
+    # Both kernels with pair tiles (GemmConfig.pair, BN = 32: pair tiles 16 columns wide, Ir % 32 != 0):
     # experts of two and more full blocks next to half tails and single blocks, pulled rows gated
-    # over both blocks of a pair, three steps; with the queue in pn_major order at R = 1 and a
-    # one-token step; fp16 with an empty expert; and a pair's gate timing out.
+    # over both blocks of a pair, kernel 2's jobs behind both blocks' tile marks, three steps; with
+    # the queue in pn_major order at R = 1 and a one-token step; fp16 with an empty expert; and a
+    # pair's gate timing out.
     "r2_pair": ("float32", 3, 32, 48, 2, 130, [[130, 97], [64, 130], [130, 130]], "skewed", 4, 1, 2, False, 1, None),
     "r1_pair_queue": ("float32", 2, 32, 32, 2, 200, [[200], [1]], "balanced", 3, 0, 2, True, 1, None),
     "r2_fp16_pair_empty_expert": ("float16", 4, 48, 40, 2, 150, [[150, 130]], "empty_expert", 4, 1, 2, False, 1,
@@ -132,17 +133,18 @@ def _run_case(name: str) -> dict:
     cfg1 = GemmConfig(BN=32 if name in PAIR else 16, BK=16, num_warps=4, num_stages=1, w_desc=name in W_DESC,
                       split_tail=name not in NO_SPLIT, pair=name in PAIR, **order)
     cfg2 = GemmConfig(BN=32, BK=16, num_warps=4, num_stages=1, w_desc=name in W_DESC, split_tail=name not in NO_SPLIT,
-                      **order)
+                      pair=name in PAIR, **order)
     plan = fk.Plan(num_programs=P, num_comm1=comm1, num_compute2=compute2, join=join, config1=cfg1,
                       config2=cfg2, max_spins=20, use_ptx=False, job_tokens=JOB_TOKENS.get(name, 2))
     w13 = [s[0].to(dtype) for s in sl]
     w2 = [s[1].to(dtype) for s in sl]
     args = [b.args(w13[r], w2[r], b13[r], b2[r]) for r, b in enumerate(bufs)]  # one structure per rank
-    NB, n_tiles2 = cfg.S // BM, -(-H // cfg2.BN)
+    # Kernel 2's marks per block and step: 1 per own tile number, 2 with pair tiles (fused_kernels).
+    NB, marks2 = cfg.S // BM, -(-H // cfg2.BN) * (2 if cfg2.pair else 1)
     # Flags as a long-running process left them after step seq0 - 1 (never reset).
     for b in bufs:
         b.arrived.fill_(_wrap32(seq0 - 1))
-        b.tiles.fill_(_wrap32((seq0 - 1) * n_tiles2))
+        b.tiles.fill_(_wrap32((seq0 - 1) * marks2))
         b.wm.fill_(_wrap32(seq0 - 1))
         b.bar.fill_(_wrap32(seq0 - 1))
         b.pulled.fill_(float("nan"))  # nothing unwritten may be read as data
@@ -234,7 +236,7 @@ def _run_case(name: str) -> dict:
                             for f in ("slots", "pull_order", "job_order", "row_token", "block_expert")),
             tables_match_torch=torch.equal(tables[0].slots, build_tables(ids_g, counts_t, E, C, cfg.S).slots),
             arrived_ok=all(b.arrived[:R * C].tolist() == [_wrap32(seq)] * (R * C) for b in bufs),
-            tiles_ok=all(torch.equal(b.tiles, torch.full((NB,), _wrap32(seq * n_tiles2), dtype=torch.int32))
+            tiles_ok=all(torch.equal(b.tiles, torch.full((NB,), _wrap32(seq * marks2), dtype=torch.int32))
                          for b in bufs),
             wm_ok=all(torch.equal(b.wm, torch.full((R,), _wrap32(seq), dtype=torch.int32)) for b in bufs),
             bar_ok=all(torch.equal(b.bar, torch.full((R,), _wrap32(seq), dtype=torch.int32)) for b in bufs),

@@ -165,7 +165,7 @@ def _run_case(name: str) -> dict:
         same.append(bool(torch.equal(act_q.nan_to_num(7.0), act_s.nan_to_num(7.0))
                          and torch.equal(d_q.nan_to_num(7.0), d_s.nan_to_num(7.0))))
     record["queue_same"] = all(same)
-    # Pair tiles: the same config with BN >= 32 (a pair tile is BN/2 wide), pair off and on, split_tail
+    # Pair tiles: the same configs with BN >= 32 (a pair tile is BN/2 wide), pair off and on, split_tail
     # on and off, static walk and queue + pn_major: the pair tiles must give the BM-row tiles' numbers
     # (bit for bit in the interpreter) on every row, write no row the BM-row tiles leave alone (unused
     # blocks, split_tail's padding halves: NaN stays NaN) and match the reference.
@@ -181,7 +181,18 @@ def _run_case(name: str) -> dict:
                          out=out, row_token=rt_layout, num_programs=3, act=act_fn, bias=b13, expert_offsets=offsets)
             pair_same.append(bool(torch.equal(out.nan_to_num(7.0), base.nan_to_num(7.0))))
             pair_err.append(rel_err(out[real], ref1[real]) if real.any() else 0.0)
-    record.update(pair_same=all(pair_same), err1_pair=max(pair_err))
+    c2_pair = dataclasses.replace(cfg2, w_desc=False)
+    for on in (True, False):  # GEMM2 the same way, given the layout's row_token for the pairing
+        base = torch.full((S, H), float("nan"), dtype=dtype)
+        gemm2(act_clean, w2, block_expert, config=dataclasses.replace(c2_pair, split_tail=on), out=base,
+              num_programs=5, bias=b2, row_token=rt_layout)
+        for order in ({}, dict(queue=True, pn_major=True)):
+            out = torch.full((S, H), float("nan"), dtype=dtype)
+            gemm2(act_clean, w2, block_expert, config=dataclasses.replace(c2_pair, split_tail=on, pair=True, **order),
+                  out=out, num_programs=5, bias=b2, row_token=rt_layout, expert_offsets=offsets)
+            pair_same.append(bool(torch.equal(out.nan_to_num(7.0), base.nan_to_num(7.0))))
+            pair_err.append(rel_err(out[real], ref2[real]) if real.any() else 0.0)
+    record.update(pair_same=all(pair_same), err_pair=max(pair_err))
     record.update(
         skipped_rows=int(skipped.sum()),
         err1_split=rel_err(act_s[real], ref1[real]) if real.any() else 0.0,
@@ -317,8 +328,8 @@ def test_interpreter_matches_reference(interpreter_results, name):
     assert r["split_skips"], "split_tail computed rows BM/2.. of a tail block that are all padding"
     assert r["queue_same"], "GEMM1 / GEMM2 through the tile queue or in pn_major order differ from the static walk"
     assert r["unsplit_writes"], "with split_tail off the full tile must write every row of a used block"
-    assert r["pair_same"], "GEMM1 with pair tiles differs from the BM-row tiles (values, or rows written)"
-    assert r["err1_pair"] <= tol, f"GEMM1 with pair tiles: relative error {r['err1_pair']:.3g} > {tol}"
+    assert r["pair_same"], "GEMM1 / GEMM2 with pair tiles differ from the BM-row tiles (values, or rows written)"
+    assert r["err_pair"] <= tol, f"pair tiles: relative error {r['err_pair']:.3g} > {tol}"
     if name in EPILOGUES and EPILOGUES[name][1] is not None:
         assert r["clamped_share"] > 0.05, "inputs too small to reach the clamp"
 
@@ -351,23 +362,18 @@ def test_pn_major_needs_the_offsets():
         gemm2(act, w2, be, config=cfg, expert_offsets=torch.zeros(2, dtype=torch.int32))
 
 
-def test_pair_tiles_are_gemm1s_and_need_the_offsets():
-    """GemmConfig.pair is never dropped silently: GEMM2 (serial and fused kernel 2) refuses it, GEMM1
-    refuses it without the layout's expert_offsets, and a config cannot combine it with w_desc (whose
-    boxes are a BM-row tile's) or a BN below 32."""
-    from service.kernels.fused_kernels import Plan
+def test_pair_tiles_need_the_offsets():
+    """GemmConfig.pair is never dropped silently: both GEMMs refuse it without the layout's
+    expert_offsets, and a config cannot combine it with w_desc (whose boxes are a BM-row tile's) or
+    a BN below 32 (a pair tile is BN/2 wide)."""
     from service.kernels.grouped_gemm import GemmConfig, gemm1_swiglu, gemm2
 
     cfg = GemmConfig(BN=32, BK=16, num_warps=4, num_stages=2, pair=True)
-    plain = GemmConfig(BN=32, BK=16, num_warps=4, num_stages=2)
-    be, off = torch.zeros(2, dtype=torch.int32), torch.tensor([0, 2 * BM, 2 * BM], dtype=torch.int32)
-    with pytest.raises(ValueError, match="GEMM1"):
-        gemm2(torch.zeros(2 * BM, 16), torch.zeros(2, 16, 32), be, config=cfg, expert_offsets=off)
+    be = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="expert_offsets"):
+        gemm2(torch.zeros(2 * BM, 16), torch.zeros(2, 16, 32), be, config=cfg)
     with pytest.raises(ValueError, match="expert_offsets"):
         gemm1_swiglu(torch.zeros(2 * BM, 16), torch.zeros(2, 16, 64), be, config=cfg)
-    with pytest.raises(ValueError, match="GEMM1"):
-        Plan(num_programs=4, num_comm1=0, num_compute2=2, join=True, config1=cfg, config2=cfg)
-    Plan(num_programs=4, num_comm1=0, num_compute2=2, join=True, config1=cfg, config2=plain)
     with pytest.raises(AssertionError, match="pointer loads"):
         GemmConfig(BN=32, BK=16, num_warps=4, num_stages=2, pair=True, w_desc=True)
     with pytest.raises(AssertionError, match="BN must be >= 32"):
@@ -375,18 +381,20 @@ def test_pair_tiles_are_gemm1s_and_need_the_offsets():
 
 
 def test_pair_config_fits_the_shared_memory():
-    """tuning.pair_config keeps sm_90's 4 stages at BN = 128 (a pair stage is the BM-row tile's 48 KB)
-    and drops sm_120's BN = 64 tile to 3 stages (40 KB against 32 KB a stage); the byte model is the
-    compile-only check's figures (tests/kernels/test_compile.py compiles these configs)."""
+    """tuning.pair_config keeps sm_90's 4 stages (a pair stage is the BM-row tile's 48 KB in both
+    GEMMs) and drops sm_120's tiles to 3 stages (40 KB against 32 KB a stage); the byte model gives
+    the compile-only check's figures (tests/kernels/test_compile.py compiles these configs)."""
     from service.kernels import tuning
 
-    big, small = tuning._DEFAULTS[("large", "gemm1")], tuning._DEFAULTS[("small", "gemm1")]
-    assert tuning.gemm1_smem_bytes(big, tuning.SMEM_LARGE) == 196608
-    assert tuning.gemm1_smem_bytes(small, tuning.SMEM_SMALL) == 98304
-    p_big, p_small = tuning.pair_config(big, tuning.SMEM_LARGE), tuning.pair_config(small, tuning.SMEM_SMALL)
-    assert p_big.pair and p_big.num_stages == 4 and tuning.gemm1_smem_bytes(p_big, tuning.SMEM_LARGE) == 196608
-    assert p_small.pair and p_small.num_stages == 3
-    assert tuning.gemm1_smem_bytes(p_small, tuning.SMEM_SMALL) == 81920 <= tuning.SMEM_SMALL
+    want = {("large", "gemm1"): (4, 196608, 196608), ("large", "gemm2"): (4, 196608, 196608),
+            ("small", "gemm1"): (3, 98304, 81920), ("small", "gemm2"): (3, 98304, 81920)}
+    for (size, mode), (stages, rows_bytes, pair_bytes) in want.items():
+        smem = tuning.SMEM_LARGE if size == "large" else tuning.SMEM_SMALL
+        config, swiglu = tuning._DEFAULTS[(size, mode)], mode == "gemm1"
+        paired = tuning.pair_config(config, smem, swiglu=swiglu)
+        assert tuning.tile_smem_bytes(config, smem, swiglu=swiglu) == rows_bytes, (size, mode)
+        assert paired.pair and paired.num_stages == stages, (size, mode, paired)
+        assert tuning.tile_smem_bytes(paired, smem, swiglu=swiglu) == pair_bytes <= smem, (size, mode)
 
 
 def test_tuning_lookup_reads_files_and_logs_default(tmp_path, caplog):
