@@ -24,23 +24,26 @@ One step on rank r (service/moe/simulate.py is the CPU model of exactly this dat
              compute programs run grouped GEMM1 + SwiGLU over the gathered layout, reading row s
              as token row_token[s] in place (own tokens from the token buffer, remote ones from
              `pulled`: the K copies of a token are re-reads of one row, no scattered A [S, H]),
-             each tile gated on arrived[g] >= seq for the remote tokens of its row block.
+             each tile gated on arrived[g] >= seq for the remote tokens of its row block (a pair
+             tile, GemmConfig.pair: of its two blocks).
     kernel 2 compute programs run grouped GEMM2, marking tiles[block] (+1 per column tile, for
-             used and unused blocks, so the target is seq * n_tiles); jobs (job_tokens tokens per
-             grab from an atomic dispenser in job_order) wait for their K rows, sum them in fp32
-             with the routing weights, store the rows into the owners' staging planes for source r; the
-             last writer per owner (local count, elected) stores seq into the owner's wm[r]
-             (release, no remote read-modify-write). Owners with no tokens are published at the
-             kernel's start. GEMM programs join the dispenser after their tiles.
+             used and unused blocks, so the target is seq * n_tiles; with pair tiles +1 on both
+             blocks of a pair per tile number of the pair and +2 otherwise: seq * 2 * n_tiles);
+             jobs (job_tokens tokens per grab from an atomic dispenser in job_order) wait for
+             their K rows, sum them in fp32 with the routing weights, store the rows into the
+             owners' staging planes for source r; the last writer per owner (local count,
+             elected) stores seq into the owner's wm[r] (release, no remote read-modify-write).
+             Owners with no tokens are published at the kernel's start. GEMM programs join the
+             dispenser after their tiles.
     reduce   wait until wm[s] >= seq for all s, out_r = sum over the R planes; reset kernel 2's
              local scratch and refresh every arrival flag to seq (see "Sequence numbers").
 
 Sequence numbers. Every flag is compared against a function of the step number `seq` (the
 layer's own counter, ctl[0], which also runs the warm-up step) and never reset: token arrivals,
-watermarks and barrier slots target seq, tile counters seq*n_tiles (int32, wrap-safe
-comparisons, service/kernels/sync.py). A token's arrival flag is set only when it is pulled, so
-the final reduce refreshes all of them to seq every step: a token left unpulled for 2**31 steps
-would otherwise read as arrived. Only the dispenser, the two kernels' tile queues
+watermarks and barrier slots target seq, tile counters seq*n_tiles (pair tiles: seq*2*n_tiles;
+int32, wrap-safe comparisons, service/kernels/sync.py). A token's arrival flag is set only when
+it is pulled, so the final reduce refreshes all of them to seq every step: a token left unpulled
+for 2**31 steps would otherwise read as arrived. Only the dispenser, the two kernels' tile queues
 (GemmConfig.queue) and the per-owner push counts are zeroed, by the final reduce: they are local,
 read by no peer, and the counters overshoot by the number of programs that find them empty, so no
 seq target could describe them.
