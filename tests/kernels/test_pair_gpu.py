@@ -1,10 +1,10 @@
 """Pair tiles (GemmConfig.pair) on a GPU, against the fp32 reference and the BM-row tiles (marked gpu).
 
 The lead's A/B run turns pair tiles on from bench/gpu_core.sh's measurement; this file is what that
-run checks first (about a minute on an H200): GEMM1 with the device's tile config and
-tuning.pair_config of it, rows gathered through the layout's row_token (real rows lead each
-expert's run, as in both layers), split_tail on and off, both tile orders; then the fused layer
-at R = 1 with pair tiles in kernel 1. The interpreter cases (test_grouped_gemm.py,
+run checks first (about a minute on an H200): GEMM1 and GEMM2 with the device's tile configs and
+tuning.pair_config of them, the layout's row_token (real rows lead each expert's run, as in both
+layers), split_tail on and off, both tile orders; then the fused layer at R = 1 with pair tiles in
+kernel 1, and in kernel 2 or not. The interpreter cases (test_grouped_gemm.py,
 test_fused_interpreter.py) check the same on the CPU, bit for bit.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -43,28 +44,43 @@ def _layout(E, H, Ir, hits, kind, seed):
             skipped.to(dev), pairs)
 
 
+def _smem(device) -> int:
+    from service.kernels import tuning
+
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", tuning.SMEM_SMALL)
+
+
+@pytest.mark.parametrize("mode", ["gemm1", "gemm2"])
 @pytest.mark.parametrize("kind", ["balanced", "skewed", "holes"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "E{}_H{}_Ir{}_hits{}".format(*s))
-def test_gpu_pair_tiles_match_reference(shape, kind):
+def test_gpu_pair_tiles_match_reference(shape, kind, mode):
     from service.kernels import tuning
-    from service.kernels.grouped_gemm import gemm1_swiglu, gemm1_swiglu_ref
+    from service.kernels.grouped_gemm import gemm1_swiglu, gemm1_swiglu_ref, gemm2, gemm2_ref
 
     E, H, Ir, hits = shape
     x, w13, block_expert, offsets, row_token, real, skipped, pairs = _layout(E, H, Ir, hits, kind, seed=hits + E)
     assert pairs > 0, "the routing must give experts of two full blocks or more"
-    props = torch.cuda.get_device_properties(x.device)
-    base = tuning.lookup_for_device(x.device, "gemm1", E, H, Ir)
-    paired = tuning.pair_config(base, getattr(props, "shared_memory_per_block_optin", tuning.SMEM_SMALL))
-    a = x[row_token.clamp(min=0).long()]  # [S, H] the rows as GEMM1 reads them (padding rows: any)
-    ref = gemm1_swiglu_ref(a, w13, block_expert)
+    base = tuning.lookup_for_device(x.device, mode, E, H, Ir)
+    paired = tuning.pair_config(base, _smem(x.device), swiglu=mode == "gemm1")
+    if mode == "gemm1":
+        a = x[row_token.clamp(min=0).long()]  # [S, H] the rows as GEMM1 reads them (padding rows: any)
+        ref, n = gemm1_swiglu_ref(a, w13, block_expert), Ir
+        run = partial(gemm1_swiglu, x, w13, block_expert, row_token=row_token, expert_offsets=offsets)
+    else:  # GEMM2 on act-like rows [S, Ir], W2 [E, Ir, H]
+        gen = torch.Generator().manual_seed(hits)
+        a = torch.randn(x.shape[0], Ir, generator=gen).bfloat16().to(x.device)
+        w2 = (torch.randn(E, Ir, H, generator=gen) / math.sqrt(Ir)).bfloat16().to(x.device)
+        ref, n = gemm2_ref(a, w2, block_expert), H
+        run = partial(gemm2, a, w2, block_expert, row_token=row_token, expert_offsets=offsets)
     for split in (True, False):
         computed = (block_expert < E).repeat_interleave(BM) & ~(skipped if split else torch.zeros_like(skipped))
         outs = {}
-        for name, config in (("rows", base), ("pair", paired),
-                             ("pair_order", dataclasses.replace(paired, queue=not base.queue, pn_major=True))):
-            out = torch.full((x.shape[0], Ir), float("nan"), dtype=x.dtype, device=x.device)  # poisoned
-            gemm1_swiglu(x, w13, block_expert, config=dataclasses.replace(config, split_tail=split), out=out,
-                         row_token=row_token, expert_offsets=offsets)
+        variants = [("rows", base), ("pair", paired)]
+        if split:  # the other tile order once (each variant is a compile)
+            variants.append(("pair_order", dataclasses.replace(paired, queue=not base.queue, pn_major=True)))
+        for name, config in variants:
+            out = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype, device=x.device)  # poisoned
+            run(config=dataclasses.replace(config, split_tail=split), out=out)
             torch.cuda.synchronize()
             assert torch.isfinite(out[computed]).all(), f"{name} split={split}: NaN left in computed rows"
             assert torch.isnan(out[~computed]).all(), f"{name} split={split}: rows outside the tiles written"
@@ -72,13 +88,15 @@ def test_gpu_pair_tiles_match_reference(shape, kind):
             outs[name] = out[computed].float()
         # Same sums in the same K order, other tile shapes: within rounding of the BM-row tiles.
         assert rel_err(outs["pair"], outs["rows"]) <= TOL[torch.bfloat16]
-        assert torch.equal(outs["pair_order"], outs["pair"]), "the pair tiles' order changed bits"
+        if split:
+            assert torch.equal(outs["pair_order"], outs["pair"]), "the pair tiles' order changed bits"
 
 
-@pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
-def test_gpu_fused_layer_with_pair_tiles(graph):
-    """FusedLayer at R = 1 with pair tiles in kernel 1 (config2 keeps BM-row tiles): balanced, skewed,
-    T=1 and an empty step against the fp32 reference."""
+@pytest.mark.parametrize("graph,pair2", [(True, True), (False, True), (True, False)],
+                         ids=["graph_both", "eager_both", "graph_gemm1"])
+def test_gpu_fused_layer_with_pair_tiles(graph, pair2):
+    """FusedLayer at R = 1 with pair tiles in kernel 1 and in kernel 2 (pair2) or BM-row tiles there:
+    balanced, skewed, T=1, an empty step and all tokens on K experts against the fp32 reference."""
     from service.kernels import tuning
     from service.moe.fused import FusedLayer
     from service.moe.reference import moe_reference
@@ -90,12 +108,12 @@ def test_gpu_fused_layer_with_pair_tiles(graph):
     gen = torch.Generator().manual_seed(3)
     gate, up, down = ((torch.randn(*s, generator=gen) / math.sqrt(s[2])).bfloat16().float()
                       for s in ((E, Ir, H), (E, Ir, H), (E, H, Ir)))
-    props = torch.cuda.get_device_properties(dev)
-    c1 = tuning.pair_config(tuning.lookup_for_device(dev, "gemm1", E, H, Ir),
-                            getattr(props, "shared_memory_per_block_optin", tuning.SMEM_SMALL))
+    c1 = tuning.pair_config(tuning.lookup_for_device(dev, "gemm1", E, H, Ir), _smem(dev), swiglu=True)
+    c2 = tuning.lookup_for_device(dev, "gemm2", E, H, Ir)
+    c2 = tuning.pair_config(c2, _smem(dev), swiglu=False) if pair2 else c2
     layer = FusedLayer(cfg, RankWeights(*slice_rank(gate, up, down, 0, 1)), rank=0, device=dev, graph=graph,
-                       config1=c1)
-    assert layer.plan.config1.pair and not layer.plan.config2.pair
+                       config1=c1, config2=c2)
+    assert layer.plan.config1.pair and layer.plan.config2.pair == pair2
     gate, up, down = gate.to(dev), up.to(dev), down.to(dev)
     for seq, (n, kind) in enumerate([(C, "balanced"), (C, "skewed"), (1, "balanced"), (0, "skewed"),
                                      (C, "single")], start=1):
