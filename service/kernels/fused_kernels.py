@@ -322,20 +322,13 @@ def _ag_gemm1_kernel(
                 block, pn, expert, pair = tile_coords(tile, n_tiles, n_pair, block_expert_ptr, offsets_ptr,
                                                       row_token_ptr, E, PN_MAJOR, PAIR, SPLIT, BM)
                 if (expert < E) & (alive != 0):  # expert == E: a block past the last expert, an empty pair slot
-                    # The tile kind by a compile-time flag per call (grouped_gemm._grouped_gemm_kernel: why).
-                    if PAIR:
-                        if pair != 0:
-                            ready, dt = _gemm1_gated(
-                                mine, w_ptr, act_ptr, bias_ptr, row_token_ptr, arrived_ptr, error_ptr, block, expert,
-                                pn, rank, N, C, H, Ir, tok_off, pull_off, parity, seq, max_spins, limit, alpha,
-                                stride_we, stride_wk, stride_om, stride_be, ACT, CLAMP, BIAS, W_DESC, USE_PTX, SYNC,
-                                SPLIT, True, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
-                        else:
-                            ready, dt = _gemm1_gated(
-                                mine, w_ptr, act_ptr, bias_ptr, row_token_ptr, arrived_ptr, error_ptr, block, expert,
-                                pn, rank, N, C, H, Ir, tok_off, pull_off, parity, seq, max_spins, limit, alpha,
-                                stride_we, stride_wk, stride_om, stride_be, ACT, CLAMP, BIAS, W_DESC, USE_PTX, SYNC,
-                                SPLIT, False, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
+                    # The tile kind is a compile-time flag per call (grouped_gemm._grouped_gemm_kernel: why).
+                    if PAIR and pair != 0:
+                        ready, dt = _gemm1_gated(
+                            mine, w_ptr, act_ptr, bias_ptr, row_token_ptr, arrived_ptr, error_ptr, block, expert,
+                            pn, rank, N, C, H, Ir, tok_off, pull_off, parity, seq, max_spins, limit, alpha,
+                            stride_we, stride_wk, stride_om, stride_be, ACT, CLAMP, BIAS, W_DESC, USE_PTX, SYNC,
+                            SPLIT, True, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
                     else:
                         ready, dt = _gemm1_gated(
                             mine, w_ptr, act_ptr, bias_ptr, row_token_ptr, arrived_ptr, error_ptr, block, expert,
@@ -436,16 +429,11 @@ def _gemm2_push_kernel(
             while tile < NB * n_tiles:
                 block, pn, expert, pair = tile_coords(tile, n_tiles, n_pair, block_expert_ptr, offsets_ptr,
                                                       row_token_ptr, E, PN_MAJOR, PAIR, SPLIT, BM)
-                # The tile kind by a compile-time flag per call (grouped_gemm._grouped_gemm_kernel: why).
-                if PAIR:
-                    if pair != 0:  # an empty pair slot (expert == E) marks both blocks too
-                        _gemm2_block(act_ptr, w_ptr, d_ptr, bias_ptr, row_token_ptr, tiles_ptr, block, expert, pn, E,
-                                     H, Ir, stride_am, stride_we, stride_wk, stride_om, stride_be, BIAS, W_DESC,
-                                     USE_PTX, SPLIT, True, MARKS, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
-                    else:
-                        _gemm2_block(act_ptr, w_ptr, d_ptr, bias_ptr, row_token_ptr, tiles_ptr, block, expert, pn, E,
-                                     H, Ir, stride_am, stride_we, stride_wk, stride_om, stride_be, BIAS, W_DESC,
-                                     USE_PTX, SPLIT, False, MARKS, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
+                # The tile kind is a compile-time flag per call (grouped_gemm._grouped_gemm_kernel: why).
+                if PAIR and pair != 0:  # an empty pair slot (expert == E) marks both blocks too
+                    _gemm2_block(act_ptr, w_ptr, d_ptr, bias_ptr, row_token_ptr, tiles_ptr, block, expert, pn, E,
+                                 H, Ir, stride_am, stride_we, stride_wk, stride_om, stride_be, BIAS, W_DESC,
+                                 USE_PTX, SPLIT, True, MARKS, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
                 else:
                     _gemm2_block(act_ptr, w_ptr, d_ptr, bias_ptr, row_token_ptr, tiles_ptr, block, expert, pn, E,
                                  H, Ir, stride_am, stride_we, stride_wk, stride_om, stride_be, BIAS, W_DESC,

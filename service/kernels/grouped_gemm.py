@@ -407,19 +407,14 @@ def _grouped_gemm_kernel(
         block, pn, expert, pair = tile_coords(tile, n_tiles, n_pair, block_expert_ptr, offsets_ptr, row_token_ptr,
                                               num_experts, PN_MAJOR, PAIR, SPLIT, BM)
         if expert < num_experts:  # expert == E: block past the last expert (no rows) or an empty pair slot
-            # Which tile runs, decided by a compile-time flag per call (a runtime flag would build the
-            # pair tile into every kernel, which a weight descriptor's BN-wide boxes cannot compile).
-            if PAIR:
-                if pair != 0:
-                    _grouped_block(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K,
-                                   num_a_rows, up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk,
-                                   stride_wn, stride_om, stride_on, stride_be, ACT, CLAMP, BIAS, W_DESC, GATHER,
-                                   SPLIT, True, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
-                else:
-                    _grouped_block(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K,
-                                   num_a_rows, up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk,
-                                   stride_wn, stride_om, stride_on, stride_be, ACT, CLAMP, BIAS, W_DESC, GATHER,
-                                   SPLIT, False, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
+            # The tile kind is a compile-time flag per call: `PAIR and pair != 0` is a constexpr False
+            # without PAIR, so those kernels build no pair tile (which a weight descriptor's BN-wide
+            # boxes could not even compile); a runtime flag would build it into every kernel.
+            if PAIR and pair != 0:
+                _grouped_block(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K,
+                               num_a_rows, up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk,
+                               stride_wn, stride_om, stride_on, stride_be, ACT, CLAMP, BIAS, W_DESC, GATHER,
+                               SPLIT, True, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
             else:
                 _grouped_block(a_ptr, w_ptr, out_ptr, bias_ptr, row_token_ptr, block, expert, pn, N, K,
                                num_a_rows, up_col, limit, alpha, stride_am, stride_ak, stride_we, stride_wk,
