@@ -115,7 +115,7 @@ def variant_list(args, base) -> list[tuple[str, dict]]:
 
 def run(args) -> dict:
     from service.kernels.grouped_gemm import gemm1_swiglu, gemm2
-    from service.kernels.tuning import SMEM_SMALL, lookup_for_device, pair_config
+    from service.kernels.tuning import lookup_for_device, pair_config, smem_per_block
     from service.moe.fused import FusedLayer
     from service.moe.serial import SerialLayer, build_tables
     from service.moe.weights import RankWeights
@@ -158,7 +158,7 @@ def run(args) -> dict:
         record("dense mm, same FLOPs", "-", dense_us, f1 + f2)
     base1 = lookup_for_device(dev, "gemm1", E, H, Ir)  # what both layers look up
     base2 = lookup_for_device(dev, "gemm2", E, H, Ir)
-    smem = getattr(torch.cuda.get_device_properties(dev), "shared_memory_per_block_optin", SMEM_SMALL)
+    smem = smem_per_block(dev)
 
     def tile_configs(change: dict):
         """(GEMM1, GEMM2) configs of a variant (variant_list); pair tiles with their stages fitted to the device."""

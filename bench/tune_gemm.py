@@ -84,7 +84,7 @@ def main() -> None:
     }
     for mode, (run, work) in runs.items():
         previous = tuning.lookup(device_name, mode, E, H, Ir, M=hits, directory=args.out_dir,
-                                 smem_per_block=torch.cuda.get_device_properties(dev).shared_memory_per_block_optin)
+                                 smem_per_block=tuning.smem_per_block(dev))
         results = []
         # The tile order fields stay as the current file has them (bench/core.py --order / --split
         # measure those on the layers); this script tunes the tile's shape.

@@ -150,10 +150,16 @@ def lookup(device: str, mode: str, E: int, H: int, N: int, *, M: int | None = No
     return config
 
 
+def smem_per_block(device) -> int:
+    """Shared memory one block of a torch CUDA device may opt into (SMEM_SMALL if torch cannot say)."""
+    import torch
+
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", SMEM_SMALL)
+
+
 def lookup_for_device(device, mode: str, E: int, H: int, N: int, *, M: int | None = None) -> GemmConfig:
     """lookup() with the name and shared memory of a torch CUDA device."""
     import torch
 
-    props = torch.cuda.get_device_properties(device)
-    smem = getattr(props, "shared_memory_per_block_optin", SMEM_SMALL)
-    return lookup(props.name, mode, E, H, N, M=M, smem_per_block=smem)
+    return lookup(torch.cuda.get_device_properties(device).name, mode, E, H, N, M=M,
+                  smem_per_block=smem_per_block(device))

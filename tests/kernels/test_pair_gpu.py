@@ -44,12 +44,6 @@ def _layout(E, H, Ir, hits, kind, seed):
             skipped.to(dev), pairs)
 
 
-def _smem(device) -> int:
-    from service.kernels import tuning
-
-    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", tuning.SMEM_SMALL)
-
-
 @pytest.mark.parametrize("mode", ["gemm1", "gemm2"])
 @pytest.mark.parametrize("kind", ["balanced", "skewed", "holes"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "E{}_H{}_Ir{}_hits{}".format(*s))
@@ -61,7 +55,7 @@ def test_gpu_pair_tiles_match_reference(shape, kind, mode):
     x, w13, block_expert, offsets, row_token, real, skipped, pairs = _layout(E, H, Ir, hits, kind, seed=hits + E)
     assert pairs > 0, "the routing must give experts of two full blocks or more"
     base = tuning.lookup_for_device(x.device, mode, E, H, Ir)
-    paired = tuning.pair_config(base, _smem(x.device), swiglu=mode == "gemm1")
+    paired = tuning.pair_config(base, tuning.smem_per_block(x.device), swiglu=mode == "gemm1")
     if mode == "gemm1":
         a = x[row_token.clamp(min=0).long()]  # [S, H] the rows as GEMM1 reads them (padding rows: any)
         ref, n = gemm1_swiglu_ref(a, w13, block_expert), Ir
@@ -108,9 +102,9 @@ def test_gpu_fused_layer_with_pair_tiles(graph, pair2):
     gen = torch.Generator().manual_seed(3)
     gate, up, down = ((torch.randn(*s, generator=gen) / math.sqrt(s[2])).bfloat16().float()
                       for s in ((E, Ir, H), (E, Ir, H), (E, H, Ir)))
-    c1 = tuning.pair_config(tuning.lookup_for_device(dev, "gemm1", E, H, Ir), _smem(dev), swiglu=True)
+    c1 = tuning.pair_config(tuning.lookup_for_device(dev, "gemm1", E, H, Ir), tuning.smem_per_block(dev), swiglu=True)
     c2 = tuning.lookup_for_device(dev, "gemm2", E, H, Ir)
-    c2 = tuning.pair_config(c2, _smem(dev), swiglu=False) if pair2 else c2
+    c2 = tuning.pair_config(c2, tuning.smem_per_block(dev), swiglu=False) if pair2 else c2
     layer = FusedLayer(cfg, RankWeights(*slice_rank(gate, up, down, 0, 1)), rank=0, device=dev, graph=graph,
                        config1=c1, config2=c2)
     assert layer.plan.config1.pair and layer.plan.config2.pair == pair2
