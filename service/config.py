@@ -205,7 +205,10 @@ class Settings(BaseSettings):
     drain_timeout_s: float = Field(20.0, ge=0, description="SIGTERM grace period for in-flight requests")
     restart_backoff_s: float = Field(1.0, ge=0,
         description="first delay before restarting a failed rank group; doubles on each failure, up to 30 s")
-    slots: int = Field(2, ge=1, le=16, description="shared-memory batch slots")
+    slots: int = Field(2, ge=1, le=16, description="shared-memory batch slots per front-end process")
+    frontends: int | None = Field(None, ge=1, le=32,
+        description="front-end processes serving the HTTP and gRPC ports (SO_REUSEPORT), each with its own batcher and "
+                    "slots, all feeding the one rank group; default min(4, CPU cores // 2) on a GPU host, 1 on the CPU")
     max_connections: int = Field(1000, ge=1,
         description="open connections per protocol; at the limit HTTP closes the longest-idle one, gRPC refuses new "
                     "ones")

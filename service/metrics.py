@@ -1,10 +1,14 @@
 """Every Prometheus metric of the service, declared once.
 
-Metrics live in the front end only: ranks report their timings with each finished step
-(no Prometheus multiprocess mode). Names carry the `moe_` prefix and base units; every label
-takes values from a fixed, small set. The registry also carries the standard process_* and
-python_info series, and no `_created` series (Prometheus reads counter resets by itself; the
-extra series only double the exposition).
+Metrics live in the front ends only: ranks report their timings with each finished step
+(no Prometheus multiprocess mode). With several front-end processes (service.fleet) each keeps
+its own registry and a scrape of any of them answers the sum over all of them (`Snapshot`,
+`merge`): the owner gathers every process's snapshot on demand.
+
+Names carry the `moe_` prefix and base units; every label takes values from a fixed, small set.
+The registry also carries the standard process_* and python_info series (the owner's, when
+merged), and no `_created` series (Prometheus reads counter resets by itself; the extra series
+only double the exposition).
 
 Series known in advance are exported from the start, so dashboards and alerts see zeros rather
 than "no data"; those of a backend appear once the rank group says which one runs
@@ -20,6 +24,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    Metric,
     PlatformCollector,
     ProcessCollector,
     disable_created_metrics,
@@ -123,3 +128,61 @@ class Metrics:
         self.exposed_comm.labels(stats.backend).observe(stats.exposed_comm_s)
         for stage, seconds in stats.stages.items():
             self.stage_time.labels(stage).observe(seconds)
+
+
+# Families a merge takes from the first snapshot (the owner's) instead of summing: the process's
+# own series, and readiness (every process follows the owner's view of the group).
+FIRST_ONLY_PREFIXES = ("process_", "python_", "moe_ready")
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """One front-end process's metrics and Triton statistics at one moment (picklable)."""
+
+    families: list[Metric]
+    inference_count: int = 0
+    last_inference_ms: int = 0
+    request_compute: dict[str, Duration] = dataclasses.field(default_factory=dict)
+
+    def collect(self) -> list[Metric]:  # a registry for prometheus_client's encoders
+        return self.families
+
+    def value(self, name: str, **labels: str) -> float | None:
+        """The sample's value (summed over label values not named), None if absent."""
+        found = [s.value for f in self.families for s in f.samples
+                 if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+        return sum(found) if found else None
+
+
+def merge(snapshots: list[Snapshot]) -> Snapshot:
+    """The sum of several processes' snapshots: counters, histograms and the queue gauges add up;
+    FIRST_ONLY_PREFIXES families are the first snapshot's."""
+    first, rest = snapshots[0], snapshots[1:]
+    order: list[str] = []
+    merged: dict[str, Metric] = {}
+    sums: dict[str, dict[tuple, list]] = {}
+    for i, snap in enumerate(snapshots):
+        for family in snap.families:
+            if i and family.name.startswith(FIRST_ONLY_PREFIXES):
+                continue
+            if family.name not in merged:
+                order.append(family.name)
+                merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                sums[family.name] = {}
+            samples = sums[family.name]
+            for s in family.samples:
+                key = (s.name, tuple(sorted(s.labels.items())))
+                if key in samples:
+                    samples[key][1] += s.value
+                else:
+                    samples[key] = [s, s.value]
+    for name in order:
+        merged[name].samples = [s._replace(value=v) for s, v in sums[name].values()]
+    compute = {phase: Duration(d.count, d.ns) for phase, d in first.request_compute.items()}
+    for snap in rest:
+        for phase, d in snap.request_compute.items():
+            total = compute.setdefault(phase, Duration())
+            total.count += d.count
+            total.ns += d.ns
+    return Snapshot([merged[n] for n in order], sum(s.inference_count for s in snapshots),
+                    max(s.last_inference_ms for s in snapshots), compute)

@@ -24,10 +24,10 @@ import functools
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 
-import torch
 import uvicorn
 
 from service import logfilter
@@ -36,9 +36,10 @@ from service.api.connections import bounded_protocol, ensure_file_limit
 from service.api.frontend import Frontend
 from service.api.grpc import GrpcServer
 from service.api.http import create_app
-from service.config import Settings
+from service.config import LayerConfig, Settings
 from service.errors import ConfigError, GroupUnavailable, MoEError, WorkerError
-from service.metrics import Metrics
+from service.fleet import FRONTEND_STOP_GRACE_S, Fleet, set_frontend_threads
+from service.metrics import Metrics, merge
 from service.worker.warmup import expert_source, warm_up
 
 log = logging.getLogger("moe-serve")
@@ -47,6 +48,7 @@ WATCH_INTERVAL_S = 0.5   # how often an idle group's rank processes are checked
 MAX_BACKOFF_S = 30.0     # restart back-off doubles up to this
 HEALTHY_RESET_S = 60.0   # a group that served this long resets the back-off
 GRPC_STOP_GRACE_S = 1.0  # after the drain, what is left of gRPC calls gets this long
+MAX_DEFAULT_FRONTENDS = 4  # the default --frontends on a GPU host: min(this, CPU cores // 2)
 
 
 class _Uvicorn(uvicorn.Server):
@@ -58,6 +60,100 @@ class _Uvicorn(uvicorn.Server):
 
     def install_signal_handlers(self) -> None:  # older uvicorn versions
         pass
+
+
+class Endpoint:
+    """One front-end process's serving half: metrics, batcher, Frontend, HTTP and gRPC servers.
+
+    The owner (Server) and every other front-end process (service.replica) run one each. With
+    `reuse_port` the HTTP socket is bound with SO_REUSEPORT (gRPC's always is, on Linux), so that
+    several processes listen on the same ports and the kernel spreads connections over them."""
+
+    def __init__(self, settings: Settings, cfg: LayerConfig, slots: int, on_failure=None):
+        self.settings = settings
+        self.metrics = Metrics()
+        self.batcher = Batcher(budget=cfg.tokens_per_step, delay_s=settings.batch_delay_ms / 1e3,
+                               queue_tokens=settings.queue_tokens, slots=slots, metrics=self.metrics,
+                               on_failure=on_failure, slot_timeout_s=settings.step_timeout_s,
+                               idle_wait=settings.batch_idle_wait)
+        self.fe = Frontend(settings, cfg, self.metrics, self.batcher)
+        self.http_port: int | None = None
+        self.grpc_port: int | None = None
+        self._grpc: GrpcServer | None = None
+        self._http: _Uvicorn | None = None
+        self._http_task: asyncio.Task | None = None
+
+    async def start(self, http_port: int, grpc_port: int, reuse_port: bool = False) -> bool:
+        """Start the batcher and both servers; False (logged) if one cannot listen."""
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        self.batcher.start()
+        try:
+            self._grpc = GrpcServer(self.fe, s.host, grpc_port)
+        except OSError as err:
+            log.error("%s", err)
+            return False
+        await self._grpc.start()
+        self.grpc_port = self._grpc.port
+        grpc_server = self._grpc
+        self.fe.on_ready_change.append(lambda ready: loop.create_task(grpc_server.set_serving(ready)))
+        protocol = functools.partial(bounded_protocol(s.http_impl), idle_timeout_s=s.idle_timeout_s,
+                                     max_connections=s.max_connections)
+        config = uvicorn.Config(create_app(self.fe), host=s.host, port=http_port, log_config=None,
+                                access_log=False, lifespan="off", http=protocol,
+                                timeout_graceful_shutdown=max(1, int(s.drain_timeout_s)))
+        self._http = _Uvicorn(config)
+        sockets = None
+        if reuse_port:
+            try:
+                sockets = [socket.create_server((s.host, http_port), backlog=config.backlog, reuse_port=True)]
+            except OSError as err:
+                log.error("the HTTP server cannot listen on %s:%d: %s", s.host, http_port, err)
+                await self._grpc.stop(0)
+                return False
+        self._http_task = loop.create_task(self._http.serve(sockets=sockets))
+        while not self._http.started and not self._http_task.done():
+            await asyncio.sleep(0.01)
+        if self._http_task.done():
+            log.error("the HTTP server did not start on %s:%d", s.host, http_port)
+            await self._grpc.stop(0)
+            return False
+        self.http_port = self._http.servers[0].sockets[0].getsockname()[1]
+        return True
+
+    async def stop(self, drain_end: float) -> None:
+        """Let the steps in flight finish until `drain_end` (monotonic), then stop everything."""
+        await self.batcher.close(timeout_s=max(0.0, drain_end - time.monotonic()))
+        if self._http is not None:
+            self._http.should_exit = True
+        if self._grpc is not None:
+            await self._grpc.stop(GRPC_STOP_GRACE_S)
+        if self._http_task is not None:
+            await asyncio.gather(self._http_task, return_exceptions=True)
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether nothing listens on host:port yet: a plain bind (no SO_REUSEPORT) succeeds. Several
+    front ends bind with SO_REUSEPORT, which would silently share a port another server (of the
+    same user) already holds; this check refuses that instead."""
+    if port == 0:
+        return True
+    try:
+        with socket.create_server((host, port)):
+            return True
+    except OSError:
+        return False
+
+
+def frontend_count(settings: Settings, device: str) -> int:
+    """--frontends, or the default: min(4, CPU cores // 2) front-end processes on a GPU host
+    (one Python process cannot feed one GPU: bench/NOTES.md, issue 11), 1 on the CPU (the ranks
+    need the cores; one front end keeps up with the CPU layer)."""
+    if settings.frontends is not None:
+        return settings.frontends
+    if device != "cuda":
+        return 1
+    return max(1, min(MAX_DEFAULT_FRONTENDS, len(os.sched_getaffinity(0)) // 2))
 
 
 class Server:
@@ -73,22 +169,22 @@ class Server:
                                          top_k=settings.top_k)
             self.weights_prefix = spec.prefix
         self.cfg = cfg
+        self.frontends = frontend_count(settings, self.device)
         log.info("device %s (%s); layer %s; backend %s; weights %s", self.device, why, cfg.describe(),
                  settings.backend, settings.weights or f"synthetic (seed {settings.seed})")
-        log.info("batching: %d tokens per step (R*C), delay %.2f ms, queue %d tokens, deadline %.1f s",
-                 cfg.tokens_per_step, settings.batch_delay_ms, settings.queue_tokens, settings.request_timeout_s)
-        if self.device == "cpu":
-            # The front end only copies rows; idle OpenMP workers spinning here would take CPU
-            # from the rank processes on the same cores.
-            torch.set_num_threads(1)
+        log.info("batching: %d tokens per step (R*C), delay %.2f ms, queue %d tokens, deadline %.1f s; "
+                 "%d front-end process(es) of %d slots each", cfg.tokens_per_step, settings.batch_delay_ms,
+                 settings.queue_tokens, settings.request_timeout_s, self.frontends, settings.slots)
+        set_frontend_threads(self.device, self.frontends)
         self.group_factory = group_factory or self._new_group
-        self.metrics = Metrics()
-        self.batcher = Batcher(budget=cfg.tokens_per_step, delay_s=settings.batch_delay_ms / 1e3,
-                               queue_tokens=settings.queue_tokens, slots=settings.slots, metrics=self.metrics,
-                               on_failure=self._on_step_failure, slot_timeout_s=settings.step_timeout_s,
-                               idle_wait=settings.batch_idle_wait)
-        self.fe = Frontend(settings, cfg, self.metrics, self.batcher)
+        self.endpoint = Endpoint(settings, cfg, settings.slots, on_failure=self._on_step_failure)
+        self.metrics, self.batcher, self.fe = self.endpoint.metrics, self.endpoint.batcher, self.endpoint.fe
+        self.fleet = Fleet(settings, cfg, self.device, self.frontends, self.fe.snapshot, self._on_step_failure) \
+            if self.frontends > 1 else None
+        if self.fleet is not None:
+            self.fe.gather = self.fleet.gather
         self.group = None
+        self._attached = None  # what the batcher runs its steps on: the group, or front end 0's share of it
         self.http_port: int | None = None
         self.grpc_port: int | None = None
         self.exit_code = 0
@@ -101,8 +197,9 @@ class Server:
 
         s = self.settings
         return WorkerGroup(self.cfg, device=self.device, weights=s.weights, weights_prefix=self.weights_prefix,
-                           seed=s.seed, backend=s.backend, slots=s.slots, step_timeout_s=s.step_timeout_s,
-                           start_timeout_s=s.start_timeout_s, log_level=s.log_level.upper())
+                           seed=s.seed, backend=s.backend, slots=s.slots * self.frontends,
+                           step_timeout_s=s.step_timeout_s, start_timeout_s=s.start_timeout_s,
+                           log_level=s.log_level.upper())
 
     # ---- the process -----------------------------------------------------------------------
 
@@ -112,6 +209,8 @@ class Server:
         self._stopping = True
         self.fe.set_ready(False, "the server is shutting down")
         self.batcher.refuse(GroupUnavailable("the server is shutting down"))
+        if self.fleet is not None:
+            self.fleet.drain()
         self._stop.set()
         self._wake.set()
 
@@ -122,51 +221,49 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
                 loop.add_signal_handler(sig, self.request_stop)
-        self.batcher.start()
-
-        grpc_server = GrpcServer(self.fe, s.host, s.grpc_port)
-        await grpc_server.start()
-        self.grpc_port = grpc_server.port
-        self.fe.on_ready_change.append(lambda ready: loop.create_task(grpc_server.set_serving(ready)))
-        protocol = functools.partial(bounded_protocol(s.http_impl), idle_timeout_s=s.idle_timeout_s,
-                                     max_connections=s.max_connections)
-        config = uvicorn.Config(create_app(self.fe), host=s.host, port=s.http_port, log_config=None,
-                                access_log=False, lifespan="off", http=protocol,
-                                timeout_graceful_shutdown=max(1, int(s.drain_timeout_s)))
-        http = _Uvicorn(config)
-        http_task = loop.create_task(http.serve())
-        while not http.started and not http_task.done():
-            await asyncio.sleep(0.01)
-        if http_task.done():
-            log.error("the HTTP server did not start on %s:%d", s.host, s.http_port)
-            await grpc_server.stop(0)
+        if self.fleet is not None:
+            taken = [p for p in (s.http_port, s.grpc_port) if not port_free(s.host, p)]
+            if taken:
+                log.error("%s:%s already in use", s.host, ",".join(map(str, taken)))
+                return 1
+        if not await self.endpoint.start(s.http_port, s.grpc_port, reuse_port=self.fleet is not None):
             return 1
-        self.http_port = http.servers[0].sockets[0].getsockname()[1]
+        self.http_port, self.grpc_port = self.endpoint.http_port, self.endpoint.grpc_port
         metrics_server = None
         if s.metrics_port:
             from prometheus_client import start_http_server
 
-            metrics_server, _ = start_http_server(s.metrics_port, addr=s.host, registry=self.metrics.registry)
+            registry = self.metrics.registry if self.fleet is None else _Gathered(self.fe)
+            metrics_server, _ = start_http_server(s.metrics_port, addr=s.host, registry=registry)
         log.info("serving HTTP (%s) on %s:%d, gRPC on %s:%d%s (pid %d)", s.http_impl, s.host, self.http_port,
                  s.host, self.grpc_port, f", metrics on :{s.metrics_port}" if s.metrics_port else "", os.getpid())
 
         supervisor = loop.create_task(self._supervise())
+        if self.fleet is not None:  # the other front ends start while the rank group does
+            try:
+                await asyncio.to_thread(self.fleet.start, self.http_port, self.grpc_port)
+            except MoEError as err:
+                log.error("%s", err)
+                self.exit_code = 1
+                self.request_stop()
         await self._stop.wait()
 
         drain_end = time.monotonic() + (s.drain_timeout_s if self.exit_code == 0 else 0.0)
         if self.exit_code == 0:
-            drained = await self.batcher.wait_idle(s.drain_timeout_s)
+            waits = [self.batcher.wait_idle(s.drain_timeout_s)]
+            if self.fleet is not None:  # the other front ends drain at the same time, their steps still run here
+                waits.append(asyncio.to_thread(self.fleet.wait_exit, s.drain_timeout_s + FRONTEND_STOP_GRACE_S))
+            drained = all(await asyncio.gather(*waits))
             log.info("drain %s; stopping", "complete" if drained else
-                     f"timed out with {self.batcher.pending} requests left")
+                     f"timed out with {self.batcher.pending} requests left here")
         # The supervisor returns at its next check; a group start in progress is let finish
         # (a start cannot be interrupted safely) and then closed below.
         await asyncio.gather(supervisor, return_exceptions=True)
+        if self.fleet is not None:  # no front end is left to send steps when the group closes
+            await asyncio.to_thread(self.fleet.stop)
         # Steps still in flight (those of requests past their deadline) get what is left of the
         # drain; the step threads are joined, so none is inside group.run when the group closes.
-        await self.batcher.close(timeout_s=max(0.0, drain_end - time.monotonic()))
-        http.should_exit = True
-        await grpc_server.stop(GRPC_STOP_GRACE_S)
-        await asyncio.gather(http_task, return_exceptions=True)
+        await self.endpoint.stop(drain_end)
         if metrics_server is not None:
             metrics_server.shutdown()
         if self.group is not None:
@@ -178,13 +275,14 @@ class Server:
     # ---- supervision -----------------------------------------------------------------------
 
     def _on_step_failure(self, group, exc: BaseException) -> None:
-        if group is self.group:
+        if group is not None and group in (self.group, self._attached):
             log.error("a step failed: %s", exc)
             self._wake.set()
 
     async def _supervise(self) -> None:
         failures = 0
         first = True
+        generation = 0  # of the attached group: a front end's step for an older one is refused
         while not self._stopping:
             group = self.group_factory()
             self.group = group
@@ -211,16 +309,21 @@ class Server:
                 continue
             first = False
             self.metrics.use_backend(group.backend)
-            self.batcher.attach(group)
+            generation += 1
+            self._attached = group if self.fleet is None else self.fleet.attach(group, generation)
+            self.batcher.attach(self._attached)
             self.fe.set_ready(not self._stopping)
             log.info("ready (rank pids %s)", getattr(group, "pids", "?"))
             since = time.monotonic()
             await self._watch(group)
             if self._stopping:
                 return  # serve() drains and closes the group
-            self.fe.set_ready(False, "the rank group failed; it is being restarted")
-            self.batcher.detach(GroupUnavailable("the rank group failed; it is being restarted"))
-            self.group = None
+            why = "the rank group failed; it is being restarted"
+            self.fe.set_ready(False, why)
+            self.batcher.detach(GroupUnavailable(why))
+            if self.fleet is not None:
+                self.fleet.detach(why)
+            self.group = self._attached = None
             await asyncio.to_thread(group.close)
             if time.monotonic() - since > HEALTHY_RESET_S:
                 failures = 0
@@ -258,6 +361,16 @@ class Server:
         """One full step checked against the fp32 reference: the group is right before it is ready."""
         s = self.settings
         warm_up(group, self.cfg, expert_source(self.cfg, s.weights, self.weights_prefix, s.seed), s.step_timeout_s)
+
+
+class _Gathered:
+    """A registry for prometheus_client's own metrics server (another thread): every front end's sum."""
+
+    def __init__(self, fe: Frontend):
+        self.fe = fe
+
+    def collect(self):
+        return merge(self.fe.gather()).families
 
 
 # ---- entry point (flags: service.cli) ------------------------------------------------------

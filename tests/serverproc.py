@@ -69,6 +69,15 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def comm(pid: int) -> str:
+    """The process's name (/proc/PID/comm)."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 class ServerProcess:
     """`cmd` with `env`, whose MOE_HTTP_PORT / MOE_GRPC_PORT name its ports (see `loopback_env`)."""
 
@@ -132,8 +141,14 @@ class ServerProcess:
         raise TimeoutError(f"moe-serve was not ready within {timeout} s:\n{self.log()[-5000:]}")
 
     def rank_pids(self) -> list[int]:
-        """The rank processes: the spawned children (not multiprocessing's resource tracker)."""
-        return [p for p in descendants(self.pid) if "spawn_main" in cmdline(p)]
+        """The rank processes: the spawned children (not multiprocessing's resource tracker, nor
+        the other front-end processes of --frontends, named moe-frontend<i>)."""
+        return [p for p in descendants(self.pid)
+                if "spawn_main" in cmdline(p) and not comm(p).startswith("moe-frontend")]
+
+    def frontend_pids(self) -> list[int]:
+        """The front-end processes 1..N-1 of --frontends N (service.fleet)."""
+        return [p for p in descendants(self.pid) if comm(p).startswith("moe-frontend")]
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> int:
         """SIGTERM and wait (the drain path); SIGKILL the whole tree if it hangs."""

@@ -4,6 +4,9 @@ The model's configuration and statistics are Triton's (`/v2/models/{m}/config`, 
 ModelConfig, ModelStatistics), so that perf_analyzer and other Triton tools run unchanged. The
 token dimension is Triton's batch dimension: `max_batch_size` is the most tokens one request may
 carry, dims leave it out, and `inference_count` counts tokens as Triton counts batch items.
+
+With several front-end processes (service.fleet) `gather` returns every process's Snapshot, and
+/metrics and the statistics answer their sum, whichever process is asked.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from service.api.batcher import Batcher
 from service.api.codecs import INPUT_NAMES, MODEL_VERSION, OUTPUT_NAME, V2_NAMES, Decoded, ModelSpec
 from service.config import LayerConfig, Settings
 from service.errors import GroupUnavailable
-from service.metrics import PROTOCOLS, Metrics
+from service.metrics import PROTOCOLS, Metrics, Snapshot, merge
 
 SERVER_NAME = "moe-serve"
 # Triton's names for what the server supports; perf_analyzer reads server-side statistics only
@@ -38,6 +41,9 @@ class Frontend:
         self._last_inference_ms = 0  # wall-clock time of the last successful one, ms since the epoch
         self._why_not = "the service is starting"
         self.on_ready_change: list[Callable[[bool], None]] = []
+        # Every front-end process's snapshot, this one's included (blocking; run in a thread);
+        # None: this process is the only front end.
+        self.gather: Callable[[], list[Snapshot]] | None = None
         metrics.ready.set(0)
         for protocol in PROTOCOLS:
             metrics.requests.labels(protocol, "200")  # export the zero series up front
@@ -77,6 +83,19 @@ class Frontend:
         code = str(status)
         self.metrics.requests.labels(protocol, code).inc()
         self.metrics.request_duration.labels(protocol, code).observe(time.perf_counter() - started)
+
+    # ---- metrics of every front-end process ------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        """This process's metrics and statistics (thread-safe)."""
+        return Snapshot(list(self.metrics.registry.collect()), self._inference_count, self._last_inference_ms,
+                        dict(self.metrics.request_compute))
+
+    async def aggregate(self) -> Snapshot:
+        """The metrics of the whole server: this process's, or the sum over every front end."""
+        if self.gather is None:
+            return self.snapshot()
+        return merge(await asyncio.to_thread(self.gather))
 
     # ---- descriptions ----------------------------------------------------------------------
 
@@ -130,34 +149,36 @@ class Frontend:
             "model_transaction_policy": {"decoupled": False},
         }
 
-    def model_statistics(self) -> dict:
-        """Triton's statistics for the model, from the front end's own metrics: success and fail
+    async def model_statistics(self) -> dict:
+        """Triton's statistics for the model, from the front ends' own metrics: success and fail
         are requests by outcome (arrival to answer), queue is arrival to the first step, the compute
         phases are the times of the steps a request's rows ran in (copy into the slot, the layer,
         copy out; Triton too charges a batch's times to each request in it). Durations are
         {"count", "ns"}."""
+        snap = await self.aggregate()
+
         def duration(count: float | None, seconds: float | None) -> dict:  # None: never observed
             return {"count": int(count or 0), "ns": round((seconds or 0.0) * 1e9)}
 
         columns = {"moe_request_duration_seconds_count": 0, "moe_request_duration_seconds_sum": 1}
         success, fail = [0.0, 0.0], [0.0, 0.0]  # count, seconds
-        for family in self.metrics.request_duration.collect():
+        for family in snap.families:
             for sample in family.samples:
                 if sample.name in columns:
                     (success if sample.labels["status"] == "200" else fail)[columns[sample.name]] += sample.value
-        value = self.metrics.registry.get_sample_value
+        value = snap.value
         empty = duration(0, 0.0)
         return {"model_stats": [{
             "name": self.model_name,
             "version": MODEL_VERSION,
-            "last_inference": self._last_inference_ms,
-            "inference_count": self._inference_count,
+            "last_inference": snap.last_inference_ms,
+            "inference_count": snap.inference_count,
             "execution_count": int(value("moe_steps_total") or 0),
             "inference_stats": {
                 "success": duration(*success),
                 "fail": duration(*fail),
                 "queue": duration(value("moe_queue_time_seconds_count"), value("moe_queue_time_seconds_sum")),
-                **{phase: dataclasses.asdict(d) for phase, d in self.metrics.request_compute.items()},
+                **{phase: dataclasses.asdict(d) for phase, d in snap.request_compute.items()},
                 "cache_hit": empty,
                 "cache_miss": empty,
             },

@@ -129,7 +129,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         # An empty name asks for every model: ours.
         if (request.name or request.version) and not self._known_model(context, request.name, request.version):
             return None
-        return json_format.ParseDict(self.fe.model_statistics(), pb.ModelStatisticsResponse())
+        return json_format.ParseDict(await self.fe.model_statistics(), pb.ModelStatisticsResponse())
 
     async def ModelInfer(self, request, context):
         fe = self.fe

@@ -9,6 +9,7 @@ request's deadline (408 otherwise); a client that disconnects mid-body is a 499,
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 
@@ -178,7 +179,8 @@ def create_app(fe: Frontend) -> FastAPI:
         """GET /v2/models/{model}[/versions/{version}]{suffix}: `document()` once the name checks out."""
         async def route(model: str, version: str | None = None) -> Response:
             codecs.check_model(model, version, fe.model_name)
-            return JSONResponse(document())
+            doc = document()
+            return JSONResponse(await doc if inspect.isawaitable(doc) else doc)
 
         for path in (f"/v2/models/{{model}}{suffix}", f"/v2/models/{{model}}/versions/{{version}}{suffix}"):
             app.get(path, name=document.__name__)(route)
@@ -223,6 +225,6 @@ def create_app(fe: Frontend) -> FastAPI:
     async def metrics(request: Request) -> Response:
         # OpenMetrics for scrapers that ask for it (Accept), the Prometheus text format otherwise
         encode, media_type = choose_encoder(request.headers.get("accept", ""))
-        return Response(encode(fe.metrics.registry), media_type=media_type)
+        return Response(encode(await fe.aggregate()), media_type=media_type)
 
     return app

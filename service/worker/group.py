@@ -42,7 +42,7 @@ from service.errors import BackendUnavailable, GroupUnavailable, InvalidInput, W
 from service.moe.hostcomm import HostPeers
 from service.moe.layer import BACKENDS
 from service.worker.rank import RankOptions, rank_main
-from service.worker.shm import Slot, create_slots, remove_slots, remove_stale_slots
+from service.worker.shm import Slot, create_slots, remove_slots, remove_stale_slots, unlink_slots
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +155,9 @@ class WorkerGroup:
         t0 = time.monotonic()
         infos = self._collect("ready", self.start_timeout_s, "start")
         # Every process has mapped the slots: unlink the files now, so nothing is left in
-        # /dev/shm whatever happens to this process later (the mappings stay valid).
-        remove_slots(self._slots)
+        # /dev/shm whatever happens to this process later (the mappings stay valid; the
+        # descriptors stay open until close(), for the other front-end processes: `slots`).
+        unlink_slots(self._slots)
         self.pids = [info["pid"] for info in infos]
         self.backend = infos[0]["backend"]
         self.alive = True
@@ -180,6 +181,11 @@ class WorkerGroup:
         self._slots = []
         self._free = queue.Queue()
         self._store = None
+
+    @property
+    def slots(self) -> list[Slot]:
+        """Every slot, in index order; each one's `owner_fd` maps it in another process until close()."""
+        return list(self._slots)
 
     def poll(self) -> bool:
         """True while the group runs and every rank process is alive (cheap; no message sent)."""

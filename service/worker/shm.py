@@ -8,7 +8,9 @@ tracker unlinks segments when a child that attached them exits (Python < 3.13).
 
 The files exist only while the ranks start: once every rank has mapped them the group unlinks
 them, so a front end killed later leaves nothing in /dev/shm. Files of a front end killed
-during a start are removed by the next start on the host.
+during a start are removed by the next start on the host. The group keeps each file's descriptor
+until it closes: other front-end processes of the same server (service.fleet) are handed those
+descriptors and map the slots through them (`Slot.open(cfg, i, f"/proc/self/fd/{fd}")`).
 
 Instances can share /dev/shm without sharing a PID namespace (containers with `ipc: host`), so
 nothing here depends on seeing another process's pid:
@@ -154,13 +156,19 @@ def remove_stale_slots() -> None:
             os.close(fd)
 
 
-def remove_slots(slots: list[Slot]) -> None:
-    """Unlink the slots' files, then drop their locks (the mappings stay valid)."""
+def unlink_slots(slots: list[Slot]) -> None:
+    """Unlink the slots' files; their descriptors (and locks) stay open, the mappings valid."""
     for slot in slots:
         try:
             os.unlink(slot.path)
         except FileNotFoundError:
             pass
+
+
+def remove_slots(slots: list[Slot]) -> None:
+    """Unlink the slots' files, then drop their locks (the mappings stay valid)."""
+    unlink_slots(slots)
+    for slot in slots:
         if slot.owner_fd >= 0:
             os.close(slot.owner_fd)
             slot.owner_fd = -1

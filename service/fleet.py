@@ -1,0 +1,384 @@
+"""Several front-end processes feeding one rank group (`--frontends N`), the owner's side.
+
+One Python process cannot feed one GPU: its event loop saturates moving 8 MB per request
+(bench/NOTES.md, issue 11). So N processes serve the same HTTP and gRPC ports (SO_REUSEPORT:
+the kernel spreads connections over them), each with its own batcher and its own `slots` slots
+of the one rank group, and every step still goes through the one sequencer, `group.run` in the
+owner:
+
+    owner = front end 0 (service.server)                front end i = 1..N-1 (service.replica)
+      the rank group; group.run numbers the steps         HTTP + gRPC on the same ports, a batcher,
+      control channel, one per front end   <---------->   its slots of the group (mapped through
+        ("attach", gen, backend) + the slots' fds,          the descriptors the owner sends)
+        ("detach", why), ("drain",), ("collect", id),      ("listening", pid), ("scrape", id),
+        ("scraped", id, [Snapshot])                        ("collected", id, Snapshot)
+      one step connection per slot of a front end <--->   ("step", gen, n, T) -> ("done", n, StepStats)
+        (a thread here calls group.run on that slot)        | ("failed", n, kind, text)
+
+- The group's slots: `slots * N`; front end i owns [i*slots, (i+1)*slots). A front end writes its
+  rows into its slot, sends ("step", gen, n, T); the slot's thread here runs `group.run` and
+  answers. One hop more than front end 0's own steps (measured in bench/RESULTS.md, issue 11b).
+- gen numbers the attached groups: a step of a front end that has not yet seen a restart (its
+  rows are in the old group's memory) is refused ("failed", ..., "unavailable"), never run.
+- Supervision: a front end that dies is restarted (its slots' threads are joined first, so no
+  step of the dead one still runs on memory the new one writes). A front end sees its control
+  channel close when the owner exits and stops at once (no orphans). drain() asks every front
+  end to drain (not ready, new requests 503, in-flight ones finish) and exit.
+- Metrics: every process keeps its own registry; gather() asks every front end for its Snapshot
+  (service.metrics.merge adds them up), so /metrics and the statistics of any process are the
+  server's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import recvfds, sendfds
+
+import torch
+
+from service.config import LayerConfig, Settings
+from service.errors import GroupUnavailable, MoEError, WorkerError
+from service.metrics import Snapshot
+
+log = logging.getLogger("moe-serve.fleet")
+
+FRONTEND_START_TIMEOUT_S = 120.0  # a front end imports torch, FastAPI and grpc, binds, answers
+FRONTEND_STOP_GRACE_S = 5.0       # past the drain, how long a front end may take to exit
+COLLECT_TIMEOUT_S = 2.0           # a front end's answer to "collect" (a scrape waits this at most)
+RESTART_BACKOFF_S = 1.0           # a dead front end is restarted after this, doubling up to MAX
+MAX_RESTART_BACKOFF_S = 30.0
+HEALTHY_RESET_S = 60.0            # a front end that lived this long resets its back-off
+WATCH_INTERVAL_S = 0.5
+PR_SET_NAME = 15                  # prctl option: the thread's name, shown in /proc/PID/comm
+
+
+def set_frontend_threads(device: str, frontends: int) -> None:
+    """Torch threads of a front-end process: it only copies rows. On the CPU 1 (idle OpenMP
+    workers spinning here would take CPU from the rank processes); with several front ends on a
+    GPU host their share of the cores, so that N processes' thread pools do not oversubscribe."""
+    if device == "cpu":
+        torch.set_num_threads(1)
+    elif frontends > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // frontends))
+
+
+def name_process(name: str) -> None:
+    """Set /proc/PID/comm (what ps and top show), so a front end is told from a rank at a glance."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+class Channel:
+    """A duplex Connection whose sends are serialized (several threads send); a message may be
+    followed by descriptors (SCM_RIGHTS), read by the one reader right after the message."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, msg: tuple, fds: list[int] | None = None) -> bool:
+        """False if the other end is gone."""
+        try:
+            with self._lock:
+                self.conn.send(msg)
+                if fds:
+                    import socket
+
+                    with socket.fromfd(self.conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                        sendfds(sock, fds)
+            return True
+        except OSError:
+            return False
+
+    def recv_fds(self, count: int) -> list[int]:
+        import socket
+
+        with socket.fromfd(self.conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            return recvfds(sock, count)
+
+
+class SlotShare:
+    """A rank group seen through some of its slots: what front end 0's batcher runs its steps on
+    while the other front ends use the rest (acquire_slot / run / release, as WorkerGroup)."""
+
+    def __init__(self, group, slots: list):
+        self.group = group
+        self._free: list = list(slots)
+        self._cond = threading.Condition()
+
+    @property
+    def backend(self) -> str:
+        return self.group.backend
+
+    @property
+    def alive(self) -> bool:
+        return self.group.alive
+
+    def acquire_slot(self, timeout: float | None = None):
+        if not self.group.alive:
+            raise GroupUnavailable("the rank group is not running")
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._free, timeout):
+                raise GroupUnavailable(f"no free slot within {timeout} s")
+            return self._free.pop()
+
+    def release(self, slot) -> None:
+        with self._cond:
+            self._free.append(slot)
+            self._cond.notify()
+
+    def run(self, slot, T: int):
+        return self.group.run(slot, T)
+
+
+class _Member:
+    """One front-end process i >= 1 as the owner sees it."""
+
+    def __init__(self, index: int, proc, ctl: Channel, steps: list[Connection]):
+        self.index, self.proc, self.ctl, self.steps = index, proc, ctl, steps
+        self.threads: list[threading.Thread] = []
+        self.started = time.monotonic()
+
+
+class Fleet:
+    """Front ends 1..N-1: spawned, fed with steps, told the group's state, restarted, drained."""
+
+    def __init__(self, settings: Settings, cfg: LayerConfig, device: str, count: int,
+                 own_snapshot: Callable[[], Snapshot], on_failure: Callable[[object, BaseException], None]):
+        self.settings, self.cfg, self.device, self.count = settings, cfg, device, count
+        self.own_snapshot, self.on_failure = own_snapshot, on_failure
+        self.slots = settings.slots
+        self.http_port = self.grpc_port = 0
+        self._members: dict[int, _Member] = {}
+        self._lock = threading.Lock()          # guards _group, _gen, _members
+        self._group = None
+        self._gen = 0
+        self._why = "the rank group is starting"
+        self._stopping = False
+        self._ids = itertools.count(1)
+        self._pending: dict[int, Future] = {}  # collect id -> its answer
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="moe-fleet")  # scrapes asked by front ends
+        self._watcher: threading.Thread | None = None
+        self._failures: dict[int, int] = {}
+
+    @property
+    def pids(self) -> list[int]:
+        return [m.proc.pid for m in self._members.values()]
+
+    # ---- life cycle ------------------------------------------------------------------------
+
+    def start(self, http_port: int, grpc_port: int) -> None:
+        """Spawn front ends 1..N-1 on these (bound) ports and wait until each listens; MoEError if
+        one does not (a first start that fails is a configuration problem)."""
+        self.http_port, self.grpc_port = http_port, grpc_port
+        for i in range(1, self.count):
+            self._spawn(i)
+        self._watcher = threading.Thread(target=self._watch, name="moe-fleet-watch", daemon=True)
+        self._watcher.start()
+
+    def _spawn(self, i: int) -> None:
+        from service.replica import replica_main
+
+        ctx = mp.get_context("spawn")
+        ctl_here, ctl_there = ctx.Pipe()
+        pairs = [ctx.Pipe() for _ in range(self.slots)]
+        proc = ctx.Process(target=replica_main, name=f"moe-frontend{i}", daemon=False,
+                           args=(i, self.settings, self.cfg, self.device, self.count, ctl_there, [b for _, b in pairs],
+                                 self.http_port, self.grpc_port))
+        proc.start()
+        ctl_there.close()
+        for _, b in pairs:
+            b.close()
+        ready = wait([ctl_here, proc.sentinel], timeout=FRONTEND_START_TIMEOUT_S)
+        msg = None
+        if ctl_here in ready:
+            try:
+                msg = ctl_here.recv()
+            except (EOFError, OSError):
+                msg = None
+        if not msg or msg[0] != "listening":
+            proc.kill()
+            proc.join(5)
+            raise MoEError(f"front end {i} did not start (exit code {proc.exitcode}); see its log above")
+        member = _Member(i, proc, Channel(ctl_here), [a for a, _ in pairs])
+        for j, conn in enumerate(member.steps):
+            t = threading.Thread(target=self._serve_slot, args=(member, j, conn), daemon=True,
+                                 name=f"moe-fe{i}-slot{j}")
+            t.start()
+            member.threads.append(t)
+        reader = threading.Thread(target=self._read, args=(member,), daemon=True, name=f"moe-fe{i}-ctl")
+        reader.start()
+        member.threads.append(reader)
+        with self._lock:
+            self._members[i] = member
+            group, gen = self._group, self._gen
+        if group is not None:
+            self._send_attach(member, group, gen)
+        log.info("front end %d listening (pid %d)", i, proc.pid)
+
+    def stop(self) -> None:
+        """Stop every front end (drained already, or not): ask, then kill what is left."""
+        self._stopping = True
+        with self._lock:
+            members = list(self._members.values())
+        for m in members:
+            m.ctl.send(("drain",))
+        deadline = time.monotonic() + FRONTEND_STOP_GRACE_S
+        for m in members:
+            m.proc.join(max(0.0, deadline - time.monotonic()))
+            if m.proc.is_alive():
+                log.warning("front end %d did not exit; killing it", m.index)
+                m.proc.kill()
+                m.proc.join(5)
+            m.ctl.conn.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def drain(self) -> None:
+        """Ask every front end to drain and exit (SIGTERM of the server); they are not restarted."""
+        self._stopping = True
+        with self._lock:
+            members = list(self._members.values())
+        for m in members:
+            m.ctl.send(("drain",))
+
+    def wait_exit(self, timeout: float) -> bool:
+        """Wait for every front end to exit; False if one is still running after `timeout`."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            members = list(self._members.values())
+        for m in members:
+            m.proc.join(max(0.0, deadline - time.monotonic()))
+        return not any(m.proc.is_alive() for m in members)
+
+    def _watch(self) -> None:
+        """Restart a front end that died (back-off doubling while it keeps dying), until stop."""
+        while not self._stopping:
+            with self._lock:
+                members = list(self._members.values())
+            wait([m.proc.sentinel for m in members], timeout=WATCH_INTERVAL_S)
+            for m in members:
+                if m.proc.is_alive() or self._stopping:
+                    continue
+                log.error("front end %d (pid %d) exited with %s; restarting it", m.index, m.proc.pid, m.proc.exitcode)
+                with self._lock:
+                    del self._members[m.index]
+                for t in m.threads:  # a step of the dead one still in group.run ends within its deadline
+                    t.join()
+                for conn in (m.ctl.conn, *m.steps):
+                    conn.close()
+                failures = 0 if time.monotonic() - m.started > HEALTHY_RESET_S else self._failures.get(m.index, 0)
+                while not self._stopping:
+                    time.sleep(min(MAX_RESTART_BACKOFF_S, RESTART_BACKOFF_S * 2 ** failures))
+                    failures += 1
+                    self._failures[m.index] = failures
+                    if self._stopping:
+                        return
+                    try:
+                        self._spawn(m.index)
+                        break
+                    except MoEError as err:
+                        log.error("%s; trying again", err)
+
+    # ---- the group's state -----------------------------------------------------------------
+
+    def attach(self, group, gen: int) -> SlotShare:
+        """Serve every front end with `group` (started, warmed up) as generation `gen`; front end 0's
+        share of its slots."""
+        with self._lock:
+            self._group, self._gen = group, gen
+            members = list(self._members.values())
+        for m in members:
+            self._send_attach(m, group, gen)
+        return SlotShare(group, group.slots[:self.slots])
+
+    def _send_attach(self, m: _Member, group, gen: int) -> None:
+        mine = group.slots[m.index * self.slots:(m.index + 1) * self.slots]
+        m.ctl.send(("attach", gen, group.backend, len(mine)), fds=[s.owner_fd for s in mine])
+
+    def detach(self, why: str) -> None:
+        with self._lock:
+            self._group, self._why = None, why
+            members = list(self._members.values())
+        for m in members:
+            m.ctl.send(("detach", why))
+
+    # ---- steps -----------------------------------------------------------------------------
+
+    def _serve_slot(self, m: _Member, j: int, conn: Connection) -> None:
+        """Front end m's slot j: run each step it asks for on the group's slot m*slots + j."""
+        index = m.index * self.slots + j
+        while True:
+            try:
+                _, gen, n, T = conn.recv()
+            except (EOFError, OSError):
+                return
+            with self._lock:
+                group = self._group if gen == self._gen else None
+                why = self._why if self._group is None else "the rank group was restarted"
+            if group is None:
+                reply: tuple = ("failed", n, "unavailable", why)
+            else:
+                try:
+                    reply = ("done", n, group.run(group.slots[index], T))
+                except (WorkerError, GroupUnavailable) as exc:
+                    reply = ("failed", n, "worker" if isinstance(exc, WorkerError) else "unavailable", str(exc))
+                    self.on_failure(group, exc)
+                except Exception as exc:  # noqa: BLE001  any failure of a step fails the group
+                    reply = ("failed", n, "unavailable", f"the step failed: {type(exc).__name__}: {exc}")
+                    self.on_failure(group, exc)
+            try:
+                conn.send(reply)
+            except OSError:
+                return
+
+    # ---- control messages and metrics ------------------------------------------------------
+
+    def _read(self, m: _Member) -> None:
+        while True:
+            try:
+                msg = m.ctl.conn.recv()
+            except (EOFError, OSError):
+                return
+            if msg[0] == "collected":
+                future = self._pending.pop(msg[1], None)
+                if future is not None:
+                    future.set_result(msg[2])
+            elif msg[0] == "scrape":  # not here: gathering waits for this reader's own answers
+                request_id = msg[1]
+                self._pool.submit(lambda rid=request_id: m.ctl.send(("scraped", rid, self.gather())))
+
+    def gather(self) -> list[Snapshot]:
+        """Every front end's snapshot, the owner's first; one that does not answer in
+        COLLECT_TIMEOUT_S is left out (logged)."""
+        with self._lock:
+            members = list(self._members.values())
+        asked = []
+        for m in members:
+            request_id = next(self._ids)
+            future: Future = Future()
+            self._pending[request_id] = future
+            if m.ctl.send(("collect", request_id)):
+                asked.append((m, request_id, future))
+            else:
+                self._pending.pop(request_id, None)
+        snapshots = [self.own_snapshot()]
+        deadline = time.monotonic() + COLLECT_TIMEOUT_S
+        for m, request_id, future in asked:
+            try:
+                snapshots.append(future.result(timeout=max(0.0, deadline - time.monotonic())))
+            except TimeoutError:
+                self._pending.pop(request_id, None)
+                log.warning("front end %d sent no metrics within %.0f s; left out of this scrape",
+                            m.index, COLLECT_TIMEOUT_S)
+        return snapshots

@@ -1,0 +1,209 @@
+"""A front-end process i >= 1 of `--frontends N` (spawned by service.fleet; the protocol is there).
+
+It serves HTTP and gRPC on the server's ports (SO_REUSEPORT) with its own batcher, and runs its
+steps on its share of the owner's rank group through `RemoteGroup`: the rows go into the slot
+(mapped from the descriptor the owner sent), ("step", gen, n, T) goes to the owner, whose thread
+calls group.run and answers. Readiness follows the owner's ("attach", ...) / ("detach", why);
+("drain",) or SIGTERM drains and exits 0; the control channel closing (the owner exited) stops
+the process at once, failing what it still holds with 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+
+from service.config import LayerConfig, Settings
+from service.errors import GroupUnavailable, WorkerError
+from service.fleet import FRONTEND_STOP_GRACE_S, Channel, name_process, set_frontend_threads
+from service.worker.shm import Slot
+
+log = logging.getLogger("moe-serve.frontend")
+
+# Past step_timeout_s: the owner bounds every step by it, so a longer wait means the owner hangs.
+STEP_ANSWER_MARGIN_S = 10.0
+
+
+class RemoteGroup:
+    """This front end's slots of the owner's rank group (acquire_slot / run / release, as WorkerGroup)."""
+
+    def __init__(self, gen: int, backend: str, slots: list[Slot], conns: list[Connection], timeout_s: float):
+        self.gen, self.backend = gen, backend
+        self.alive = True
+        self._conns = conns
+        self._timeout_s = timeout_s
+        self._free: queue.Queue[Slot] = queue.Queue()
+        self._n = [0] * len(slots)  # steps sent per slot connection: answers are matched to them
+        for slot in slots:
+            self._free.put(slot)
+
+    def acquire_slot(self, timeout: float | None = None) -> Slot:
+        if not self.alive:
+            raise GroupUnavailable("the rank group is not running")
+        try:
+            return self._free.get(timeout=timeout)
+        except queue.Empty:
+            raise GroupUnavailable(f"no free slot within {timeout} s") from None
+
+    def release(self, slot: Slot) -> None:
+        self._free.put(slot)
+
+    def run(self, slot: Slot, T: int):
+        """One step on rows [0, T) of the slot, run by the owner; the answer is in slot.out[:T]."""
+        if not self.alive:
+            raise GroupUnavailable("the rank group is not running")
+        conn = self._conns[slot.index]
+        self._n[slot.index] += 1
+        n = self._n[slot.index]
+        try:
+            conn.send(("step", self.gen, n, T))
+            if not conn.poll(self._timeout_s):
+                self.alive = False  # the connection's next answer would be this one's: never reuse it
+                raise GroupUnavailable(f"the owner process did not answer step within {self._timeout_s:.0f} s")
+            reply = conn.recv()
+        except (EOFError, OSError):
+            self.alive = False
+            raise GroupUnavailable("the owner process is gone") from None
+        if reply[1] != n:  # unreachable unless the protocol breaks
+            self.alive = False
+            raise GroupUnavailable(f"answer {reply[1]} for step {n} of slot {slot.index}")
+        if reply[0] == "done":
+            return reply[2]
+        _, _, kind, text = reply
+        raise WorkerError(text) if kind == "worker" else GroupUnavailable(text)
+
+
+class Replica:
+    def __init__(self, index: int, settings: Settings, cfg: LayerConfig, ctl: Connection, steps: list[Connection]):
+        from service.server import Endpoint
+
+        self.index, self.settings, self.cfg = index, settings, cfg
+        self.ctl = Channel(ctl)
+        self.steps = steps
+        self.endpoint = Endpoint(settings, cfg, settings.slots)
+        self.fe, self.batcher = self.endpoint.fe, self.endpoint.batcher
+        self.fe.gather = self._gather
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._draining = False
+        self._scrapes: dict[int, tuple[threading.Event, list]] = {}
+        self._scrape_ids = iter(range(1, sys.maxsize))
+
+    async def serve(self, http_port: int, grpc_port: int) -> int:
+        s = self.settings
+        self._loop = loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+                loop.add_signal_handler(sig, self.drain)
+        if not await self.endpoint.start(http_port, grpc_port, reuse_port=True):
+            return 1
+        self.ctl.send(("listening", os.getpid()))
+        threading.Thread(target=self._read, name="moe-ctl", daemon=True).start()
+        await self._stop.wait()
+        drain_end = time.monotonic() + (s.drain_timeout_s if self._draining else 0.0)
+        if self._draining:
+            drained = await self.batcher.wait_idle(s.drain_timeout_s)
+            log.info("drain %s", "complete" if drained else f"timed out with {self.batcher.pending} requests left")
+        await self.endpoint.stop(drain_end)
+        log.info("stopped")
+        return self.exit_code
+
+    def drain(self) -> None:
+        if not self._draining:
+            log.info("draining (up to %.1f s)", self.settings.drain_timeout_s)
+        self._draining = True
+        self.fe.set_ready(False, "the server is shutting down")
+        self.batcher.refuse(GroupUnavailable("the server is shutting down"))
+        self._stop.set()
+
+    def _owner_gone(self) -> None:
+        log.error("the owner process has exited; stopping")
+        self.exit_code = 1
+        why = GroupUnavailable("the server is shutting down (its owner process exited)")
+        self.fe.set_ready(False, str(why))
+        self.batcher.detach(why)
+        self._draining = False
+        self._stop.set()
+
+    def _attach(self, group: RemoteGroup) -> None:
+        self.endpoint.metrics.use_backend(group.backend)
+        self.batcher.attach(group)
+        if not self._draining:
+            self.fe.set_ready(True)
+
+    def _detach(self, why: str) -> None:
+        self.fe.set_ready(False, why)
+        self.batcher.detach(GroupUnavailable(why))
+
+    # ---- the control channel (a thread: reads block) ---------------------------------------
+
+    def _read(self) -> None:
+        call = self._loop.call_soon_threadsafe
+        while True:
+            try:
+                msg = self.ctl.conn.recv()
+            except (EOFError, OSError):
+                call(self._owner_gone)
+                return
+            kind = msg[0]
+            if kind == "attach":
+                _, gen, backend, count = msg
+                fds = self.ctl.recv_fds(count)
+                slots = []
+                for j, fd in enumerate(fds):
+                    slots.append(Slot.open(self.cfg, j, f"/proc/self/fd/{fd}"))
+                    os.close(fd)
+                group = RemoteGroup(gen, backend, slots, self.steps,
+                                    self.settings.step_timeout_s + STEP_ANSWER_MARGIN_S)
+                call(self._attach, group)
+            elif kind == "detach":
+                call(self._detach, msg[1])
+            elif kind == "drain":
+                call(self.drain)
+            elif kind == "collect":
+                self.ctl.send(("collected", msg[1], self.fe.snapshot()))
+            elif kind == "scraped":
+                waiting = self._scrapes.get(msg[1])
+                if waiting is not None:
+                    waiting[1].extend(msg[2])
+                    waiting[0].set()
+
+    def _gather(self) -> list:
+        """Every front end's snapshot, from the owner (blocking; the Frontend calls it in a thread)."""
+        request_id = next(self._scrape_ids)
+        done: tuple[threading.Event, list] = (threading.Event(), [])
+        self._scrapes[request_id] = done
+        try:
+            if not self.ctl.send(("scrape", request_id)) or not done[0].wait(FRONTEND_STOP_GRACE_S):
+                log.warning("no metrics from the owner process; answering this process's own")
+                return [self.fe.snapshot()]
+            return done[1]
+        finally:
+            self._scrapes.pop(request_id, None)
+
+
+def replica_main(index: int, settings: Settings, cfg: LayerConfig, device: str, frontends: int, ctl: Connection,
+                 steps: list[Connection], http_port: int, grpc_port: int) -> None:
+    """Entry point of front-end process `index` (spawned by service.fleet.Fleet)."""
+    from service import logfilter
+    from service.api.connections import ensure_file_limit
+
+    name_process(f"moe-frontend{index}")
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format=f"%(asctime)s frontend{index} %(levelname)s %(name)s: %(message)s")
+    logfilter.install()
+    ensure_file_limit(settings.max_connections)
+    set_frontend_threads(device, frontends)
+    replica = Replica(index, settings, cfg, ctl, steps)
+    sys.exit(asyncio.run(replica.serve(http_port, grpc_port)))
+
