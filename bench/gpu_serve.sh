@@ -13,11 +13,14 @@
 #   6. when HTTP_IMPLS is set (e.g. "h11 httptools"): the same v2 binary load (bf16, T=512 and 2048,
 #      concurrency 1, 4, 16) against a server started with each --http-impl in turn, by
 #      bench/serve_load.py (it starts and stops each server); the tables side by side in the summary
-#   7. a summary (summary.txt)
+#   7. when FRONTENDS is set (e.g. "1" or "1 2"): bench/serve_load.py starts a server with each
+#      --frontends N in turn (bf16, sizes FE_SIZES, default 512,2048; concurrency FE_CONC, default
+#      4,16; no direct figure: step 2 has it) against step 2's default server (--frontends default)
+#   8. a summary (summary.txt)
 # Every step runs under `timeout`; BUDGET (s, default 500) caps the whole. PROFILE=0 / COSTS=0 skip
 # steps 1 / 4; MAIN=0 skips steps 1-3 (and their server), e.g. to run step 6 alone.
 # Logs: $OUT (else build/gpu_serve): server.txt pyspy.txt serve_load.txt serve_load.json load.txt
-# costs.txt slots.txt http_<impl>.txt http_<impl>.json summary.txt
+# costs.txt slots.txt http_<impl>.txt http_<impl>.json frontends_<n>.txt frontends_<n>.json summary.txt
 #
 # The call (carry [".wt11", ".whl"]; the wheels listed in bench/multigpu.sh plus py-spy):
 #   cd .wt11 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -61,7 +64,7 @@ for _ in $(seq "$(cap 240)"); do
   sleep 1
 done
 echo "server ready=$ready after $(( $(date +%s) - START )) s" | tee -a "$LOG/summary.txt"
-grep -E "fused unavailable|fused layer ready|rank group ready|warm-up batch|weights ready|Traceback|ERROR" "$LOG/server.txt" | head -n 12 | tee -a "$LOG/summary.txt"
+grep -E "fused unavailable|fused layer ready|rank group ready|warm-up|weights ready|front-end process|front end . listening|Traceback|ERROR" "$LOG/server.txt" | head -n 12 | tee -a "$LOG/summary.txt"
 if (( ready == 0 )); then tail -n 40 "$LOG/server.txt"; exit 1; fi
 
 # ---- 1. profile under load ----------------------------------------------------------------------
@@ -81,7 +84,7 @@ fi
 # ---- 2. bench/serve_load.py ---------------------------------------------------------------------
 echo "== 2. bench/serve_load.py (bf16)"
 timeout -k 10 "$(cap 240)" "$PY" bench/serve_load.py --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
-  --sizes 512,2048 --concurrency 1,4,16 --seconds "$CELL_S" --wire-dtype bf16 --json "$LOG/serve_load.json" \
+  --sizes 512,2048 --concurrency "${CONCURRENCY:-1,4,16}" --seconds "$CELL_S" --wire-dtype bf16 --json "$LOG/serve_load.json" \
   "${SERVE_FLAGS[@]}" > "$LOG/serve_load.txt" 2>&1
 SL_RC=$?
 tail -n 20 "$LOG/serve_load.txt"
@@ -130,6 +133,16 @@ for impl in "${HTTP_IMPLS[@]}"; do
   echo "rc=$?"; grep -E "^\|" "$LOG/http_$impl.txt"
 done
 
+read -ra FRONTENDS_LIST <<< "${FRONTENDS:-}"
+for n in "${FRONTENDS_LIST[@]}"; do
+  (( $(left) > 60 )) || { echo "== 7. --frontends $n skipped: budget spent"; continue; }
+  echo "== 7. bench/serve_load.py against --frontends $n"
+  timeout -k 10 "$(cap 200)" "$PY" bench/serve_load.py --sizes "${FE_SIZES:-512,2048}" --concurrency "${FE_CONC:-4,16}" \
+    --seconds "$CELL_S" --wire-dtype bf16 --no-direct --json "$LOG/frontends_$n.json" --frontends "$n" \
+    "${SERVE_FLAGS[@]}" > "$LOG/frontends_$n.txt" 2>&1
+  echo "rc=$?"; grep -E "^\||^#" "$LOG/frontends_$n.txt"
+done
+
 {
   echo
   echo "== summary: $(( $(date +%s) - START )) s; serve_load rc=$SL_RC, multigpu load rc=$LOAD_RC"
@@ -138,4 +151,5 @@ done
   grep -E "^\|" "$LOG/costs.txt" 2>/dev/null
   [[ -n "${SLOTS2:-}" ]] && echo "slots $SLOTS2:" && grep -E "^\|" "$LOG/slots.txt" 2>/dev/null
   for impl in "${HTTP_IMPLS[@]}"; do echo "--http-impl $impl:"; grep -E "^\|" "$LOG/http_$impl.txt" 2>/dev/null; done
+  for n in "${FRONTENDS_LIST[@]}"; do echo "--frontends $n:"; grep -E "^\|" "$LOG/frontends_$n.txt" 2>/dev/null; done
 } | tee -a "$LOG/summary.txt"

@@ -52,3 +52,42 @@ def test_standard_collectors_and_no_created_series():
     text = generate_latest(Metrics().registry).decode()
     assert "process_cpu_seconds_total" in text and "python_info" in text
     assert "_created" not in text
+
+
+def test_merge_adds_up_front_ends_and_keeps_the_owners_process_series():
+    """Several front-end processes' snapshots (service.fleet): counters, histograms and the queue
+    gauges are summed, the process's own series and readiness are the first (owner's) snapshot's,
+    and the exposition keeps every series name."""
+    import pickle
+
+    from service.metrics import Snapshot, merge
+
+    owner, other = Metrics(), Metrics()
+    owner.requests.labels("grpc", "200").inc(3)
+    other.requests.labels("grpc", "200").inc(4)
+    other.requests.labels("grpc", "400").inc()  # a series only one process has
+    owner.queue_time.observe(1e-3)
+    other.queue_time.observe(2.0)
+    owner.queued_tokens.set(5)
+    other.queued_tokens.set(7)
+    owner.ready.set(1)
+    other.ready.set(0)
+    other.request_compute["compute_infer"].add(0.5)
+    snaps = [Snapshot(list(m.registry.collect()), count, last, dict(m.request_compute))
+             for m, count, last in ((owner, 10, 100), (other, 32, 90))]
+    snaps = pickle.loads(pickle.dumps(snaps))  # as they cross the control channel
+    merged = merge(snaps)
+    assert merged.value("moe_requests_total", protocol="grpc", status="200") == 7
+    assert merged.value("moe_requests_total", protocol="grpc", status="400") == 1
+    assert merged.value("moe_queue_time_seconds_count") == 2
+    assert merged.value("moe_queue_time_seconds_bucket", le="0.001") == 1
+    assert merged.value("moe_queue_time_seconds_bucket", le="+Inf") == 2
+    assert merged.value("moe_queued_tokens") == 12
+    assert merged.value("moe_ready") == 1
+    own_start = owner.registry.get_sample_value("process_start_time_seconds")
+    assert merged.value("process_start_time_seconds") == own_start
+    assert (merged.inference_count, merged.last_inference_ms) == (42, 100)
+    assert merged.request_compute["compute_infer"].count == 1
+    text = generate_latest(merged).decode()
+    assert set(re.findall(r"^(moe_\w+?)(?:_bucket|_count|_sum)?[{ ]", generate_latest(owner.registry).decode(),
+                          re.M)) == set(re.findall(r"^(moe_\w+?)(?:_bucket|_count|_sum)?[{ ]", text, re.M))

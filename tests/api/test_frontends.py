@@ -1,0 +1,217 @@
+"""Two front-end processes feeding one rank group (`--frontends 2`, service.fleet): the no-mixing,
+bad-row and solo-equality tests of test_e2e over every protocol with connections spread over
+both processes, metrics and statistics summed whichever process answers, both processes serving,
+a killed front end restarted, a killed rank restarting the group for both, SIGTERM draining both,
+and a killed owner taking its front ends with it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import httpx
+import pytest
+import safetensors.torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.api import test_e2e
+from tests.api.common import CFG, check, inputs
+from tests.serverproc import ServerProcess, descendants
+
+# The same tests as against one front end, here with connections spread over two processes.
+test_concurrent_clients_get_their_own_rows = test_e2e.test_concurrent_clients_get_their_own_rows
+test_concurrent_protocols_bad_rows_and_solo_answers = test_e2e.test_concurrent_protocols_bad_rows_and_solo_answers
+post_safetensors, scrape, value = test_e2e.post_safetensors, test_e2e.scrape, test_e2e.value
+
+FLAGS = ("--frontends", "2", "--max-request-bytes", str(test_e2e.MAX_REQUEST_BYTES),
+         "--grpc-max-message-bytes", str(test_e2e.GRPC_MAX_MESSAGE_BYTES))
+CONNECTIONS = 24  # P(all on one of 2 processes) = 2 * 2**-24 with SO_REUSEPORT's hash
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with ServerProcess.serving(tmp_path_factory.mktemp("frontends") / "server.log", *FLAGS) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+def holders(port: int) -> dict[int, int]:
+    """pid -> established connections it accepted on `port` (`ss -tnp`, iproute2)."""
+    out = subprocess.run(["ss", "-tnpH", "state", "established", f"( sport = :{port} )"],
+                         capture_output=True, text=True, check=True).stdout
+    counts: dict[int, int] = {}
+    for line in out.splitlines():
+        for part in line.split("pid=")[1:]:
+            pid = int(part.split(",")[0])
+            counts[pid] = counts.get(pid, 0) + 1
+    return counts
+
+
+def open_clients(server, n: int) -> list[httpx.Client]:
+    """n HTTP connections, each with one answered request (so each is accepted and kept alive)."""
+    clients = []
+    for i in range(n):
+        c = httpx.Client(base_url=server.url, timeout=60)
+        x, ids, w = inputs(3 + i, seed=500 + i)
+        r = post_safetensors(c, x, ids, w)
+        assert r.status_code == 200, r.text
+        check(safetensors.torch.load(r.content)["output"], x, ids, w)
+        clients.append(c)
+    return clients
+
+
+def test_both_processes_serve_and_report_the_same_state(server):
+    (fe1,) = server.frontend_pids()
+    clients = open_clients(server, CONNECTIONS)
+    try:
+        held = holders(server.http_port)
+        assert held.get(server.pid, 0) >= 1 and held.get(fe1, 0) >= 1, held
+        for c in clients:  # whichever process a connection reached: ready, and the same metadata
+            assert c.get("/v2/health/ready").status_code == 200
+            assert c.get("/v2/models/moe").json()["inputs"][0]["shape"] == [-1, CFG.H]
+    finally:
+        for c in clients:
+            c.close()
+    for _ in range(6):  # gRPC health over fresh channels (SO_REUSEPORT on the gRPC port too)
+        with grpc.insecure_channel(server.grpc_url) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            assert status.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_metrics_and_statistics_add_up_over_both_processes(server):
+    def totals(c) -> tuple[float, float, int]:
+        fams = scrape(c)
+        stats = c.get("/v2/models/moe/stats").json()["model_stats"][0]
+        return (value(fams["moe_requests"], "moe_requests_total", protocol="http_safetensors", status="200"),
+                value(fams["moe_tokens"], "moe_tokens_total"), stats["inference_count"])
+
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        before = totals(c)
+    clients = open_clients(server, CONNECTIONS)  # requests of 3..26 tokens, over both processes
+    try:
+        sent = sum(3 + i for i in range(CONNECTIONS))
+        held = holders(server.http_port)
+        assert len([p for p in held if held[p]]) == 2, held
+        for c in clients:  # each scrape lands on one process or the other: all see the sum
+            after = totals(c)
+            assert after[0] - before[0] == CONNECTIONS
+            assert after[1] - before[1] >= sent  # steps' tokens (the scrapes' answers add none)
+            assert after[2] - before[2] == sent
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_killed_frontend_is_restarted(server):
+    (fe1,) = server.frontend_pids()
+    os.kill(fe1, signal.SIGKILL)
+    x, ids, w = inputs(40, seed=31)
+    deadline = time.monotonic() + 60
+    while not [p for p in server.frontend_pids() if p != fe1]:
+        assert time.monotonic() < deadline, "the front end was not restarted:\n" + server.log()[-3000:]
+        with httpx.Client(base_url=server.url, timeout=60) as c:  # meanwhile the owner serves alone
+            r = post_safetensors(c, x, ids, w)
+        assert r.status_code == 200, r.text
+        time.sleep(0.2)
+    (new,) = server.frontend_pids()
+    deadline = time.monotonic() + 60
+    while True:  # until it is attached to the group: its own requests answered
+        clients = open_clients(server, CONNECTIONS)
+        held = holders(server.http_port)
+        for c in clients:
+            c.close()
+        if held.get(new, 0):
+            break
+        assert time.monotonic() < deadline, held
+    assert "front end 1 (pid" in server.log() and "restarting it" in server.log()
+
+
+# A killed rank: the in-flight request gets 503, the group restarts, both processes serve again.
+test_killed_rank_fails_fast_then_recovers = test_e2e.test_killed_rank_fails_fast_then_recovers
+
+
+def test_sigterm_drains_every_front_end(tmp_path):
+    proc = ServerProcess.module(tmp_path / "server.log", *FLAGS)
+    try:
+        proc.wait_ready()
+        (fe1,) = proc.frontend_pids()
+        tree = {proc.pid, *descendants(proc.pid)}
+        big = [inputs(3 * test_e2e.STEP + i, seed=700 + i) for i in range(8)]  # several steps each
+
+        def one(case):
+            with httpx.Client(base_url=proc.url, timeout=60) as c:
+                return post_safetensors(c, *case)
+
+        steps = value(scrape(httpx.Client(base_url=proc.url))["moe_steps"], "moe_steps_total")
+        with concurrent.futures.ThreadPoolExecutor(len(big)) as pool:
+            futures = [pool.submit(one, case) for case in big]
+            deadline = time.monotonic() + 30
+            while value(scrape(httpx.Client(base_url=proc.url))["moe_steps"], "moe_steps_total") == steps:
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            held = holders(proc.http_port)
+            proc.proc.send_signal(signal.SIGTERM)
+            answers = [f.result(timeout=60) for f in futures]
+        assert held.get(fe1, 0) and held.get(proc.pid, 0), held  # in flight on both processes
+        for case, r in zip(big, answers, strict=True):
+            assert r.status_code == 200, r.text
+            check(safetensors.torch.load(r.content)["output"], *case)
+        assert proc.proc.wait(60) == 0, proc.log()[-3000:]
+        log = proc.log()
+        assert "frontend1 INFO moe-serve.frontend: drain complete" in log, log[-3000:]
+        assert not leftovers(tree, 10), "processes left behind"
+    finally:
+        proc.stop()
+
+
+def test_killed_owner_takes_its_front_ends_along(tmp_path):
+    proc = ServerProcess.module(tmp_path / "server.log", *FLAGS)
+    try:
+        proc.wait_ready()
+        tree = descendants(proc.pid)
+        assert proc.frontend_pids() and proc.rank_pids()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.proc.wait(10)
+        assert not leftovers(tree, 20), "orphans left"
+        assert "the owner process has exited; stopping" in proc.log()
+    finally:
+        proc.stop()
+
+
+def leftovers(pids, wait_s: float) -> list[int]:
+    """Those of `pids` still running (zombies aside) after up to `wait_s` (multiprocessing's
+    resource tracker leaves a moment after its parent)."""
+    def running(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + wait_s
+    while (left := [p for p in pids if running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def test_taken_port_is_refused(server, tmp_path):
+    """SO_REUSEPORT would let a second server share the port of the first; it exits instead."""
+    env = {**ServerProcess.loopback_env(dict(os.environ)), "MOE_HTTP_PORT": str(server.http_port)}
+    second = ServerProcess([sys.executable, "-m", "service", *FLAGS], tmp_path / "second.log", env=env)
+    try:
+        assert second.proc.wait(120) == 1, second.log()[-2000:]
+    finally:
+        second.stop()
+    assert "already in use" in second.log()
+    assert server.ready()
