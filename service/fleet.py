@@ -354,9 +354,14 @@ class Fleet:
                 future = self._pending.pop(msg[1], None)
                 if future is not None:
                     future.set_result(msg[2])
-            elif msg[0] == "scrape":  # not here: gathering waits for this reader's own answers
-                request_id = msg[1]
-                self._pool.submit(lambda rid=request_id: m.ctl.send(("scraped", rid, self.gather())))
+            elif msg[0] == "scrape":  # not in this thread: gathering waits for this reader's own answers
+                try:
+                    self._pool.submit(self._answer_scrape, m, msg[1])
+                except RuntimeError:  # stopping: the pool is shut down
+                    return
+
+    def _answer_scrape(self, m: _Member, request_id: int) -> None:
+        m.ctl.send(("scraped", request_id, self.gather()))
 
     def gather(self) -> list[Snapshot]:
         """Every front end's snapshot, the owner's first; one that does not answer in

@@ -92,8 +92,8 @@ class Replica:
         self.fe, self.batcher = self.endpoint.fe, self.endpoint.batcher
         self.fe.gather = self._gather
         self.exit_code = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop  # the running loop, set by serve()
+        self._stop = asyncio.Event()
         self._draining = False
         self._scrapes: dict[int, tuple[threading.Event, list]] = {}
         self._scrape_ids = iter(range(1, sys.maxsize))
@@ -101,7 +101,6 @@ class Replica:
     async def serve(self, http_port: int, grpc_port: int) -> int:
         s = self.settings
         self._loop = loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
                 loop.add_signal_handler(sig, self.drain)

@@ -1,12 +1,16 @@
 """The moe-serve process: settings, the supervised rank group, HTTP + gRPC in one event loop.
 
+With `--frontends N` > 1 this process is front end 0 and the owner of the rank group; front ends
+1..N-1 serve the same ports from their own processes and run their steps through it
+(service.fleet; the design is in docs/CONTRACTS.md). `Endpoint` is what every front end runs.
+
     service.cli: flags over MOE_* variables -> Settings -> serve(settings) -> Server.serve():
       HTTP (uvicorn, :8000) and gRPC (grpc.aio, :8001) start at once: live, not ready
       supervisor: start the rank group -> one warm-up batch -> ready
                   a rank dies, raises or stops answering -> not ready, in-flight requests 503, close the group,
                   back off (restart_backoff_s, doubling to MAX_BACKOFF_S), start again
       SIGTERM/SIGINT: not ready, new requests 503, in-flight requests finish within
-                  drain_timeout_s, servers stop, ranks stop, exit 0
+                  drain_timeout_s (every front end), servers stop, ranks stop, exit 0
 
 A bad setting or an unreadable weights file (wrong path, missing key, wrong shape) exits with
 status 2 before anything starts, with a message naming the problem; so does a checkpoint whose
@@ -179,7 +183,7 @@ class Server:
         self.group_factory = group_factory or self._new_group
         self.endpoint = Endpoint(settings, cfg, settings.slots, on_failure=self._on_step_failure)
         self.metrics, self.batcher, self.fe = self.endpoint.metrics, self.endpoint.batcher, self.endpoint.fe
-        self.fleet = Fleet(settings, cfg, self.device, self.frontends, self.fe.snapshot, self._on_step_failure) \
+        self.fleet = Fleet(settings, cfg, self.device, self.frontends, self.fe.snapshot, self._on_remote_failure) \
             if self.frontends > 1 else None
         if self.fleet is not None:
             self.fe.gather = self.fleet.gather
@@ -191,6 +195,7 @@ class Server:
         self._stopping = False
         self._stop: asyncio.Event | None = None
         self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def _new_group(self):
         from service.worker.group import WorkerGroup
@@ -216,7 +221,7 @@ class Server:
 
     async def serve(self) -> int:
         s = self.settings
-        loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         self._stop, self._wake = asyncio.Event(), asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
@@ -273,6 +278,11 @@ class Server:
         return self.exit_code
 
     # ---- supervision -----------------------------------------------------------------------
+
+    def _on_remote_failure(self, group, exc: BaseException) -> None:
+        """A step of another front end failed (called in the fleet's thread for its slot)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._on_step_failure, group, exc)
 
     def _on_step_failure(self, group, exc: BaseException) -> None:
         if group is not None and group in (self.group, self._attached):
