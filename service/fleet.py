@@ -48,6 +48,7 @@ import torch
 from service.config import LayerConfig, Settings
 from service.errors import GroupUnavailable, MoEError, WorkerError
 from service.metrics import Snapshot
+from service.worker.shm import SlotPool
 
 log = logging.getLogger("moe-serve.fleet")
 
@@ -114,8 +115,7 @@ class SlotShare:
 
     def __init__(self, group, slots: list):
         self.group = group
-        self._free: list = list(slots)
-        self._cond = threading.Condition()
+        self._free = SlotPool(slots)
 
     @property
     def backend(self) -> str:
@@ -126,17 +126,10 @@ class SlotShare:
         return self.group.alive
 
     def acquire_slot(self, timeout: float | None = None):
-        if not self.group.alive:
-            raise GroupUnavailable("the rank group is not running")
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._free, timeout):
-                raise GroupUnavailable(f"no free slot within {timeout} s")
-            return self._free.pop()
+        return self._free.get(timeout, alive=self.group.alive)
 
     def release(self, slot) -> None:
-        with self._cond:
-            self._free.append(slot)
-            self._cond.notify()
+        self._free.put(slot)
 
     def run(self, slot, T: int):
         return self.group.run(slot, T)
@@ -229,11 +222,9 @@ class Fleet:
 
     def stop(self) -> None:
         """Stop every front end (drained already, or not): ask, then kill what is left."""
-        self._stopping = True
+        self.drain()
         with self._lock:
             members = list(self._members.values())
-        for m in members:
-            m.ctl.send(("drain",))
         deadline = time.monotonic() + FRONTEND_STOP_GRACE_S
         for m in members:
             m.proc.join(max(0.0, deadline - time.monotonic()))

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import queue
 import signal
 import sys
 import threading
@@ -24,7 +23,7 @@ from multiprocessing.connection import Connection
 from service.config import LayerConfig, Settings
 from service.errors import GroupUnavailable, WorkerError
 from service.fleet import FRONTEND_STOP_GRACE_S, Channel, name_process, set_frontend_threads
-from service.worker.shm import Slot
+from service.worker.shm import Slot, SlotPool
 
 log = logging.getLogger("moe-serve.frontend")
 
@@ -40,18 +39,11 @@ class RemoteGroup:
         self.alive = True
         self._conns = conns
         self._timeout_s = timeout_s
-        self._free: queue.Queue[Slot] = queue.Queue()
+        self._free = SlotPool(slots)
         self._n = [0] * len(slots)  # steps sent per slot connection: answers are matched to them
-        for slot in slots:
-            self._free.put(slot)
 
     def acquire_slot(self, timeout: float | None = None) -> Slot:
-        if not self.alive:
-            raise GroupUnavailable("the rank group is not running")
-        try:
-            return self._free.get(timeout=timeout)
-        except queue.Empty:
-            raise GroupUnavailable(f"no free slot within {timeout} s") from None
+        return self._free.get(timeout, alive=self.alive)
 
     def release(self, slot: Slot) -> None:
         self._free.put(slot)

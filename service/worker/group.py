@@ -29,7 +29,6 @@ import datetime
 import logging
 import multiprocessing as mp
 import os
-import queue
 import socket
 import threading
 import time
@@ -42,7 +41,7 @@ from service.errors import BackendUnavailable, GroupUnavailable, InvalidInput, W
 from service.moe.hostcomm import HostPeers
 from service.moe.layer import BACKENDS
 from service.worker.rank import RankOptions, rank_main
-from service.worker.shm import Slot, create_slots, remove_slots, remove_stale_slots, unlink_slots
+from service.worker.shm import Slot, SlotPool, create_slots, remove_slots, remove_stale_slots, unlink_slots
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +96,7 @@ class WorkerGroup:
         self._procs: list = []
         self._conns: list = []
         self._slots: list[Slot] = []
-        self._free: queue.Queue[Slot] = queue.Queue()
+        self._free = SlotPool()
         self._send_lock = threading.Lock()     # seq order: steps are sent in the order of their seq
         self._answered = threading.Condition()  # guards _reading, _answers, _in_flight
         self._reading = False                   # a thread is reading the ranks' next answer
@@ -179,7 +178,7 @@ class WorkerGroup:
         self._kill()
         remove_slots(self._slots)
         self._slots = []
-        self._free = queue.Queue()
+        self._free = SlotPool()
         self._store = None
 
     @property
@@ -211,12 +210,7 @@ class WorkerGroup:
 
     # -- steps -------------------------------------------------------------------------------
     def acquire_slot(self, timeout: float | None = None) -> Slot:
-        if not self.alive:
-            raise GroupUnavailable("the rank group is not running")
-        try:
-            return self._free.get(timeout=timeout)
-        except queue.Empty:
-            raise GroupUnavailable(f"no free slot within {timeout} s") from None
+        return self._free.get(timeout, alive=self.alive)
 
     def release(self, slot: Slot) -> None:
         self._free.put(slot)

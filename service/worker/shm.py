@@ -28,12 +28,14 @@ import dataclasses
 import fcntl
 import mmap
 import os
+import queue
 import tempfile
 import uuid
 
 import torch
 
 from service.config import LayerConfig, round_up
+from service.errors import GroupUnavailable
 
 ALIGN = 64  # bytes; each field starts on a cache line
 PREFIX = "moe-slot-"
@@ -90,6 +92,27 @@ class Slot:
             nbytes = torch.Size(shape).numel() * dtype.itemsize
             views[name] = raw[offset:offset + nbytes].view(dtype).view(shape)
         return cls(index=index, path=path, x=views["x"], ids=views["ids"], w=views["w"], out=views["out"])
+
+
+class SlotPool:
+    """The free slots of one user of a rank group: get() blocks until one is released."""
+
+    def __init__(self, slots=()):
+        self._free: queue.Queue[Slot] = queue.Queue()
+        for slot in slots:
+            self._free.put(slot)
+
+    def get(self, timeout: float | None = None, alive: bool = True) -> Slot:
+        """A free slot (GroupUnavailable past `timeout`, or at once when the group is not `alive`)."""
+        if not alive:
+            raise GroupUnavailable("the rank group is not running")
+        try:
+            return self._free.get(timeout=timeout)
+        except queue.Empty:
+            raise GroupUnavailable(f"no free slot within {timeout} s") from None
+
+    def put(self, slot: Slot) -> None:
+        self._free.put(slot)
 
 
 def _create_locked(directory: str, path: str, size: int) -> int:

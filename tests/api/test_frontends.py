@@ -116,6 +116,9 @@ def test_metrics_and_statistics_add_up_over_both_processes(server):
 def test_killed_frontend_is_restarted(server):
     (fe1,) = server.frontend_pids()
     os.kill(fe1, signal.SIGKILL)
+    # Connections it had (or had in its accept queue) are lost with it; once it has exited, every
+    # new connection reaches the owner.
+    assert not leftovers([fe1], 10)
     x, ids, w = inputs(40, seed=31)
     deadline = time.monotonic() + 60
     while not [p for p in server.frontend_pids() if p != fe1]:
