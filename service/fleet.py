@@ -176,6 +176,8 @@ class Fleet:
         one does not (a first start that fails is a configuration problem)."""
         self.http_port, self.grpc_port = http_port, grpc_port
         for i in range(1, self.count):
+            if self._stopping:
+                return
             self._spawn(i)
         self._watcher = threading.Thread(target=self._watch, name="moe-fleet-watch", daemon=True)
         self._watcher.start()

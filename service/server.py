@@ -110,7 +110,8 @@ class Endpoint:
         sockets = None
         if reuse_port:
             try:
-                sockets = [socket.create_server((s.host, http_port), backlog=config.backlog, reuse_port=True)]
+                sockets = [socket.create_server((s.host, http_port), family=address_family(s.host),
+                                                backlog=config.backlog, reuse_port=True)]
             except OSError as err:
                 log.error("the HTTP server cannot listen on %s:%d: %s", s.host, http_port, err)
                 await self._grpc.stop(0)
@@ -136,6 +137,10 @@ class Endpoint:
             await asyncio.gather(self._http_task, return_exceptions=True)
 
 
+def address_family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def port_free(host: str, port: int) -> bool:
     """Whether nothing listens on host:port yet: a plain bind (no SO_REUSEPORT) succeeds. Several
     front ends bind with SO_REUSEPORT, which would silently share a port another server (of the
@@ -143,7 +148,7 @@ def port_free(host: str, port: int) -> bool:
     if port == 0:
         return True
     try:
-        with socket.create_server((host, port)):
+        with socket.create_server((host, port), family=address_family(host)):
             return True
     except OSError:
         return False
