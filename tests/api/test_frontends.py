@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.api import test_e2e
 from tests.api.common import CFG, check, inputs
-from tests.serverproc import ServerProcess, descendants
+from tests.serverproc import ServerProcess, descendants, free_port
 
 # The same tests as against one front end, here with connections spread over two processes.
 test_concurrent_clients_get_their_own_rows = test_e2e.test_concurrent_clients_get_their_own_rows
@@ -34,9 +34,13 @@ FLAGS = ("--frontends", "2", "--max-request-bytes", str(test_e2e.MAX_REQUEST_BYT
 CONNECTIONS = 24  # P(all on one of 2 processes) = 2 * 2**-24 with SO_REUSEPORT's hash
 
 
+METRICS_PORT = free_port()  # the module's server also serves --metrics-port (the owner, summed)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with ServerProcess.serving(tmp_path_factory.mktemp("frontends") / "server.log", *FLAGS) as proc:
+    with ServerProcess.serving(tmp_path_factory.mktemp("frontends") / "server.log", *FLAGS,
+                               "--metrics-port", str(METRICS_PORT)) as proc:
         yield proc
 
 
@@ -108,6 +112,10 @@ def test_metrics_and_statistics_add_up_over_both_processes(server):
             assert after[0] - before[0] == CONNECTIONS
             assert after[1] - before[1] >= sent  # steps' tokens (the scrapes' answers add none)
             assert after[2] - before[2] == sent
+        with httpx.Client(base_url=f"http://127.0.0.1:{METRICS_PORT}", timeout=60) as c:
+            fams = scrape(c)
+        assert value(fams["moe_requests"], "moe_requests_total", protocol="http_safetensors",
+                     status="200") - before[0] == CONNECTIONS
     finally:
         for c in clients:
             c.close()
