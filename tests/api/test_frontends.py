@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.api import test_e2e
 from tests.api.common import CFG, check, inputs
-from tests.serverproc import ServerProcess, descendants, free_port
+from tests.serverproc import ServerProcess, cmdline, comm, descendants, free_port
 
 # The same tests as against one front end, here with connections spread over two processes.
 test_concurrent_clients_get_their_own_rows = test_e2e.test_concurrent_clients_get_their_own_rows
@@ -191,11 +191,12 @@ def test_killed_owner_takes_its_front_ends_along(tmp_path):
     try:
         proc.wait_ready()
         tree = descendants(proc.pid)
-        assert proc.frontend_pids() and proc.rank_pids()
+        assert proc.frontend_pids() and proc.rank_pids(), [(p, comm(p), cmdline(p)) for p in tree]
         os.kill(proc.pid, signal.SIGKILL)
         proc.proc.wait(10)
-        assert not leftovers(tree, 20), "orphans left"
-        assert "the owner process has exited; stopping" in proc.log()
+        left = leftovers(tree, 20)
+        assert not left, f"orphans left: {[(p, comm(p), cmdline(p)) for p in left]}\n{proc.log()[-3000:]}"
+        assert "the owner process has exited; stopping" in proc.log(), proc.log()[-3000:]
     finally:
         proc.stop()
 
