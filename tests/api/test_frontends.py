@@ -44,10 +44,7 @@ def server(tmp_path_factory):
         yield proc
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client
+http = test_e2e.http  # a client of this module's server
 
 
 def holders(port: int) -> dict[int, int]:
