@@ -101,8 +101,8 @@ class Endpoint:
         self.grpc_port = self._grpc.port
         grpc_server = self._grpc
         self.fe.on_ready_change.append(lambda ready: loop.create_task(grpc_server.set_serving(ready)))
-        protocol = functools.partial(bounded_protocol(s.http_impl), idle_timeout_s=s.idle_timeout_s,
-                                     max_connections=s.max_connections)
+        protocol = functools.partial(bounded_protocol(s.http_impl, s.max_request_bytes),
+                                     idle_timeout_s=s.idle_timeout_s, max_connections=s.max_connections)
         config = uvicorn.Config(create_app(self.fe), host=s.host, port=http_port, log_config=None,
                                 access_log=False, lifespan="off", http=protocol,
                                 timeout_graceful_shutdown=max(1, int(s.drain_timeout_s)))

@@ -14,14 +14,22 @@ protocol: both keep the request being answered as `self.cycle` (httptools: the n
 pipelined request behind it waits in `self.pipeline` and is answered after it), so "busy" means
 the same on both. `ensure_file_limit` raises the process's descriptor limit
 so that both protocols' caps fit under it: past it every accept() fails (and logs).
+
+On httptools a large body with a Content-Length is read straight into one buffer (`DirectBody`):
+uvicorn would pause reading every 64 KiB until the app asks for more, and copy each chunk three
+times (asyncio's bytes, httptools' bytes, its own bytearray, then bytes() of that) before the
+decoder joins them (bench/NOTES.md, issue 11a).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import resource
 from typing import Any
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -96,18 +104,171 @@ class ConnectionBounds:
         super().connection_lost(exc)  # type: ignore[misc]
 
 
-def bounded_protocol(http_impl: str) -> type[asyncio.Protocol]:
-    """uvicorn's protocol class for `http_impl` (Settings.http_impl) with the bounds mixed in.
+# Bodies from this size on are read directly: uvicorn's HIGH_WATER_LIMIT, below which it never pauses.
+DIRECT_BODY_MIN = 1 << 16
+
+
+class _Body:
+    """One request body being read into its own buffer. numpy's empty() leaves the pages untouched
+    until data lands in them, so a declared length costs memory only as the bytes arrive."""
+
+    def __init__(self, cycle: Any, length: int):
+        self.cycle = cycle
+        self.view = np.empty(length, dtype=np.uint8).data  # writable, C-contiguous bytes
+        self.filled = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.filled == len(self.view)
+
+
+class _BodyReader(asyncio.BufferedProtocol):
+    """Stands in for the HTTP protocol on the transport while the rest of a body is read: the
+    transport recv_into()s the buffer's unfilled part, so no more bytes than the body are taken
+    (a pipelined request behind it stays in the socket for the parser)."""
+
+    def __init__(self, http: DirectBody):
+        self.http: Any = http  # a DirectBody mixed into an asyncio.Protocol
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        body = self.http._body
+        assert body is not None and not body.complete
+        return body.view[body.filled:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.http._body_received(nbytes)
+
+    def eof_received(self) -> bool | None:
+        return self.http.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.http.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.http.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.http.resume_writing()
+
+
+class DirectBody:
+    """Mixed in before uvicorn's httptools protocol: a body of DIRECT_BODY_MIN to max_body_bytes
+    bytes with a Content-Length is read into one buffer and handed to the app as one message.
+
+    What the parser delivers with the headers is copied in by on_body; the rest is read by a
+    `_BodyReader` that replaces this protocol on the transport until the buffer is full (no flow
+    control pauses: the buffer is bounded by the length, itself bounded by max_body_bytes). The
+    parser, which saw only part of the body, is then replaced by a fresh one, and the request is
+    complete as if the parser had seen it end. A response sent before its body has arrived (408,
+    413, an error) closes the connection: the rest of the body is never read. Larger bodies,
+    chunked ones and pipelined requests take uvicorn's own path."""
+
+    # Provided by the uvicorn protocol it is mixed into.
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    cycle: Any
+    scope: Any
+    headers: list[tuple[bytes, bytes]]
+    pipeline: Any
+    parser: Any
+    max_body_bytes = 0  # set by bounded_protocol
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._body: _Body | None = None
+
+    def _declared_length(self) -> int | None:
+        lengths = [v for n, v in self.headers if n == b"content-length"]
+        if len(lengths) != 1 or any(n == b"transfer-encoding" for n, _ in self.headers):
+            return None
+        return int(lengths[0]) if lengths[0].isdigit() else None
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()  # type: ignore[misc]
+        cycle = self.cycle
+        # No cycle of this request (an upgrade), or it waits behind another (pipelined): uvicorn's path.
+        if cycle is None or cycle.scope is not self.scope or self.pipeline:
+            return
+        length = self._declared_length()
+        if length is None or not DIRECT_BODY_MIN <= length <= self.max_body_bytes:
+            return
+        body = self._body = _Body(cycle, length)
+        receive = cycle.receive
+
+        async def receive_body() -> dict:
+            message = await receive()
+            if message["type"] == "http.request" and not message["more_body"] and body.complete:
+                message["body"] = body.view
+            return message
+
+        cycle.receive = receive_body  # run_asgi looks it up when the request's task starts
+
+    def on_body(self, body: bytes) -> None:
+        direct = self._body
+        if direct is None or direct.cycle is not self.cycle:
+            return super().on_body(body)  # type: ignore[misc]
+        if not direct.cycle.response_complete:
+            direct.view[direct.filled:direct.filled + len(body)] = body
+            direct.filled += len(body)
+
+    def on_message_complete(self) -> None:
+        if self._body is not None and self._body.cycle is self.cycle:
+            self._finish_body()  # the whole body came with the headers' data
+        else:
+            super().on_message_complete()  # type: ignore[misc]
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)  # type: ignore[misc]
+        if self._body is not None and not self._body.complete and not self.transport.is_closing():
+            self.transport.set_protocol(_BodyReader(self))
+
+    def _body_received(self, nbytes: int) -> None:
+        body = self._body
+        assert body is not None
+        body.filled += nbytes
+        if body.complete:
+            self.transport.set_protocol(self)  # type: ignore[arg-type]
+            self.parser = self._new_parser()
+            self._finish_body()
+
+    def _new_parser(self):
+        """A parser for the next request, made as uvicorn's HttpToolsProtocol.__init__ makes it."""
+        import httptools
+
+        parser = httptools.HttpRequestParser(self)
+        with contextlib.suppress(AttributeError):  # httptools < 0.6.3
+            parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        return parser
+
+    def _finish_body(self) -> None:
+        body, self._body = self._body, None
+        assert body is not None
+        if not body.cycle.response_complete:
+            body.cycle.more_body = False
+            body.cycle.message_event.set()
+
+    def on_response_complete(self) -> None:
+        if self._body is not None and self._body.cycle is self.cycle:  # answered before its body arrived
+            self._body = None
+            self.transport.close()
+        super().on_response_complete()  # type: ignore[misc]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._body = None
+        super().connection_lost(exc)  # type: ignore[misc]
+
+
+def bounded_protocol(http_impl: str, max_body_bytes: int = 0) -> type[asyncio.Protocol]:
+    """uvicorn's protocol class for `http_impl` (Settings.http_impl) with the bounds mixed in, and on
+    httptools the direct read of bodies up to `max_body_bytes` (Settings.max_request_bytes; 0: none).
     httptools is imported here, only when asked for: without it h11 still works."""
-    base: type[asyncio.Protocol]
     if http_impl == "h11":
         from uvicorn.protocols.http.h11_impl import H11Protocol
 
-        base = H11Protocol
-    elif http_impl == "httptools":
+        return type("BoundedH11Protocol", (ConnectionBounds, H11Protocol), {})
+    if http_impl == "httptools":
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-        base = HttpToolsProtocol
-    else:
-        raise ValueError(f"http_impl must be httptools or h11, got {http_impl!r}")
-    return type(f"Bounded{base.__name__}", (ConnectionBounds, base), {})
+        return type("BoundedHttpToolsProtocol", (DirectBody, ConnectionBounds, HttpToolsProtocol),
+                    {"max_body_bytes": max_body_bytes})
+    raise ValueError(f"http_impl must be httptools or h11, got {http_impl!r}")

@@ -1,0 +1,487 @@
+"""The real front end, no GPU: where a request's milliseconds go outside the layer.
+
+    python bench/frontend_load.py [--protocols v2_binary,grpc] [--sizes 512,2048] [--concurrency 1,4]
+        [--step-ms 1.4] [--seconds 3] [--client raw|stock] [--timeline] [--server-flags "..."]
+
+A `service.server.Server` (HTTP on uvicorn, gRPC on grpc.aio, the batcher, shared-memory slots:
+everything the front end runs) is started in its own process (`frontend_load.py serve ...`) on
+the seed shape (E=64, H=4096, K=8, bf16, R=1, C=512) with a stand-in rank group: its step copies
+slot.x into slot.out and sleeps --step-ms (the H200's layer time at 512 tokens, 1.4 ms), so what
+is measured is the front end alone. Load: bench/serve_load.py's closed-loop client processes (one
+per concurrent caller); `--client raw` replaces its HTTP client (http.client) with a raw-socket
+one (sendall the prepared request, recv_into one preallocated buffer) so that the load generator
+is not what is timed (its gRPC client is grpc's own, bytes in, bytes out).
+
+`--timeline` (concurrency 1 only): the server records timestamps of each request (HTTP: first
+byte read, headers, body complete, decoded, submitted, step start, rows in the slot, group.run
+back, answer encoded, response written to the transport; gRPC: message handed to the
+deserializer, handler entered, decoded, ..., serializer done) and the raw client its own (send
+start, sent, first answer byte, answer read); both use CLOCK_MONOTONIC (time.perf_counter), so
+the median of each gap is printed as one table. The hooks are this script's wrappers around the
+service's functions, installed only in that server process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+
+import serve_load
+import torch
+
+from service.api import batcher as batcher_mod
+from service.api import codecs, connections
+from service.api import grpc as grpc_mod
+from service.api import http as http_mod
+from service.cli import parse_settings
+from service.server import Server
+from service.worker.group import StepStats
+from service.worker.shm import create_slots, remove_slots
+
+# ---- the stand-in rank group --------------------------------------------------------------------
+
+
+class StandInGroup:
+    """The rank group's API on real shared-memory slots; a step copies x into out and sleeps."""
+
+    backend = "fused"  # a name the metrics know; nothing is computed
+
+    def __init__(self, cfg, slots: int, step_s: float):
+        import queue
+
+        self.cfg, self.step_s = cfg, step_s
+        self.slots = create_slots(cfg, slots)
+        self.free: queue.Queue = queue.Queue()
+        for s in self.slots:
+            self.free.put(s)
+        self.pids: list[int] = []
+        self.seq = 0
+
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        remove_slots(self.slots)
+
+    def poll(self) -> bool:
+        return True
+
+    def heartbeat(self, timeout: float = 2.0) -> bool:
+        return True
+
+    def acquire_slot(self, timeout=None):
+        return self.free.get(timeout=timeout)
+
+    def release(self, slot) -> None:
+        self.free.put(slot)
+
+    def run(self, slot, T: int) -> StepStats:
+        mark("step_start")
+        slot.out[:T].copy_(slot.x[:T])
+        time.sleep(self.step_s)
+        self.seq += 1
+        mark("run_back")
+        return StepStats(seq=self.seq, tokens=T, backend=self.backend, layer_s=self.step_s,
+                         stages={}, exposed_comm_s=0.0)
+
+
+class StandInServer(Server):
+    def _warm_up(self, group) -> None:  # the stand-in computes nothing to check
+        pass
+
+
+# ---- server-side timeline (installed by `serve --timeline`) -------------------------------------
+
+RECORDS: list[dict] = []  # one per request, in order; the server appends, at concurrency 1
+_current: dict | None = None
+_enabled = False
+
+
+def mark(event: str, new: bool = False) -> None:
+    """Timestamp `event` on the current request's record (`new`: this event opens a record)."""
+    global _current
+    if not _enabled:
+        return
+    if new or _current is None:
+        _current = {}
+        RECORDS.append(_current)
+    _current.setdefault(event, time.perf_counter())
+
+
+def _wrap(owner, name: str, before: str | None = None, after: str | None = None, new: bool = False) -> None:
+    fn = getattr(owner, name)
+
+    if asyncio.iscoroutinefunction(fn):
+        async def wrapped(*a, **k):
+            if before:
+                mark(before, new)
+            out = await fn(*a, **k)
+            if after:
+                mark(after)
+            return out
+    else:
+        def wrapped(*a, **k):
+            if before:
+                mark(before, new)
+            out = fn(*a, **k)
+            if after:
+                mark(after)
+            return out
+    setattr(owner, name, wrapped)
+
+
+def install_timeline() -> None:
+    global _enabled
+    _enabled = True
+    bounded = connections.bounded_protocol
+
+    def timed_protocol(*args):
+        cls = bounded(*args)
+
+        class Timed(cls):  # type: ignore[misc, valid-type]
+            def data_received(self, data: bytes) -> None:
+                if not self.busy:  # the first bytes of a new request
+                    mark("first_byte", new=True)
+                super().data_received(data)
+
+            def on_response_complete(self) -> None:
+                mark("response_complete")
+                super().on_response_complete()
+        return Timed
+
+    import service.server as server_mod
+    server_mod.bounded_protocol = timed_protocol
+    _wrap(http_mod, "read_body", before="headers", after="body_read")
+    _wrap(codecs, "decode_v2_http", after="decoded")
+    _wrap(codecs, "parse_grpc_request", before="grpc_message", new=True)
+    _wrap(grpc_mod.InferenceServicer, "ModelInfer", before="handler")
+    _wrap(codecs, "decode_grpc", after="decoded")
+    _wrap(batcher_mod.Batcher, "submit", before="submitted", after="answered")
+    _wrap(batcher_mod.Batcher, "_execute", before="slot_copy")
+    _wrap(codecs, "encode_v2_http", after="encoded")
+    _wrap(codecs, "encode_grpc", after="encoded")
+    _wrap(codecs, "serialize_grpc_response", after="serialized")
+    _wrap(http_mod.PartsResponse, "__call__", after="written")
+
+
+def serve(args) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.timeline:
+        install_timeline()
+    settings = parse_settings(["--host", "127.0.0.1", "--http-port", str(args.http_port), "--grpc-port",
+                               str(args.grpc_port), "--device", "cpu", "--preset", "seed", "--world-size", "1",
+                               "--log-level", "WARNING", *args.server_flags.split()])
+    holder = types.SimpleNamespace(server=None)
+
+    def factory():
+        return StandInGroup(holder.server.cfg, settings.slots, args.step_ms / 1e3)
+
+    holder.server = StandInServer(settings, group_factory=factory)
+    code = asyncio.run(holder.server.serve())
+    if args.timeline:
+        with open(args.timeline, "w") as f:
+            json.dump(RECORDS, f)
+    return code
+
+
+# ---- a raw-socket HTTP client --------------------------------------------------------------------
+
+
+def _raw_once(sock: socket.socket, request: bytes, view: memoryview) -> tuple[bytes, tuple]:
+    """One request on a raw socket: the answer's tensor bytes and (send start, sent, first answer
+    byte, answer read)."""
+    t0 = time.perf_counter()
+    sock.sendall(request)
+    t1 = time.perf_counter()
+    n = sock.recv_into(view)
+    t2 = time.perf_counter()
+    buf = view.obj
+    end = buf.find(b"\r\n\r\n", 0, n)
+    while end < 0:
+        n += sock.recv_into(view[n:])
+        end = buf.find(b"\r\n\r\n", 0, n)
+    headers = bytes(buf[:end]).decode("latin-1").lower().split("\r\n")
+    if not headers[0].startswith("http/1.1 200"):
+        raise RuntimeError(f"{headers[0]}: {bytes(buf[end:n])[:300]!r}")
+    fields = dict(h.split(": ", 1) for h in headers[1:])
+    total = end + 4 + int(fields["content-length"])
+    if total > len(buf):
+        raise RuntimeError(f"an answer of {total} bytes, more than expected")
+    while n < total:
+        n += sock.recv_into(view[n:total])
+    t3 = time.perf_counter()
+    json_len = int(fields["inference-header-content-length"])
+    return bytes(view[end + 4 + json_len:total]), (t0, t1, t2, t3)
+
+
+def raw_client(conn) -> None:
+    """serve_load's client protocol (jobs in, latencies out) over a raw socket: the whole request
+    (headers + body) sent with one sendall, the answer read with recv_into into one buffer.
+    With `stamps`, each request's (send start, sent, first answer byte, answer read) come back too."""
+    import numpy as np
+
+    while True:
+        job = conn.recv()
+        if job is None:
+            return
+        proto, target, path, body, header_len, out_bytes, finite, start_at, stop_at = job[:9]
+        stamps = []
+        if proto == "grpc":
+            _grpc_client(conn, target, body, out_bytes, start_at, stop_at)
+            continue
+        host, port = target.removeprefix("http://").split(":")
+        sock = socket.create_connection((host, int(port)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/octet-stream\r\n"
+                f"Inference-Header-Content-Length: {header_len}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        request = head + body
+        view = memoryview(bytearray(out_bytes + (1 << 16)))
+
+        try:
+            first, _ = _raw_once(sock, request, view)
+            if len(first) != out_bytes:
+                raise RuntimeError(f"answer has {len(first)} bytes, expected {out_bytes}")
+            dtype, mask, inf = finite
+            if int((np.frombuffer(first, dtype=dtype) & mask).max()) >= inf:
+                raise RuntimeError("non-finite values in the answer")
+            lats = []
+            time.sleep(max(0.0, start_at - time.time()))
+            while time.time() < stop_at:
+                got, t = _raw_once(sock, request, view)
+                lats.append(t[3] - t[0])
+                stamps.append(t)
+                if len(got) != out_bytes:
+                    raise RuntimeError(f"answer has {len(got)} bytes, expected {out_bytes}")
+            conn.send(("ok", lats, time.time(), stamps))
+        except Exception as e:  # noqa: BLE001  reported by the parent
+            conn.send(("error", f"{type(e).__name__}: {e}", time.time(), []))
+        finally:
+            sock.close()
+
+
+def _grpc_client(conn, target: str, body: bytes, out_bytes: int, start_at: float, stop_at: float) -> None:
+    """serve_load's gRPC client (grpc's own, bytes in and out), with each call's start and end."""
+    import grpc
+
+    channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 1 << 30),
+                                                     ("grpc.max_send_message_length", 1 << 30)])
+    call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+    try:
+        call(body, timeout=120)
+        lats, stamps = [], []
+        time.sleep(max(0.0, start_at - time.time()))
+        while time.time() < stop_at:
+            t0 = time.perf_counter()
+            got = call(body, timeout=120)
+            t3 = time.perf_counter()
+            lats.append(t3 - t0)
+            stamps.append((t0, t0, t3, t3))
+            if len(got) < out_bytes:
+                raise RuntimeError(f"answer has {len(got)} bytes, expected at least {out_bytes}")
+        conn.send(("ok", lats, time.time(), stamps))
+    except Exception as e:  # noqa: BLE001  reported by the parent
+        conn.send(("error", f"{type(e).__name__}: {e}", time.time(), []))
+    finally:
+        channel.close()
+
+
+class Clients(serve_load.Clients):
+    """serve_load's client processes; HTTP through `raw_client` when asked."""
+
+    def __init__(self, n: int, raw: bool):
+        import multiprocessing as mp
+
+        if not raw:
+            super().__init__(n)
+            self.raw = False
+            return
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs, self.raw = [], [], True
+        for _ in range(n):
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=raw_client, args=(b,), daemon=True)
+            p.start()
+            self.conns.append(a)
+            self.procs.append(p)
+
+    def run_stamped(self, c: int, job: tuple, seconds: float) -> tuple[list[float], float, list]:
+        start_at = time.time() + 1.0 + 0.05 * c
+        stop_at = start_at + seconds
+        for conn in self.conns[:c]:
+            conn.send((*job, start_at, stop_at))
+        lats, end, stamps = [], start_at, []
+        for conn in self.conns[:c]:
+            status, value, t, *more = conn.recv()
+            if status != "ok":
+                raise RuntimeError(f"client failed: {value}")
+            lats += value
+            stamps += more[0] if more else []
+            end = max(end, t)
+        return lats, end - start_at, stamps
+
+
+# ---- the timeline's table -------------------------------------------------------------------------
+
+HTTP_EVENTS = ["send_start", "first_byte", "headers", "body_read", "decoded", "submitted", "slot_copy",
+               "step_start", "run_back", "answered", "encoded", "written", "response_complete",
+               "first_answer_byte", "answer_read"]
+GRPC_EVENTS = ["send_start", "grpc_message", "handler", "decoded", "submitted", "slot_copy", "step_start",
+               "run_back", "answered", "encoded", "serialized", "answer_read"]
+CLIENT_EVENTS = ("send_start", "sent", "first_answer_byte", "answer_read")
+
+
+def timeline_table(records: list[dict], stamps: list[tuple], proto: str) -> list[tuple[str, float, float]]:
+    """(gap, median us, p90 us) of consecutive events, each server record matched to the client
+    request whose [send start, answer read] holds its first event."""
+    events = HTTP_EVENTS if proto == "v2_binary" else GRPC_EVENTS
+    joined = []
+    recs = sorted(records, key=lambda r: min(r.values()))
+    i = 0
+    for st in sorted(stamps):
+        client = dict(zip(CLIENT_EVENTS, st, strict=True))
+        while i < len(recs) and min(recs[i].values()) < client["send_start"]:
+            i += 1
+        if i < len(recs) and min(recs[i].values()) <= client["answer_read"]:
+            joined.append({**recs[i], **client})
+            i += 1
+    rows = []
+    present = [e for e in events if joined and all(e in j for j in joined)]
+    for a, b in zip(present, present[1:], strict=False):
+        gaps = sorted((j[b] - j[a]) * 1e6 for j in joined)
+        rows.append((f"{a} -> {b}", statistics.median(gaps), gaps[int(0.9 * (len(gaps) - 1))]))
+    total = sorted((j["answer_read"] - j["send_start"]) * 1e6 for j in joined)
+    if total:
+        rows.append(("total (client)", statistics.median(total), total[int(0.9 * (len(total) - 1))]))
+    rows.append(("requests matched", len(joined), len(stamps)))
+    return rows
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+
+def start(args, timeline_path: str | None, tree: str | None = None):
+    """The server process, importing `service` from `tree` (a checkout's root) when given."""
+    http_port, grpc_port = serve_load._free_port(), serve_load._free_port()
+    cmd = [sys.executable, __file__, "serve", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+           "--step-ms", str(args.step_ms), "--server-flags", args.server_flags]
+    if timeline_path:
+        cmd += ["--timeline", timeline_path]
+    log_path = os.path.join(tempfile.gettempdir(), f"frontend-load-{os.getpid()}-{http_port}.log")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{http_port}"
+    deadline = time.monotonic() + 120
+    while serve_load._get(url + "/v2/health/ready", 2)[0] != 200:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"the server did not start; see {log_path}")
+        time.sleep(0.2)
+    return proc, url, f"127.0.0.1:{grpc_port}", log_path
+
+
+def stop(proc) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "serve":
+        p = argparse.ArgumentParser()
+        p.add_argument("serve")
+        p.add_argument("--http-port", type=int, required=True)
+        p.add_argument("--grpc-port", type=int, required=True)
+        p.add_argument("--step-ms", type=float, default=1.4)
+        p.add_argument("--timeline")
+        p.add_argument("--server-flags", default="")
+        return serve(p.parse_args())
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--protocols", default="v2_binary,grpc")
+    p.add_argument("--sizes", default="512,2048")
+    p.add_argument("--concurrency", default="1,4")
+    p.add_argument("--step-ms", type=float, default=1.4, help="the stand-in step's sleep")
+    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--client", choices=("raw", "stock"), default="raw", help="HTTP client: raw socket or http.client")
+    p.add_argument("--timeline", action="store_true", help="per-request timestamps (concurrency 1)")
+    p.add_argument("--server-flags", default="", help="extra moe-serve flags for the server, one string")
+    p.add_argument("--trees", default="", help="comma-separated checkouts whose `service` the servers import, "
+                   "e.g. a baseline and this tree: cells alternate between them (default: this tree only)")
+    p.add_argument("--reps", type=int, default=1, help="times each cell is run (per tree, interleaved)")
+    args = p.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    conc = [int(c) for c in args.concurrency.split(",")]
+    trees = args.trees.split(",") if args.trees else [None]
+    if args.timeline:
+        conc, trees = [1], trees[:1]
+    settings = parse_settings(["--device", "cpu", "--preset", "seed", "--world-size", "1",
+                               *args.server_flags.split()])
+    cfg = settings.layer_config("cpu")
+    print(f"# stand-in group ({args.step_ms} ms per step), {cfg.describe()}, http {settings.http_impl}, "
+          f"client {args.client}, {args.seconds:g} s per cell; load average {os.getloadavg()[0]:.1f}", flush=True)
+    timeline_path = tempfile.mktemp(suffix=".json") if args.timeline else None
+    clients = Clients(max(conc), raw=args.client == "raw")
+    servers = []
+    results, all_stamps = [], {}
+    try:
+        for tree in trees:
+            servers.append(start(args, timeline_path, tree))
+        for T in sizes:
+            tensors = serve_load._tensors(cfg, T, seed=T, wire="bf16")
+            bodies = {"v2_binary": serve_load.v2_binary_body("moe", tensors),
+                      "grpc": (serve_load.grpc_body("moe", tensors), 0)}
+            for proto in args.protocols.split(","):
+                body, header_len = bodies[proto]
+                for c in conc:
+                    for rep in range(args.reps):
+                        for tree, (_, url, grpc_target, _) in zip(trees, servers, strict=True):
+                            target = grpc_target if proto == "grpc" else url
+                            job = (proto, target, "/v2/models/moe/infer", body, header_len, T * cfg.H * 2,
+                                   serve_load.WIRE_BITS["bf16"][1])
+                            if clients.raw or proto == "grpc":
+                                lats, wall, stamps = clients.run_stamped(c, job, args.seconds)
+                            else:
+                                (lats, wall), stamps = clients.run(c, job, args.seconds), []
+                            all_stamps[(proto, T)] = stamps
+                            q = statistics.quantiles(lats, n=100, method="inclusive")
+                            name = os.path.basename(os.path.normpath(tree)) if tree else "this tree"
+                            results.append((name, rep, proto, T, c, len(lats), len(lats) * T / wall, q[49] * 1e3,
+                                            q[89] * 1e3))
+                            print(f"  {name} {proto} T={T} c={c}: {len(lats)} requests, {len(lats) * T / wall:,.0f} "
+                                  f"tok/s, p50 {q[49] * 1e3:.2f} ms", flush=True)
+    finally:
+        clients.close()
+        for proc, *_ in servers:
+            stop(proc)
+    print(f"\nload average after: {os.getloadavg()[0]:.1f}; server logs {[s[3] for s in servers]}")
+    print("\n| tree | rep | protocol | T | concurrency | requests | tokens/s | p50 ms | p90 ms |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+    for name, rep, proto, T, c, n, tok, p50, p90 in results:
+        print(f"| {name} | {rep} | {proto} | {T} | {c} | {n} | {tok:,.0f} | {p50:.2f} | {p90:.2f} |")
+    if timeline_path:
+        with open(timeline_path) as f:
+            records = json.load(f)
+        os.unlink(timeline_path)
+        for (proto, T), stamps in all_stamps.items():
+            print(f"\ntimeline {proto} T={T} (us)\n\n| gap | median | p90 |\n|---|---|---|")
+            for gap, med, p90 in timeline_table(records, stamps, proto):
+                print(f"| {gap} | {med:,.0f} | {p90:,.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    sys.exit(main())
