@@ -211,7 +211,9 @@ def create_app(fe: Frontend) -> FastAPI:
             req = await fe.offload(sum(map(len, body)) // 4, codecs.decode_v2_http, body, header_length, fe.spec)
             req.timeout_s = timeout or req.timeout_s
             out = await fe.infer(req)
-            parts, json_length = await fe.offload(out.numel(), codecs.encode_v2_http, out, req, fe.model_name)
+            # Binary output is a JSON header and a view of `out`: nothing worth a thread hop.
+            work = 0 if req.binary_output else out.numel()
+            parts, json_length = await fe.offload(work, codecs.encode_v2_http, out, req, fe.model_name)
             if json_length is None:
                 return PartsResponse(parts, media_type=JSON)
             return PartsResponse(parts, media_type=OCTET_STREAM,
