@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -194,6 +195,77 @@ def serve(args) -> int:
         with open(args.timeline, "w") as f:
             json.dump(RECORDS, f)
     return code
+
+
+# ---- the floor: a bare asyncio server ------------------------------------------------------------
+
+
+class EchoFloor(asyncio.BufferedProtocol):
+    """The transport's floor for the same exchange: a request read with recv_into into one buffer
+    and answered with a JSON header and a prepared answer of the answer's size; no framework, no
+    decoding, no step. What the served path takes above this is the front end's own. A request
+    without a body (the readiness probe) gets an empty JSON object."""
+
+    answer = memoryview(b"")  # the largest answer; a request of T tokens gets its first T rows
+    row_in = row_out = 1     # bytes per token of a request (x bf16, ids, w) and of an answer
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.buf = memoryview(bytearray(64 << 20))
+        self.n = 0
+        self.need: int | None = None
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.buf[self.n:] if self.need is None else self.buf[self.n:self.need]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.n += nbytes
+        if self.need is None:
+            end = bytes(self.buf[:self.n]).find(b"\r\n\r\n")
+            if end < 0:
+                return
+            fields = dict(line.split(": ", 1) for line in
+                          bytes(self.buf[:end]).decode("latin-1").lower().split("\r\n")[1:])
+            self.need = end + 4 + int(fields.get("content-length", 0))
+        if self.n < self.need:
+            return
+        answer = self.answer[:(self.need // self.row_in) * self.row_out]
+        header = json.dumps({"model_name": "moe", "outputs": [{"name": "output", "parameters": {
+            "binary_data_size": len(answer)}}]}).encode() if answer else b"{}"
+        self.transport.write(f"HTTP/1.1 200 OK\r\ncontent-length: {len(header) + len(answer)}\r\n"
+                             f"inference-header-content-length: {len(header)}\r\n\r\n".encode() + header)
+        self.transport.write(answer)
+        self.n, self.need = 0, None
+
+
+def serve_floor(args) -> int:
+    """EchoFloor on the HTTP port; on the gRPC port a grpc.aio generic handler, bytes in, the
+    prepared answer out."""
+    import grpc
+
+    cfg = parse_settings(["--device", "cpu", "--preset", "seed", "--world-size", "1"]).layer_config("cpu")
+    EchoFloor.row_in, EchoFloor.row_out = 2 * cfg.H + 8 * cfg.K, 2 * cfg.H
+    answer = torch.ones(cfg.tokens_per_step * 4 * cfg.H, dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
+    EchoFloor.answer = memoryview(answer)
+
+    async def infer(request: bytes, context) -> bytes:
+        return answer[:(len(request) // EchoFloor.row_in) * EchoFloor.row_out]
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(EchoFloor, "127.0.0.1", args.http_port)
+        g = grpc.aio.server(options=[("grpc.max_receive_message_length", 1 << 30),
+                                     ("grpc.max_send_message_length", 1 << 30)])
+        handler = grpc.unary_unary_rpc_method_handler(infer)
+        g.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("inference.GRPCInferenceService",
+                                                                         {"ModelInfer": handler}),))
+        g.add_insecure_port(f"127.0.0.1:{args.grpc_port}")
+        await g.start()
+        async with server:
+            await server.serve_forever()
+
+    with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
+        asyncio.run(main())
+    return 0
 
 
 # ---- a raw-socket HTTP client --------------------------------------------------------------------
@@ -374,12 +446,13 @@ def timeline_table(records: list[dict], stamps: list[tuple], proto: str) -> list
 def start(args, timeline_path: str | None, tree: str | None = None):
     """The server process, importing `service` from `tree` (a checkout's root) when given."""
     http_port, grpc_port = serve_load._free_port(), serve_load._free_port()
-    cmd = [sys.executable, __file__, "serve", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-           "--step-ms", str(args.step_ms), "--server-flags", args.server_flags]
+    cmd = [sys.executable, __file__, "floor" if tree == "floor" else "serve", "--http-port", str(http_port),
+           "--grpc-port", str(grpc_port), "--step-ms", str(args.step_ms), "--server-flags", args.server_flags]
     if timeline_path:
         cmd += ["--timeline", timeline_path]
     log_path = os.path.join(tempfile.gettempdir(), f"frontend-load-{os.getpid()}-{http_port}.log")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")])))
+    path = None if tree == "floor" else tree
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{http_port}"
     deadline = time.monotonic() + 120
@@ -400,15 +473,16 @@ def stop(proc) -> None:
 
 
 def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "serve":
+    if len(sys.argv) > 1 and sys.argv[1] in ("serve", "floor"):
         p = argparse.ArgumentParser()
-        p.add_argument("serve")
+        p.add_argument("mode")
         p.add_argument("--http-port", type=int, required=True)
         p.add_argument("--grpc-port", type=int, required=True)
         p.add_argument("--step-ms", type=float, default=1.4)
         p.add_argument("--timeline")
         p.add_argument("--server-flags", default="")
-        return serve(p.parse_args())
+        args = p.parse_args()
+        return serve(args) if args.mode == "serve" else serve_floor(args)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--protocols", default="v2_binary,grpc")
     p.add_argument("--sizes", default="512,2048")
@@ -419,7 +493,8 @@ def main() -> int:
     p.add_argument("--timeline", action="store_true", help="per-request timestamps (concurrency 1)")
     p.add_argument("--server-flags", default="", help="extra moe-serve flags for the server, one string")
     p.add_argument("--trees", default="", help="comma-separated checkouts whose `service` the servers import, "
-                   "e.g. a baseline and this tree: cells alternate between them (default: this tree only)")
+                   "e.g. a baseline and this tree, or `floor` (a bare asyncio / grpc.aio echo of the same sizes): "
+                   "cells alternate between them (default: this tree only)")
     p.add_argument("--reps", type=int, default=1, help="times each cell is run (per tree, interleaved)")
     args = p.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -458,6 +533,7 @@ def main() -> int:
                             all_stamps[(proto, T)] = stamps
                             q = statistics.quantiles(lats, n=100, method="inclusive")
                             name = os.path.basename(os.path.normpath(tree)) if tree else "this tree"
+                            name = "this tree" if tree not in (None, "floor") and os.path.samefile(tree, ".") else name
                             results.append((name, rep, proto, T, c, len(lats), len(lats) * T / wall, q[49] * 1e3,
                                             q[89] * 1e3))
                             print(f"  {name} {proto} T={T} c={c}: {len(lats)} requests, {len(lats) * T / wall:,.0f} "
