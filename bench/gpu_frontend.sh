@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Issue 11a on one H200 (nvidia-h200) in one call: the front end before and after, on the same machine.
+#   1. bench/frontend_load.py on this host (no GPU: the stand-in group, 1.4 ms per step): the floor
+#      (a bare asyncio / grpc.aio echo), BASE's front end and this tree's, cells interleaved
+#      (T=512, concurrency 1 and 4, v2 binary and gRPC), then this tree's per-request timeline (c=1)
+#   2. the default server (`python -m service`: seed preset, R=1, C=512, fused) from BASE, loaded by
+#      BASE's bench/serve_load.py (T=512 and 2048, concurrency 1 and 4, v2 binary and gRPC, bf16)
+#   3. the same from this tree, with the layer alone in the same run (serve_load's direct figure)
+# BASE (default: the checkout above this tree, i.e. main as the device tool sent it). csrc/ is not
+# built (the fused layer then uses the torch schedule builder, logged): the same for both trees.
+# Every step under `timeout`; BUDGET (s, default 270) caps the whole; CELL_S seconds per cell.
+# Logs in $OUT (else build/gpu_frontend): fl.txt timeline.txt base.txt this.txt summary.txt
+#
+# The call (carry [".wt11a", ".whl"]):
+#   cd .wt11a && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+#     --target /tmp/site ../.whl/*.whl && export PYTHONPATH=$PWD:/tmp/site || exit; bash bench/gpu_frontend.sh
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.." || exit 1
+HERE=$PWD
+BASE=$(cd "${BASE:-..}" && pwd)
+PY=${PYTHON:-python3}
+LOG=${OUT:-build/gpu_frontend}
+BUDGET=${BUDGET:-270}
+CELL_S=${CELL_S:-2.5}
+SITE=${SITE:-/tmp/site}
+mkdir -p "$LOG"
+START=$(date +%s)
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+cap() { local want=$1 l; l=$(left); (( l < want )) && want=$l; (( want < 1 )) && want=1; echo "$want"; }
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  echo "this tree $(cat COMMIT 2>/dev/null || git log -1 --format=%h 2>/dev/null || echo unknown)," \
+       "base $(cat "$BASE/COMMIT" 2>/dev/null || git -C "$BASE" log -1 --format=%h 2>/dev/null || echo unknown);" \
+       "torch $($PY -c 'import torch; print(torch.__version__)'); $(nproc) CPU cores; load $(cut -d' ' -f1 /proc/loadavg)"
+} | tee "$LOG/summary.txt"
+
+echo "== 1. the stand-in front end: floor, base, this tree"
+PYTHONPATH=$HERE:$SITE timeout -k 5 "$(cap 75)" "$PY" bench/frontend_load.py --trees "floor,$BASE,$HERE" \
+  --sizes 512 --concurrency 1,4 --seconds "$CELL_S" > "$LOG/fl.txt" 2>&1
+echo "rc=$?"; grep -E "^\|" "$LOG/fl.txt"
+PYTHONPATH=$HERE:$SITE timeout -k 5 "$(cap 30)" "$PY" bench/frontend_load.py --sizes 512 --timeline \
+  --seconds "$CELL_S" > "$LOG/timeline.txt" 2>&1
+echo "rc=$?"; grep -E "^\||^timeline" "$LOG/timeline.txt"
+
+for which in base this; do
+  if [[ $which == base ]]; then dir=$BASE; extra=(--no-direct); else dir=$HERE; extra=(); fi
+  (( $(left) > 50 )) || { echo "== $which skipped: budget spent"; continue; }
+  echo "== the served path from $which ($dir)"
+  (cd "$dir" && PYTHONPATH=$dir:$SITE timeout -k 10 "$(cap 110)" "$PY" bench/serve_load.py --sizes 512,2048 \
+    --concurrency 1,4 --seconds "$CELL_S" --wire-dtype bf16 "${extra[@]}" > "$HERE/$LOG/$which.txt" 2>&1)
+  echo "rc=$?"; grep -E "^\||busy|started" "$LOG/$which.txt"
+done
+
+{
+  echo
+  echo "== summary: $(( $(date +%s) - START )) s"
+  echo "-- stand-in front end (frontend_load.py)"; grep -E "^\|" "$LOG/fl.txt"
+  echo "-- timeline"; grep -E "^\||^timeline" "$LOG/timeline.txt"
+  for which in base this; do echo "-- served, $which"; grep -E "^\||busy" "$LOG/$which.txt"; done
+} >> "$LOG/summary.txt"
