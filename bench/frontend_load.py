@@ -558,6 +558,12 @@ def main() -> int:
     return 0
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # runs the finally clauses: the servers started here are stopped
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] not in (["serve"], ["floor"]):
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     torch.set_num_threads(1)
     sys.exit(main())

@@ -6,10 +6,11 @@
 #   2. the default server (`python -m service`: seed preset, R=1, C=512, fused) from BASE, loaded by
 #      BASE's bench/serve_load.py (T=512 and 2048, concurrency 1 and 4, v2 binary and gRPC, bf16)
 #   3. the same from this tree, with the layer alone in the same run (serve_load's direct figure)
+#   (between 1 and 2: py-spy of this tree's stand-in front end under load, raw stacks in pyspy.txt)
 # BASE (default: the checkout above this tree, i.e. main as the device tool sent it). csrc/ is not
 # built (the fused layer then uses the torch schedule builder, logged): the same for both trees.
 # Every step under `timeout`; BUDGET (s, default 270) caps the whole; CELL_S seconds per cell.
-# Logs in $OUT (else build/gpu_frontend): fl.txt timeline.txt base.txt this.txt summary.txt
+# Logs in $OUT (else build/gpu_frontend): fl.txt timeline.txt pyspy.txt base.txt this.txt summary.txt
 #
 # The call (carry [".wt11a", ".whl"]):
 #   cd .wt11a && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -43,6 +44,17 @@ echo "rc=$?"; grep -E "^\|" "$LOG/fl.txt"
 PYTHONPATH=$HERE:$SITE timeout -k 5 "$(cap 30)" "$PY" bench/frontend_load.py --sizes 512 --timeline \
   --seconds "$CELL_S" > "$LOG/timeline.txt" 2>&1
 echo "rc=$?"; grep -E "^\||^timeline" "$LOG/timeline.txt"
+
+echo "== py-spy of this tree's stand-in front end under load (T=512, 4 clients, v2 binary then gRPC)"
+PYSPY=$(command -v py-spy || echo "$SITE/bin/py-spy")
+PYTHONPATH=$HERE:$SITE timeout -k 5 "$(cap 40)" "$PY" bench/frontend_load.py --sizes 512 --concurrency 4 \
+  --seconds 6 > "$LOG/pyspy_load.txt" 2>&1 &
+LOADPID=$!
+for _ in $(seq 40); do SPID=$(pgrep -f "frontend_load.py serve" | head -n 1); [[ -n $SPID ]] && break; sleep 0.5; done
+sleep 4
+[[ -n ${SPID:-} ]] && timeout -k 5 "$(cap 20)" "$PYSPY" record --pid "$SPID" --rate 100 --duration 12 --format raw \
+  --output "$LOG/pyspy.txt" --nonblocking > "$LOG/pyspy_log.txt" 2>&1
+echo "py-spy rc=$?"; wait "$LOADPID"; grep -E "^\|" "$LOG/pyspy_load.txt"
 
 for which in base this; do
   if [[ $which == base ]]; then dir=$BASE; extra=(--no-direct); else dir=$HERE; extra=(); fi
