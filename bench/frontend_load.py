@@ -163,10 +163,10 @@ def install_timeline() -> None:
     import service.server as server_mod
     server_mod.bounded_protocol = timed_protocol
     _wrap(http_mod, "read_body", before="headers", after="body_read")
-    _wrap(codecs, "decode_v2_http", after="decoded")
+    _wrap(codecs, "decode_v2_http", before="decode_start", after="decoded")
     _wrap(codecs, "parse_grpc_request", before="grpc_message", new=True)
     _wrap(grpc_mod.InferenceServicer, "ModelInfer", before="handler")
-    _wrap(codecs, "decode_grpc", after="decoded")
+    _wrap(codecs, "decode_grpc", before="decode_start", after="decoded")
     _wrap(batcher_mod.Batcher, "submit", before="submitted", after="answered")
     _wrap(batcher_mod.Batcher, "_execute", before="slot_copy")
     _wrap(codecs, "encode_v2_http", after="encoded")
@@ -406,10 +406,10 @@ class Clients(serve_load.Clients):
 
 # ---- the timeline's table -------------------------------------------------------------------------
 
-HTTP_EVENTS = ["send_start", "first_byte", "headers", "body_read", "decoded", "submitted", "slot_copy",
+HTTP_EVENTS = ["send_start", "first_byte", "headers", "body_read", "decode_start", "decoded", "submitted", "slot_copy",
                "step_start", "run_back", "answered", "encoded", "written", "response_complete",
                "first_answer_byte", "answer_read"]
-GRPC_EVENTS = ["send_start", "grpc_message", "handler", "decoded", "submitted", "slot_copy", "step_start",
+GRPC_EVENTS = ["send_start", "grpc_message", "handler", "decode_start", "decoded", "submitted", "slot_copy", "step_start",
                "run_back", "answered", "encoded", "serialized", "answer_read"]
 CLIENT_EVENTS = ("send_start", "sent", "first_answer_byte", "answer_read")
 
