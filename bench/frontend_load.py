@@ -406,11 +406,11 @@ class Clients(serve_load.Clients):
 
 # ---- the timeline's table -------------------------------------------------------------------------
 
-HTTP_EVENTS = ["send_start", "first_byte", "headers", "body_read", "decode_start", "decoded", "submitted", "slot_copy",
-               "step_start", "run_back", "answered", "encoded", "written", "response_complete",
+HTTP_EVENTS = ["send_start", "first_byte", "headers", "body_read", "decode_start", "decoded", "submitted",
+               "slot_copy", "step_start", "run_back", "answered", "encoded", "written", "response_complete",
                "first_answer_byte", "answer_read"]
-GRPC_EVENTS = ["send_start", "grpc_message", "handler", "decode_start", "decoded", "submitted", "slot_copy", "step_start",
-               "run_back", "answered", "encoded", "serialized", "answer_read"]
+GRPC_EVENTS = ["send_start", "grpc_message", "handler", "decode_start", "decoded", "submitted", "slot_copy",
+               "step_start", "run_back", "answered", "encoded", "serialized", "answer_read"]
 CLIENT_EVENTS = ("send_start", "sent", "first_answer_byte", "answer_read")
 
 

@@ -93,6 +93,8 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> list[byte
     try:
         async with asyncio.timeout(timeout_s):
             async for chunk in request.stream():
+                if not len(chunk):  # Starlette's stream ends with an empty chunk: one chunk stays unjoined
+                    continue
                 chunks.append(chunk)
                 size += len(chunk)
                 if size > limit:
