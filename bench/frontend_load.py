@@ -271,9 +271,9 @@ def serve_floor(args) -> int:
 # ---- a raw-socket HTTP client --------------------------------------------------------------------
 
 
-def _raw_once(sock: socket.socket, request: bytes, view: memoryview) -> tuple[bytes, tuple]:
-    """One request on a raw socket: the answer's tensor bytes and (send start, sent, first answer
-    byte, answer read)."""
+def _raw_once(sock: socket.socket, request: bytes, view: memoryview, stamps: list) -> bytes:
+    """One request on a raw socket: the answer's tensor bytes; (send start, sent, first answer byte,
+    answer read) appended to `stamps`."""
     t0 = time.perf_counter()
     sock.sendall(request)
     t1 = time.perf_counter()
@@ -293,100 +293,63 @@ def _raw_once(sock: socket.socket, request: bytes, view: memoryview) -> tuple[by
         raise RuntimeError(f"an answer of {total} bytes, more than expected")
     while n < total:
         n += sock.recv_into(view[n:total])
-    t3 = time.perf_counter()
+    stamps.append((t0, t1, t2, time.perf_counter()))
     json_len = int(fields["inference-header-content-length"])
-    return bytes(view[end + 4 + json_len:total]), (t0, t1, t2, t3)
+    return bytes(view[end + 4 + json_len:total])
 
 
 def raw_client(conn) -> None:
-    """serve_load's client protocol (jobs in, latencies out) over a raw socket: the whole request
-    (headers + body) sent with one sendall, the answer read with recv_into into one buffer.
-    With `stamps`, each request's (send start, sent, first answer byte, answer read) come back too."""
-    import numpy as np
+    """serve_load's client protocol (jobs in; latencies and each request's stamps out): HTTP over a
+    raw socket (the whole request sent with one sendall, the answer read with recv_into into one
+    buffer), gRPC through grpc's own client (bytes in, bytes out; stamps: call start and end)."""
+    import grpc
 
     while True:
         job = conn.recv()
         if job is None:
             return
-        proto, target, path, body, header_len, out_bytes, finite, start_at, stop_at = job[:9]
-        stamps = []
-        if proto == "grpc":
-            _grpc_client(conn, target, body, out_bytes, start_at, stop_at)
-            continue
-        host, port = target.removeprefix("http://").split(":")
-        sock = socket.create_connection((host, int(port)))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/octet-stream\r\n"
-                f"Inference-Header-Content-Length: {header_len}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
-        request = head + body
-        view = memoryview(bytearray(out_bytes + (1 << 16)))
-
+        proto, target, path, body, header_len, out_bytes, finite, start_at, stop_at = job
+        stamps: list[tuple] = []
+        closing = []
         try:
-            first, _ = _raw_once(sock, request, view)
-            if len(first) != out_bytes:
-                raise RuntimeError(f"answer has {len(first)} bytes, expected {out_bytes}")
-            dtype, mask, inf = finite
-            if int((np.frombuffer(first, dtype=dtype) & mask).max()) >= inf:
-                raise RuntimeError("non-finite values in the answer")
-            lats = []
-            time.sleep(max(0.0, start_at - time.time()))
-            while time.time() < stop_at:
-                got, t = _raw_once(sock, request, view)
-                lats.append(t[3] - t[0])
-                stamps.append(t)
-                if len(got) != out_bytes:
-                    raise RuntimeError(f"answer has {len(got)} bytes, expected {out_bytes}")
-            conn.send(("ok", lats, time.time(), stamps))
+            if proto == "grpc":
+                channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 1 << 30),
+                                                                 ("grpc.max_send_message_length", 1 << 30)])
+                closing.append(channel)
+                call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+
+                def once(call=call, body=body, stamps=stamps, out_bytes=out_bytes) -> bytes:  # bound: B023
+                    t0 = time.perf_counter()
+                    got = call(body, timeout=120)
+                    t3 = time.perf_counter()
+                    stamps.append((t0, t0, t3, t3))
+                    return got[-out_bytes:]
+            else:
+                host, port = target.removeprefix("http://").split(":")
+                sock = socket.create_connection((host, int(port)))
+                closing.append(sock)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/octet-stream\r\n"
+                        f"Inference-Header-Content-Length: {header_len}\r\nContent-Length: {len(body)}\r\n\r\n")
+                request, view = head.encode() + body, memoryview(bytearray(out_bytes + (1 << 16)))
+
+                def once(sock=sock, request=request, view=view, stamps=stamps) -> bytes:  # bound: B023
+                    return _raw_once(sock, request, view, stamps)
+            lats = serve_load.timed_calls(once, out_bytes, finite, start_at, stop_at)
+            conn.send(("ok", lats, time.time(), stamps[1:]))  # stamps[0]: the warm-up call
         except Exception as e:  # noqa: BLE001  reported by the parent
             conn.send(("error", f"{type(e).__name__}: {e}", time.time(), []))
         finally:
-            sock.close()
-
-
-def _grpc_client(conn, target: str, body: bytes, out_bytes: int, start_at: float, stop_at: float) -> None:
-    """serve_load's gRPC client (grpc's own, bytes in and out), with each call's start and end."""
-    import grpc
-
-    channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 1 << 30),
-                                                     ("grpc.max_send_message_length", 1 << 30)])
-    call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
-    try:
-        call(body, timeout=120)
-        lats, stamps = [], []
-        time.sleep(max(0.0, start_at - time.time()))
-        while time.time() < stop_at:
-            t0 = time.perf_counter()
-            got = call(body, timeout=120)
-            t3 = time.perf_counter()
-            lats.append(t3 - t0)
-            stamps.append((t0, t0, t3, t3))
-            if len(got) < out_bytes:
-                raise RuntimeError(f"answer has {len(got)} bytes, expected at least {out_bytes}")
-        conn.send(("ok", lats, time.time(), stamps))
-    except Exception as e:  # noqa: BLE001  reported by the parent
-        conn.send(("error", f"{type(e).__name__}: {e}", time.time(), []))
-    finally:
-        channel.close()
+            for c in closing:
+                c.close()
 
 
 class Clients(serve_load.Clients):
     """serve_load's client processes; HTTP through `raw_client` when asked."""
 
     def __init__(self, n: int, raw: bool):
-        import multiprocessing as mp
-
-        if not raw:
-            super().__init__(n)
-            self.raw = False
-            return
-        ctx = mp.get_context("spawn")
-        self.conns, self.procs, self.raw = [], [], True
-        for _ in range(n):
-            a, b = ctx.Pipe()
-            p = ctx.Process(target=raw_client, args=(b,), daemon=True)
-            p.start()
-            self.conns.append(a)
-            self.procs.append(p)
+        super().__init__(n, raw_client if raw else None)
+        self.raw = raw
 
     def run_stamped(self, c: int, job: tuple, seconds: float) -> tuple[list[float], float, list]:
         start_at = time.time() + 1.0 + 0.05 * c

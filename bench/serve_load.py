@@ -90,7 +90,6 @@ def _client(conn) -> None:
     import http.client
 
     import grpc
-    import numpy as np
 
     while True:
         job = conn.recv()
@@ -117,21 +116,7 @@ def _client(conn) -> None:
                     raise RuntimeError(f"HTTP {r.status}: {data[:300]!r}")
                 return data[int(r.getheader("Inference-Header-Content-Length")):]
         try:
-            first = once()  # warm-up: connection, first allocations
-            if len(first) != out_bytes:
-                raise RuntimeError(f"answer has {len(first)} bytes, expected {out_bytes}")
-            dtype, mask, inf = finite
-            if int((np.frombuffer(first, dtype=dtype) & mask).max()) >= inf:
-                raise RuntimeError("non-finite values in the answer")
-            lats = []
-            time.sleep(max(0.0, start_at - time.time()))
-            while time.time() < stop_at:
-                t0 = time.perf_counter()
-                got = once()
-                lats.append(time.perf_counter() - t0)
-                if len(got) != out_bytes:
-                    raise RuntimeError(f"answer has {len(got)} bytes, expected {out_bytes}")
-            conn.send(("ok", lats, time.time()))
+            conn.send(("ok", timed_calls(once, out_bytes, finite, start_at, stop_at), time.time()))
         except Exception as e:  # noqa: BLE001  reported by the parent
             conn.send(("error", f"{type(e).__name__}: {e}", time.time()))
         finally:
@@ -141,13 +126,37 @@ def _client(conn) -> None:
                 c.close()
 
 
+def timed_calls(once, out_bytes: int, finite, start_at: float, stop_at: float) -> list[float]:
+    """One warm-up call (connection, first allocations; its answer's size and values checked), then
+    `once()` in a closed loop from start_at to stop_at: the latencies (s). `once` returns the
+    answer's tensor bytes; `finite` = (numpy dtype of the bits, mask, exponent all ones)."""
+    import numpy as np
+
+    first = once()
+    if len(first) != out_bytes:
+        raise RuntimeError(f"answer has {len(first)} bytes, expected {out_bytes}")
+    dtype, mask, inf = finite
+    if int((np.frombuffer(first, dtype=dtype) & mask).max()) >= inf:
+        raise RuntimeError("non-finite values in the answer")
+    lats = []
+    time.sleep(max(0.0, start_at - time.time()))
+    while time.time() < stop_at:
+        t0 = time.perf_counter()
+        got = once()
+        lats.append(time.perf_counter() - t0)
+        if len(got) != out_bytes:
+            raise RuntimeError(f"answer has {len(got)} bytes, expected {out_bytes}")
+    return lats
+
+
 class Clients:
-    def __init__(self, n: int):
+    def __init__(self, n: int, target=None):
+        """`n` client processes running `target` (default `_client`)."""
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         for _ in range(n):
             a, b = ctx.Pipe()
-            p = ctx.Process(target=_client, args=(b,), daemon=True)
+            p = ctx.Process(target=target or _client, args=(b,), daemon=True)
             p.start()
             self.conns.append(a)
             self.procs.append(p)
