@@ -189,7 +189,11 @@ def serve(args) -> int:
     def factory():
         return StandInGroup(holder.server.cfg, settings.slots, args.step_ms / 1e3)
 
+    threads = torch.get_num_threads()
     holder.server = StandInServer(settings, group_factory=factory)
+    # A CPU server pins the front end to one torch thread (its ranks share the cores); on a GPU
+    # server it keeps torch's default, as here: the stand-in stands for the GPU server's front end.
+    torch.set_num_threads(threads)
     code = asyncio.run(holder.server.serve())
     if args.timeline:
         with open(args.timeline, "w") as f:
@@ -528,5 +532,4 @@ def _exit_on_sigterm(signum, frame) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] not in (["serve"], ["floor"]):
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    torch.set_num_threads(1)
     sys.exit(main())
