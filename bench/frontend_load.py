@@ -10,7 +10,8 @@ slot.x into slot.out and sleeps --step-ms (the H200's layer time at 512 tokens, 
 is measured is the front end alone. Load: bench/serve_load.py's closed-loop client processes (one
 per concurrent caller); `--client raw` replaces its HTTP client (http.client) with a raw-socket
 one (sendall the prepared request, recv_into one preallocated buffer) so that the load generator
-is not what is timed (its gRPC client is grpc's own, bytes in, bytes out).
+is not what is timed (its gRPC client is grpc's own, bytes in, bytes out). The server keeps torch's
+default thread count, as a GPU server's front end does (a CPU server pins one).
 
 `--timeline` (concurrency 1 only): the server records timestamps of each request (HTTP: first
 byte read, headers, body complete, decoded, submitted, step start, rows in the slot, group.run
