@@ -195,7 +195,13 @@ def serve(args) -> int:
     # A CPU server pins the front end to one torch thread (its ranks share the cores); on a GPU
     # server it keeps torch's default, as here: the stand-in stands for the GPU server's front end.
     torch.set_num_threads(threads)
-    code = asyncio.run(holder.server.serve())
+    if args.loop == "uvloop":  # the service runs asyncio's loop; this measures what uvloop would change
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            code = runner.run(holder.server.serve())
+    else:
+        code = asyncio.run(holder.server.serve())
     if args.timeline:
         with open(args.timeline, "w") as f:
             json.dump(RECORDS, f)
@@ -411,15 +417,27 @@ def timeline_table(records: list[dict], stamps: list[tuple], proto: str) -> list
 # ---- main ---------------------------------------------------------------------------------------
 
 
+def tree_name(tree: str | None) -> str:
+    if tree is None:
+        return "this tree"
+    path, _, loop = tree.partition("@")
+    name = "floor" if path == "floor" else "this tree" if os.path.samefile(path, ".") else \
+        os.path.basename(os.path.normpath(path))
+    return f"{name} ({loop})" if loop else name
+
+
 def start(args, timeline_path: str | None, tree: str | None = None):
-    """The server process, importing `service` from `tree` (a checkout's root) when given."""
+    """The server process, importing `service` from `tree` (a checkout's root; `@uvloop` after it:
+    on uvloop's event loop) when given."""
     http_port, grpc_port = serve_load._free_port(), serve_load._free_port()
+    tree, _, loop = (tree or "").partition("@")
     cmd = [sys.executable, __file__, "floor" if tree == "floor" else "serve", "--http-port", str(http_port),
-           "--grpc-port", str(grpc_port), "--step-ms", str(args.step_ms), "--server-flags", args.server_flags]
+           "--grpc-port", str(grpc_port), "--step-ms", str(args.step_ms), "--server-flags", args.server_flags,
+           "--loop", loop or "asyncio"]
     if timeline_path:
         cmd += ["--timeline", timeline_path]
     log_path = os.path.join(tempfile.gettempdir(), f"frontend-load-{os.getpid()}-{http_port}.log")
-    path = None if tree == "floor" else tree
+    path = None if tree in ("", "floor") else tree
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{http_port}"
@@ -449,6 +467,7 @@ def main() -> int:
         p.add_argument("--step-ms", type=float, default=1.4)
         p.add_argument("--timeline")
         p.add_argument("--server-flags", default="")
+        p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
         args = p.parse_args()
         return serve(args) if args.mode == "serve" else serve_floor(args)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -461,8 +480,8 @@ def main() -> int:
     p.add_argument("--timeline", action="store_true", help="per-request timestamps (concurrency 1)")
     p.add_argument("--server-flags", default="", help="extra moe-serve flags for the server, one string")
     p.add_argument("--trees", default="", help="comma-separated checkouts whose `service` the servers import, "
-                   "e.g. a baseline and this tree, or `floor` (a bare asyncio / grpc.aio echo of the same sizes): "
-                   "cells alternate between them (default: this tree only)")
+                   "e.g. a baseline and this tree, or `floor` (a bare asyncio / grpc.aio echo of the same sizes); "
+                   "PATH@uvloop runs that server on uvloop: cells alternate between them (default: this tree)")
     p.add_argument("--reps", type=int, default=1, help="times each cell is run (per tree, interleaved)")
     args = p.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -500,8 +519,7 @@ def main() -> int:
                                 (lats, wall), stamps = clients.run(c, job, args.seconds), []
                             all_stamps[(proto, T)] = stamps
                             q = statistics.quantiles(lats, n=100, method="inclusive")
-                            name = os.path.basename(os.path.normpath(tree)) if tree else "this tree"
-                            name = "this tree" if tree not in (None, "floor") and os.path.samefile(tree, ".") else name
+                            name = tree_name(tree)
                             results.append((name, rep, proto, T, c, len(lats), len(lats) * T / wall, q[49] * 1e3,
                                             q[89] * 1e3))
                             print(f"  {name} {proto} T={T} c={c}: {len(lats)} requests, {len(lats) * T / wall:,.0f} "

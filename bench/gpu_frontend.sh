@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 11a on one H200 (nvidia-h200) in one call: the front end before and after, on the same machine.
 #   1. bench/frontend_load.py on this host (no GPU: the stand-in group, 1.4 ms per step): the floor
-#      (a bare asyncio / grpc.aio echo), BASE's front end and this tree's, cells interleaved
-#      (T=512, concurrency 1 and 4, v2 binary and gRPC), then this tree's per-request timeline (c=1)
+#      (a bare asyncio / grpc.aio echo), BASE's front end, this tree's and (when uvloop is
+#      installed) this tree's on uvloop, cells interleaved (T=512, concurrency 1 and 4, v2 binary
+#      and gRPC), then this tree's per-request timeline (c=1)
 #   2. the default server (`python -m service`: seed preset, R=1, C=512, fused) from BASE, loaded by
 #      BASE's bench/serve_load.py (T=512 and 2048, concurrency 1 and 4, v2 binary and gRPC, bf16)
 #   3. the same from this tree, with the layer alone in the same run (serve_load's direct figure)
@@ -12,9 +13,9 @@
 # Every step under `timeout`; BUDGET (s, default 270) caps the whole; CELL_S seconds per cell.
 # Logs in $OUT (else build/gpu_frontend): fl.txt timeline.txt pyspy.txt base.txt this.txt summary.txt
 #
-# The call (carry [".wt11a", ".whl"]):
+# The call (carry [".wt11a", ".whl"]; uvloop's cp312 wheel copied into .wt11a/whl/ beforehand):
 #   cd .wt11a && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-#     --target /tmp/site ../.whl/*.whl && export PYTHONPATH=$PWD:/tmp/site || exit; bash bench/gpu_frontend.sh
+#     --target /tmp/site ../.whl/*.whl whl/*.whl && export PYTHONPATH=$PWD:/tmp/site || exit; bash bench/gpu_frontend.sh
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
@@ -23,7 +24,7 @@ BASE=$(cd "${BASE:-..}" && pwd)
 PY=${PYTHON:-python3}
 LOG=${OUT:-build/gpu_frontend}
 BUDGET=${BUDGET:-270}
-CELL_S=${CELL_S:-2.5}
+CELL_S=${CELL_S:-2}
 SITE=${SITE:-/tmp/site}
 mkdir -p "$LOG"
 START=$(date +%s)
@@ -38,7 +39,9 @@ cap() { local want=$1 l; l=$(left); (( l < want )) && want=$l; (( want < 1 )) &&
 } | tee "$LOG/summary.txt"
 
 echo "== 1. the stand-in front end: floor, base, this tree"
-PYTHONPATH=$HERE:$SITE timeout -k 5 "$(cap 75)" "$PY" bench/frontend_load.py --trees "floor,$BASE,$HERE" \
+TREES="floor,$BASE,$HERE"
+PYTHONPATH=$SITE "$PY" -c "import uvloop" 2>/dev/null && TREES="$TREES,$HERE@uvloop"
+PYTHONPATH=$HERE:$SITE timeout -k 5 "$(cap 80)" "$PY" bench/frontend_load.py --trees "$TREES" \
   --sizes 512 --concurrency 1,4 --seconds "$CELL_S" > "$LOG/fl.txt" 2>&1
 echo "rc=$?"; grep -E "^\|" "$LOG/fl.txt"
 PYTHONPATH=$HERE:$SITE timeout -k 5 "$(cap 30)" "$PY" bench/frontend_load.py --sizes 512 --timeline \
@@ -47,12 +50,12 @@ echo "rc=$?"; grep -E "^\||^timeline" "$LOG/timeline.txt"
 
 echo "== py-spy of this tree's stand-in front end under load (T=512, 4 clients, v2 binary then gRPC)"
 PYSPY=$(command -v py-spy || echo "$SITE/bin/py-spy")
-PYTHONPATH=$HERE:$SITE timeout -k 5 "$(cap 40)" "$PY" bench/frontend_load.py --sizes 512 --concurrency 4 \
-  --seconds 6 > "$LOG/pyspy_load.txt" 2>&1 &
+PYTHONPATH=$HERE:$SITE timeout -k 5 "$(cap 35)" "$PY" bench/frontend_load.py --sizes 512 --concurrency 4 \
+  --seconds 4 > "$LOG/pyspy_load.txt" 2>&1 &
 LOADPID=$!
 for _ in $(seq 40); do SPID=$(pgrep -f "frontend_load.py serve" | head -n 1); [[ -n $SPID ]] && break; sleep 0.5; done
 sleep 4
-[[ -n ${SPID:-} ]] && timeout -k 5 "$(cap 20)" "$PYSPY" record --pid "$SPID" --rate 100 --duration 12 --format raw \
+[[ -n ${SPID:-} ]] && timeout -k 5 "$(cap 20)" "$PYSPY" record --pid "$SPID" --rate 100 --duration 10 --format raw \
   --output "$LOG/pyspy.txt" --nonblocking > "$LOG/pyspy_log.txt" 2>&1
 echo "py-spy rc=$?"; wait "$LOADPID"; grep -E "^\|" "$LOG/pyspy_load.txt"
 
