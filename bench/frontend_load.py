@@ -2,6 +2,7 @@
 
     python bench/frontend_load.py [--protocols v2_binary,grpc] [--sizes 512,2048] [--concurrency 1,4]
         [--step-ms 1.4] [--seconds 3] [--client raw|stock] [--timeline] [--server-flags "..."]
+        [--trees floor,BASE,.,.@uvloop] [--reps 2]
 
 A `service.server.Server` (HTTP on uvicorn, gRPC on grpc.aio, the batcher, shared-memory slots:
 everything the front end runs) is started in its own process (`frontend_load.py serve ...`) on
@@ -12,6 +13,10 @@ per concurrent caller); `--client raw` replaces its HTTP client (http.client) wi
 one (sendall the prepared request, recv_into one preallocated buffer) so that the load generator
 is not what is timed (its gRPC client is grpc's own, bytes in, bytes out). The server keeps torch's
 default thread count, as a GPU server's front end does (a CPU server pins one).
+
+`--trees` starts one server per entry and alternates every cell between them (`--reps` rounds):
+a checkout's root (its `service` is imported: before/after in one run), `PATH@uvloop` (that server
+on uvloop's loop), or `floor`: bench/frontend_floor.py, the same exchange with no front end.
 
 `--timeline` (concurrency 1 only): the server records timestamps of each request (HTTP: first
 byte read, headers, body complete, decoded, submitted, step start, rows in the slot, group.run
@@ -26,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -208,77 +212,6 @@ def serve(args) -> int:
     return code
 
 
-# ---- the floor: a bare asyncio server ------------------------------------------------------------
-
-
-class EchoFloor(asyncio.BufferedProtocol):
-    """The transport's floor for the same exchange: a request read with recv_into into one buffer
-    and answered with a JSON header and a prepared answer of the answer's size; no framework, no
-    decoding, no step. What the served path takes above this is the front end's own. A request
-    without a body (the readiness probe) gets an empty JSON object."""
-
-    answer = memoryview(b"")  # the largest answer; a request of T tokens gets its first T rows
-    row_in = row_out = 1     # bytes per token of a request (x bf16, ids, w) and of an answer
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        self.buf = memoryview(bytearray(64 << 20))
-        self.n = 0
-        self.need: int | None = None
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.buf[self.n:] if self.need is None else self.buf[self.n:self.need]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.n += nbytes
-        if self.need is None:
-            end = bytes(self.buf[:self.n]).find(b"\r\n\r\n")
-            if end < 0:
-                return
-            fields = dict(line.split(": ", 1) for line in
-                          bytes(self.buf[:end]).decode("latin-1").lower().split("\r\n")[1:])
-            self.need = end + 4 + int(fields.get("content-length", 0))
-        if self.n < self.need:
-            return
-        answer = self.answer[:(self.need // self.row_in) * self.row_out]
-        header = json.dumps({"model_name": "moe", "outputs": [{"name": "output", "parameters": {
-            "binary_data_size": len(answer)}}]}).encode() if answer else b"{}"
-        self.transport.write(f"HTTP/1.1 200 OK\r\ncontent-length: {len(header) + len(answer)}\r\n"
-                             f"inference-header-content-length: {len(header)}\r\n\r\n".encode() + header)
-        self.transport.write(answer)
-        self.n, self.need = 0, None
-
-
-def serve_floor(args) -> int:
-    """EchoFloor on the HTTP port; on the gRPC port a grpc.aio generic handler, bytes in, the
-    prepared answer out."""
-    import grpc
-
-    cfg = parse_settings(["--device", "cpu", "--preset", "seed", "--world-size", "1"]).layer_config("cpu")
-    EchoFloor.row_in, EchoFloor.row_out = 2 * cfg.H + 8 * cfg.K, 2 * cfg.H
-    answer = torch.ones(cfg.tokens_per_step * 4 * cfg.H, dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
-    EchoFloor.answer = memoryview(answer)
-
-    async def infer(request: bytes, context) -> bytes:
-        return answer[:(len(request) // EchoFloor.row_in) * EchoFloor.row_out]
-
-    async def main() -> None:
-        server = await asyncio.get_running_loop().create_server(EchoFloor, "127.0.0.1", args.http_port)
-        g = grpc.aio.server(options=[("grpc.max_receive_message_length", 1 << 30),
-                                     ("grpc.max_send_message_length", 1 << 30)])
-        handler = grpc.unary_unary_rpc_method_handler(infer)
-        g.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("inference.GRPCInferenceService",
-                                                                         {"ModelInfer": handler}),))
-        g.add_insecure_port(f"127.0.0.1:{args.grpc_port}")
-        await g.start()
-        async with server:
-            await server.serve_forever()
-
-    with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
-        asyncio.run(main())
-    return 0
-
-
 # ---- a raw-socket HTTP client --------------------------------------------------------------------
 
 
@@ -431,9 +364,12 @@ def start(args, timeline_path: str | None, tree: str | None = None):
     on uvloop's event loop) when given."""
     http_port, grpc_port = serve_load._free_port(), serve_load._free_port()
     tree, _, loop = (tree or "").partition("@")
-    cmd = [sys.executable, __file__, "floor" if tree == "floor" else "serve", "--http-port", str(http_port),
-           "--grpc-port", str(grpc_port), "--step-ms", str(args.step_ms), "--server-flags", args.server_flags,
-           "--loop", loop or "asyncio"]
+    if tree == "floor":
+        cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "frontend_floor.py"),
+               "--http-port", str(http_port), "--grpc-port", str(grpc_port)]
+    else:
+        cmd = [sys.executable, __file__, "serve", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+               "--step-ms", str(args.step_ms), "--server-flags", args.server_flags, "--loop", loop or "asyncio"]
     if timeline_path:
         cmd += ["--timeline", timeline_path]
     log_path = os.path.join(tempfile.gettempdir(), f"frontend-load-{os.getpid()}-{http_port}.log")
@@ -459,7 +395,7 @@ def stop(proc) -> None:
 
 
 def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] in ("serve", "floor"):
+    if sys.argv[1:2] == ["serve"]:
         p = argparse.ArgumentParser()
         p.add_argument("mode")
         p.add_argument("--http-port", type=int, required=True)
@@ -469,7 +405,7 @@ def main() -> int:
         p.add_argument("--server-flags", default="")
         p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
         args = p.parse_args()
-        return serve(args) if args.mode == "serve" else serve_floor(args)
+        return serve(args)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--protocols", default="v2_binary,grpc")
     p.add_argument("--sizes", default="512,2048")
@@ -549,6 +485,6 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] not in (["serve"], ["floor"]):
+    if sys.argv[1:2] != ["serve"]:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     sys.exit(main())
