@@ -55,7 +55,7 @@ PYTHONPATH=$HERE:$SITE timeout -k 5 "$(cap 35)" "$PY" bench/frontend_load.py --s
 LOADPID=$!
 for _ in $(seq 40); do SPID=$(pgrep -f "frontend_load.py serve" | head -n 1); [[ -n $SPID ]] && break; sleep 0.5; done
 sleep 4
-[[ -n ${SPID:-} ]] && timeout -k 5 "$(cap 20)" "$PYSPY" record --pid "$SPID" --rate 100 --duration 10 --format raw \
+[[ -n ${SPID:-} ]] && timeout -k 5 "$(cap 20)" "$PYSPY" record --pid "$SPID" --rate 100 --duration 10 --threads --idle --format raw \
   --output "$LOG/pyspy.txt" --nonblocking > "$LOG/pyspy_log.txt" 2>&1
 echo "py-spy rc=$?"; wait "$LOADPID"; grep -E "^\|" "$LOG/pyspy_load.txt"
 
