@@ -10,7 +10,9 @@
 #   (between 1 and 2: py-spy of this tree's stand-in front end under load, raw stacks in pyspy.txt)
 # BASE (default: the checkout above this tree, i.e. main as the device tool sent it). csrc/ is not
 # built (the fused layer then uses the torch schedule builder, logged): the same for both trees.
-# Every step under `timeout`; BUDGET (s, default 270) caps the whole; CELL_S seconds per cell.
+# Order: 1 (FL=0 skips), 2, 3, the timeline (TIMELINE=0 skips), py-spy (PYSPY=0 skips), each only
+# while the budget lasts. Every step under `timeout`; BUDGET (s, default 270) caps the whole;
+# CELL_S seconds per cell.
 # Logs in $OUT (else build/gpu_frontend): fl.txt timeline.txt pyspy.txt base.txt this.txt summary.txt
 #
 # The call (carry [".wt11a", ".whl"]; uvloop's cp312 wheel copied into .wt11a/whl/ beforehand):
@@ -38,16 +40,34 @@ cap() { local want=$1 l; l=$(left); (( l < want )) && want=$l; (( want < 1 )) &&
        "torch $($PY -c 'import torch; print(torch.__version__)'); $(nproc) CPU cores; load $(cut -d' ' -f1 /proc/loadavg)"
 } | tee "$LOG/summary.txt"
 
+if [[ "${FL:-1}" == 1 ]]; then
 echo "== 1. the stand-in front end: floor, base, this tree"
 TREES="floor,$BASE,$HERE"
 PYTHONPATH=$SITE "$PY" -c "import uvloop" 2>/dev/null && TREES="$TREES,$HERE@uvloop"
 PYTHONPATH=$HERE:$SITE timeout -k 5 "$(cap 80)" "$PY" bench/frontend_load.py --trees "$TREES" \
   --sizes 512 --concurrency 1,4 --seconds "$CELL_S" > "$LOG/fl.txt" 2>&1
 echo "rc=$?"; grep -E "^\|" "$LOG/fl.txt"
+fi
+
+for which in base this; do
+  if [[ $which == base ]]; then dir=$BASE; extra=(--no-direct); else dir=$HERE; extra=(); fi
+  (( $(left) > 50 )) || { echo "== $which skipped: budget spent"; continue; }
+  echo "== the served path from $which ($dir)"
+  (cd "$dir" && PYTHONPATH=$dir:$SITE timeout -k 10 "$(cap 110)" "$PY" bench/serve_load.py --sizes 512,2048 \
+    --concurrency 1,4 --seconds "$CELL_S" --wire-dtype bf16 "${extra[@]}" > "$HERE/$LOG/$which.txt" 2>&1)
+  echo "rc=$?"; grep -E "^\||busy|started" "$LOG/$which.txt"
+done
+
+
+if [[ "${TIMELINE:-1}" == 1 ]] && (( $(left) > 25 )); then
+  echo "== this tree's per-request timeline (stand-in, c=1)"
 PYTHONPATH=$HERE:$SITE timeout -k 5 "$(cap 30)" "$PY" bench/frontend_load.py --sizes 512 --timeline \
   --seconds "$CELL_S" > "$LOG/timeline.txt" 2>&1
 echo "rc=$?"; grep -E "^\||^timeline" "$LOG/timeline.txt"
 
+fi
+
+if [[ "${PYSPY:-1}" == 1 ]] && (( $(left) > 35 )); then
 echo "== py-spy of this tree's stand-in front end under load (T=512, 4 clients, v2 binary then gRPC)"
 PYSPY=$(command -v py-spy || echo "$SITE/bin/py-spy")
 PYTHONPATH=$HERE:$SITE timeout -k 5 "$(cap 35)" "$PY" bench/frontend_load.py --sizes 512 --concurrency 4 \
@@ -59,14 +79,7 @@ sleep 4
   --output "$LOG/pyspy.txt" --nonblocking > "$LOG/pyspy_log.txt" 2>&1
 echo "py-spy rc=$?"; wait "$LOADPID"; grep -E "^\|" "$LOG/pyspy_load.txt"
 
-for which in base this; do
-  if [[ $which == base ]]; then dir=$BASE; extra=(--no-direct); else dir=$HERE; extra=(); fi
-  (( $(left) > 50 )) || { echo "== $which skipped: budget spent"; continue; }
-  echo "== the served path from $which ($dir)"
-  (cd "$dir" && PYTHONPATH=$dir:$SITE timeout -k 10 "$(cap 110)" "$PY" bench/serve_load.py --sizes 512,2048 \
-    --concurrency 1,4 --seconds "$CELL_S" --wire-dtype bf16 "${extra[@]}" > "$HERE/$LOG/$which.txt" 2>&1)
-  echo "rc=$?"; grep -E "^\||busy|started" "$LOG/$which.txt"
-done
+fi
 
 {
   echo
