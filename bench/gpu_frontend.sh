@@ -28,7 +28,7 @@ LOG=${OUT:-build/gpu_frontend}
 BUDGET=${BUDGET:-270}
 CELL_S=${CELL_S:-2}
 SITE=${SITE:-/tmp/site}
-mkdir -p "$LOG"
+mkdir -p "$LOG" && LOG=$(cd "$LOG" && pwd)
 START=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 cap() { local want=$1 l; l=$(left); (( l < want )) && want=$l; (( want < 1 )) && want=1; echo "$want"; }
@@ -54,7 +54,7 @@ for which in base this; do
   (( $(left) > 50 )) || { echo "== $which skipped: budget spent"; continue; }
   echo "== the served path from $which ($dir)"
   (cd "$dir" && PYTHONPATH=$dir:$SITE timeout -k 10 "$(cap 110)" "$PY" bench/serve_load.py --sizes 512,2048 \
-    --concurrency 1,4 --seconds "$CELL_S" --wire-dtype bf16 "${extra[@]}" > "$HERE/$LOG/$which.txt" 2>&1)
+    --concurrency 1,4 --seconds "$CELL_S" --wire-dtype bf16 "${extra[@]}" > "$LOG/$which.txt" 2>&1)
   echo "rc=$?"; grep -E "^\||busy|started" "$LOG/$which.txt"
 done
 
