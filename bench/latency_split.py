@@ -7,7 +7,8 @@ requests since `--before`, a snapshot this script wrote with --save): the server
 time by protocol (moe_request_duration_seconds), the statistics' queue, compute_input (rows into
 the slot), compute_infer (group.run: the send to the ranks, their step, the answers) and
 compute_output (rows out of the slot), and per step the layer time on rank 0 (moe_layer_seconds)
-with its stages. The client's time minus the server's is the wire and the client; compute_infer
+with its stages, and a step's wall time in the group's owner and on rank 0 (moe_step_seconds).
+The client's time minus the server's is the wire and the client; compute_infer
 minus the layer is the hop to the ranks and the ranks' own host work.
 """
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import urllib.request
+
+PER_STEP = ("moe_layer_seconds_count", "moe_stage_seconds_count", "moe_step_seconds_count")
 
 
 def snapshot(url: str, model: str) -> dict:
@@ -27,7 +30,8 @@ def snapshot(url: str, model: str) -> dict:
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name.endswith(("_sum", "_count")) and fam.name in (
-                    "moe_request_duration_seconds", "moe_layer_seconds", "moe_stage_seconds"):
+                    "moe_request_duration_seconds", "moe_layer_seconds", "moe_stage_seconds",
+                    "moe_step_seconds"):
                 key = s.name + "|" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
                 sums[key] = sums.get(key, 0.0) + s.value
     with urllib.request.urlopen(f"{url}/v2/models/{model}/stats", timeout=10) as r:
@@ -62,7 +66,7 @@ def main() -> None:
     for part in ("queue", "compute_input", "compute_infer", "compute_output"):
         c, ns = now.get(f"stats_{part}_count", 0.0), now.get(f"stats_{part}_ns", 0.0)
         print(f"statistics {part}: {ms(ns * 1e-9, c):.3f} ms over {c:.0f}")
-    for key in sorted(k for k in now if k.startswith(("moe_layer_seconds_count", "moe_stage_seconds_count"))):
+    for key in sorted(k for k in now if k.startswith(PER_STEP)):
         labels = key.split("|", 1)[1]
         name = key.split("_count")[0]
         total = now.get(key.replace("_count", "_sum"), 0.0)

@@ -48,6 +48,7 @@ BACKEND_STAGES = {"serial": SERIAL_STAGES, "fused": ("tables",) + FUSED_STAGES}
 
 
 COMPUTE_PHASES = ("compute_input", "compute_infer", "compute_output")  # Triton's statistics names
+STEP_PARTS = ("group", "rank")  # moe_step_seconds{part}: the owner's wall of a step, rank 0's
 
 
 @dataclasses.dataclass
@@ -94,6 +95,12 @@ class Metrics:
             "Communication time not hidden behind compute, per step (serial backend: all time in "
             "collectives; see service.moe.serial).",
             ["backend"], buckets=TIME_BUCKETS, registry=r)
+        self.step_time = Histogram(
+            "moe_step_seconds",
+            "Wall time of one step: part=group in the process that owns the rank group (sent to answered: "
+            "the pipes, and any wait behind a step in flight), part=rank on rank 0 (step message received "
+            "to answer sent: its copies, the layer, its checks).",
+            ["part"], buckets=TIME_BUCKETS, registry=r)
         self.tokens = Counter("moe_tokens_total", "Tokens processed by the layer.", registry=r)
         self.steps = Counter("moe_steps_total", "Steps run by the rank group.", registry=r)
         self.queued_tokens = Gauge("moe_queued_tokens", "Tokens waiting in the batcher's queue.", registry=r)
@@ -111,6 +118,8 @@ class Metrics:
         """Export the zero series of `backend` (a key of BACKEND_STAGES) and its stages: the group runs it."""
         self.layer_time.labels(backend)
         self.exposed_comm.labels(backend)
+        for part in STEP_PARTS:
+            self.step_time.labels(part)
         for stage in BACKEND_STAGES[backend]:
             self.stage_time.labels(stage)
 
@@ -126,6 +135,8 @@ class Metrics:
         self.batch_tokens.observe(stats.tokens)
         self.layer_time.labels(stats.backend).observe(stats.layer_s)
         self.exposed_comm.labels(stats.backend).observe(stats.exposed_comm_s)
+        self.step_time.labels("group").observe(stats.wall_s)
+        self.step_time.labels("rank").observe(stats.rank_wall_s)
         for stage, seconds in stats.stages.items():
             self.stage_time.labels(stage).observe(seconds)
 

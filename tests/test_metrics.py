@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import torch
 from prometheus_client import generate_latest
 
@@ -91,3 +92,20 @@ def test_merge_adds_up_front_ends_and_keeps_the_owners_process_series():
     text = generate_latest(merged).decode()
     assert set(re.findall(r"^(moe_\w+?)(?:_bucket|_count|_sum)?[{ ]", generate_latest(owner.registry).decode(),
                           re.M)) == set(re.findall(r"^(moe_\w+?)(?:_bucket|_count|_sum)?[{ ]", text, re.M))
+
+
+def test_step_wall_times_by_part():
+    """moe_step_seconds: the owner's wall of a step (part=group) and rank 0's (part=rank), zero series
+    from the start, one observation of each per step."""
+    from service.worker.group import StepStats
+
+    metrics = Metrics()
+    metrics.use_backend("fused")
+    value = metrics.registry.get_sample_value
+    assert [value("moe_step_seconds_count", {"part": p}) for p in ("group", "rank")] == [0.0, 0.0]
+    for wall, rank_wall in ((0.004, 0.0025), (0.003, 0.002)):
+        metrics.observe_step(StepStats(seq=1, tokens=8, backend="fused", layer_s=0.0015, stages={"fused": 0.0015},
+                                       exposed_comm_s=0.0, wall_s=wall, rank_wall_s=rank_wall))
+    assert value("moe_step_seconds_count", {"part": "group"}) == 2.0
+    assert value("moe_step_seconds_sum", {"part": "group"}) == pytest.approx(0.007)
+    assert value("moe_step_seconds_sum", {"part": "rank"}) == pytest.approx(0.0045)

@@ -66,6 +66,7 @@ class StepStats:
     stages: dict[str, float]       # stage -> seconds
     exposed_comm_s: float          # communication not hidden by compute (see the backend)
     wall_s: float = 0.0            # parent's view: send to last answer
+    rank_wall_s: float = 0.0       # rank 0's view: step message received to answer sent
 
 
 def cpu_host_peers(ctx, cfg: LayerConfig, device: str, timeout_s: float) -> HostPeers | None:
@@ -282,7 +283,8 @@ class WorkerGroup:
             self._step_walls.append(wall)
         stats = answers[0][1]
         return StepStats(seq=seq, tokens=T, backend=self.backend, layer_s=stats["layer_s"],
-                         stages=stats["stages"], exposed_comm_s=stats["exposed_comm_s"], wall_s=wall)
+                         stages=stats["stages"], exposed_comm_s=stats["exposed_comm_s"], wall_s=wall,
+                         rank_wall_s=stats["wall_s"])
 
     def _await(self, seq: int) -> list:
         """The ranks' answers to step `seq`. One waiting thread at a time reads the next answer

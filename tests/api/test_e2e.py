@@ -504,8 +504,9 @@ def test_metrics_move(http):
     assert http.post("/moe/forward", content=b"{", headers={"Content-Type": "application/json"}).status_code == 400
     after = scrape(http)
     for family in ("moe_request_duration_seconds", "moe_requests", "moe_queue_time_seconds", "moe_batch_tokens",
-                   "moe_layer_seconds", "moe_stage_seconds", "moe_exposed_comm_seconds", "moe_tokens",
-                   "moe_steps", "moe_queued_tokens", "moe_inflight_requests", "moe_worker_restarts", "moe_ready"):
+                   "moe_layer_seconds", "moe_stage_seconds", "moe_exposed_comm_seconds", "moe_step_seconds",
+                   "moe_tokens", "moe_steps", "moe_queued_tokens", "moe_inflight_requests", "moe_worker_restarts",
+                   "moe_ready"):
         assert family in after, family
     def moved(family, sample, **labels):
         return value(after[family], sample, **labels) - value(before[family], sample, **labels)
@@ -519,6 +520,10 @@ def test_metrics_move(http):
     assert moved("moe_queue_time_seconds", "moe_queue_time_seconds_count") >= 1
     assert moved("moe_layer_seconds", "moe_layer_seconds_count", backend="serial") >= 1
     assert moved("moe_exposed_comm_seconds", "moe_exposed_comm_seconds_count", backend="serial") >= 1
+    for part in ("group", "rank"):  # a step's wall in the owner and on rank 0: at least the layer's time
+        assert moved("moe_step_seconds", "moe_step_seconds_count", part=part) >= 1
+        assert (moved("moe_step_seconds", "moe_step_seconds_sum", part=part)
+                >= moved("moe_layer_seconds", "moe_layer_seconds_sum", backend="serial") > 0), part
     stages = {s.labels["stage"] for s in after["moe_stage_seconds"] if "stage" in s.labels}
     assert stages >= {"all_gather", "reduce_scatter"}
     buckets = {s.labels["le"] for s in after["moe_batch_tokens"] if s.name.endswith("_bucket")}
