@@ -147,9 +147,14 @@ class WorkerGroup:
             parent_end, child_end = ctx.Pipe()
             proc = ctx.Process(target=rank_main, args=(rank, opts, child_end), daemon=True,
                                name=f"moe-rank{rank}")
+            try:
+                proc.start()
+            except BaseException:  # only started ranks are tracked: close() joins what it holds
+                parent_end.close()
+                child_end.close()
+                raise
             self._procs.append(proc)
             self._conns.append(parent_end)
-            proc.start()
             child_end.close()
         log.info("started %d ranks on %s (%s), waiting for them to load", cfg.R, self.device, cfg.describe())
         t0 = time.monotonic()

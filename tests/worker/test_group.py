@@ -183,6 +183,28 @@ def test_start_failure_is_reported(tmp_path):
     assert "missing.safetensors" in str(info.value)
 
 
+def test_a_rank_that_cannot_be_spawned_reports_its_own_error(monkeypatch):
+    """The second rank's process fails to start: start() raises that error (not an assertion from
+    joining a process that never started), and the rank already started is stopped."""
+    import multiprocessing.context
+
+    started = []
+    real_start = multiprocessing.context.SpawnProcess.start
+
+    def start(proc):
+        if started:
+            raise OSError("no more processes")
+        real_start(proc)
+        started.append(proc)
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", start)
+    group = WorkerGroup(SMALL, start_timeout_s=60)
+    with pytest.raises(OSError, match="no more processes"):
+        group.start()
+    assert len(started) == 1 and not started[0].is_alive() and started[0].exitcode is not None
+    assert not group.alive
+
+
 def _batch(T: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     ids, w = routing(T, SMALL.E, SMALL.K, "balanced", gen)
