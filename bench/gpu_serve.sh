@@ -4,6 +4,8 @@
 # GPU, C=512, backend auto = fused), then:
 #   1. py-spy of the front end and its rank under load (v2 binary + gRPC, T=512, bf16, 4 clients):
 #      collapsed stacks in pyspy.txt (summarised with bench/pyspy_summary.py)
+#   1b. bench/latency_split.py around a concurrency-1 load per protocol (T=512): the server's own
+#      books (arrival to answer, the statistics' phases, layer, stages, moe_step_seconds); SPLIT=0 skips
 #   2. bench/serve_load.py against it: v2 binary and gRPC, bf16 on the wire, T=512 and 2048,
 #      concurrency 1, 4, 16; the layer alone at the same step shapes in the same run (after the load)
 #   3. bench/multigpu.py load: the issue's own protocol (fp32, 4 threads of one client process),
@@ -20,7 +22,7 @@
 # Every step runs under `timeout`; BUDGET (s, default 500) caps the whole. PROFILE=0 / COSTS=0 skip
 # steps 1 / 4; MAIN=0 skips steps 1-3 (and their server), e.g. to run step 6 alone.
 # Logs: $OUT (else build/gpu_serve): server.txt pyspy.txt serve_load.txt serve_load.json load.txt
-# costs.txt slots.txt http_<impl>.txt http_<impl>.json frontends_<n>.txt frontends_<n>.json summary.txt
+# split_<protocol>.txt costs.txt slots.txt http_<impl>.txt http_<impl>.json frontends_<n>.txt frontends_<n>.json summary.txt
 #
 # The call (carry [".wt11", ".whl"]; the wheels listed in bench/multigpu.sh plus py-spy):
 #   cd .wt11 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -79,6 +81,17 @@ timeout -k 5 "$(cap 30)" "$PYSPY" record --pid "$SERVER" --subprocesses --rate 1
   --output "$LOG/pyspy.txt" --nonblocking > "$LOG/pyspy_log.txt" 2>&1
 echo "py-spy rc=$?"; tail -n 3 "$LOG/pyspy_log.txt"
 wait "$LOADPID"; echo "profile load rc=$?"; grep -E "^\|" "$LOG/pyspy_load.txt" | head -n 6
+fi
+
+# ---- 1b. a concurrency-1 request's time from the server's own books -----------------------------
+if [[ "${SPLIT:-1}" == 1 ]]; then
+echo "== 1b. bench/latency_split.py around a concurrency-1 load (T=512, bf16)"
+for proto in v2_binary grpc; do
+  "$PY" bench/latency_split.py --url http://127.0.0.1:18000 --save "$LOG/split_before_$proto.json" > /dev/null
+  timeout -k 5 "$(cap 40)" "$PY" bench/serve_load.py --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
+    --protocols "$proto" --sizes 512 --concurrency 1 --seconds "$CELL_S" --no-direct "${SERVE_FLAGS[@]}" 2>&1 | grep -E "^\|"
+  "$PY" bench/latency_split.py --url http://127.0.0.1:18000 --before "$LOG/split_before_$proto.json" | tee "$LOG/split_$proto.txt"
+done
 fi
 
 # ---- 2. bench/serve_load.py ---------------------------------------------------------------------
