@@ -286,15 +286,21 @@ class Batcher:
             return
         finally:
             self._slots.release()
-        self.metrics.observe_step(stats)
         for job in {p.job for p in pieces}:
             job.compute = [a + b for a, b in zip(job.compute, phases, strict=True)]
+        answered = []
         for p in pieces:
             p.job.done += p.rows
             if p.job.done == p.job.T and not p.job.future.done():
-                copy_in, layer, copy_out = p.job.compute
-                self.metrics.observe_request_compute((copy_in, layer, copy_out))
+                answered.append(p.job)
                 p.job.future.set_result(None)
+        try:  # after the answers: a failure to record a step must never hold its requests back
+            self.metrics.observe_step(stats)
+            for job in answered:
+                copy_in, layer, copy_out = job.compute
+                self.metrics.observe_request_compute((copy_in, layer, copy_out))
+        except Exception:  # noqa: BLE001  a bug in the books, not in the answers: say it, keep serving
+            log.exception("recording the metrics of step %s failed", getattr(stats, "seq", "?"))
 
     def _execute(self, group, pieces: list[_Piece], T: int):
         """Worker thread: rows into the slot, one step, answers out of the slot. Returns the step's

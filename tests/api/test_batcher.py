@@ -16,6 +16,7 @@ from service.config import LayerConfig
 from service.errors import DeadlineExceeded, GroupUnavailable, Overloaded, WorkerError
 from service.metrics import Metrics
 from service.moe.reference import moe_reference
+from service.worker.group import StepStats
 from tests.helpers import TOL, rel_err, routing
 
 CFG = LayerConfig(E=5, H=8, I=12, K=2, R=2, C=4, dtype=torch.float32)  # budget R*C = 8 tokens
@@ -62,8 +63,8 @@ class FakeGroup:
             time.sleep(self.step_s)
             slot.out[:T] = self.ref(slot.x[:T], slot.ids[:T], slot.w[:T])
             slot.out[T:] = float("nan")  # rows past T must never be read
-        return types.SimpleNamespace(seq=len(self.steps), tokens=T, backend="serial", layer_s=1e-3,
-                                     stages={"gemm1": 5e-4, "gemm2": 5e-4}, exposed_comm_s=0.0)
+        return StepStats(seq=len(self.steps), tokens=T, backend="serial", layer_s=1e-3,
+                         stages={"gemm1": 5e-4, "gemm2": 5e-4}, exposed_comm_s=0.0, wall_s=self.step_s)
 
 
 def batch(T: int, seed: int):
@@ -103,6 +104,31 @@ def test_split_reassemble_and_no_mixing():
     assert sum(group.steps) == sum(sizes)
     assert max(group.steps) <= BUDGET
     assert len(group.steps) == -(-sum(sizes) // BUDGET), "steps should be full while requests wait"
+
+
+def test_a_failure_to_record_metrics_does_not_hold_answers_back(caplog):
+    """The books fail after a step (a bug in them): the step's requests are answered at once, correct,
+    the failure is logged, and the next requests are served too."""
+    group = FakeGroup(CFG)
+
+    class BrokenBooks(Metrics):
+        def observe_step(self, stats):
+            raise AttributeError("no such field")
+
+    async def main():
+        b = await started(group, metrics=BrokenBooks())
+        reqs = [batch(T, 40 + T) for T in (3, 9)]
+        t0 = time.monotonic()
+        outs = [await b.submit(*r, timeout_s=5) for r in reqs]
+        elapsed = time.monotonic() - t0
+        await b.close()
+        return reqs, outs, elapsed
+
+    reqs, outs, elapsed = run(main())
+    assert elapsed < 2.0, elapsed  # not the 5 s deadline
+    for (x, ids, w), out in zip(reqs, outs, strict=True):
+        assert rel_err(out, group.ref(x, ids, w)) < TOL[torch.float32]
+    assert "recording the metrics of step" in caplog.text
 
 
 def test_queue_delay_and_full_budget():
