@@ -46,7 +46,7 @@ class _Slot:
 
 
 def _frontend(conn, steps: int, out) -> None:
-    group = RemoteGroup(1, "fused", [_Slot()], [conn], timeout_s=30.0)
+    group = RemoteGroup(1, "fused", [_Slot()], [conn], [0], timeout_s=30.0)
     for _ in range(50):
         group.run(_Slot, 512)
     times = []

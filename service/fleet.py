@@ -205,6 +205,9 @@ class Fleet:
         if not msg or msg[0] != "listening":
             proc.kill()
             proc.join(5)
+            ctl_here.close()
+            for a, _ in pairs:
+                a.close()
             raise MoEError(f"front end {i} did not start (exit code {proc.exitcode}); see its log above")
         member = _Member(i, proc, Channel(ctl_here), [a for a, _ in pairs])
         for j, conn in enumerate(member.steps):
@@ -215,11 +218,10 @@ class Fleet:
         reader = threading.Thread(target=self._read, args=(member,), daemon=True, name=f"moe-fe{i}-ctl")
         reader.start()
         member.threads.append(reader)
-        with self._lock:
+        with self._lock:  # held across the send: detach() (and so the group's close) cannot come in between
             self._members[i] = member
-            group, gen = self._group, self._gen
-        if group is not None:
-            self._send_attach(member, group, gen)
+            if self._group is not None:
+                self._send_attach(member, self._group, self._gen)
         log.info("front end %d listening (pid %d)", i, proc.pid)
 
     def stop(self) -> None:

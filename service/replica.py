@@ -34,13 +34,16 @@ STEP_ANSWER_MARGIN_S = 10.0
 class RemoteGroup:
     """This front end's slots of the owner's rank group (acquire_slot / run / release, as WorkerGroup)."""
 
-    def __init__(self, gen: int, backend: str, slots: list[Slot], conns: list[Connection], timeout_s: float):
+    def __init__(self, gen: int, backend: str, slots: list[Slot], conns: list[Connection], sent: list[int],
+                 timeout_s: float):
         self.gen, self.backend = gen, backend
         self.alive = True
         self._conns = conns
         self._timeout_s = timeout_s
         self._free = SlotPool(slots)
-        self._n = [0] * len(slots)  # steps sent per slot connection: answers are matched to them
+        # Steps sent per slot connection, kept by the connection's owner across groups: an answer an
+        # earlier group gave up waiting for carries a smaller number and is skipped, never taken.
+        self._n = sent
 
     def acquire_slot(self, timeout: float | None = None) -> Slot:
         return self._free.get(timeout, alive=self.alive)
@@ -55,12 +58,16 @@ class RemoteGroup:
         conn = self._conns[slot.index]
         self._n[slot.index] += 1
         n = self._n[slot.index]
+        deadline = time.monotonic() + self._timeout_s
         try:
             conn.send(("step", self.gen, n, T))
-            if not conn.poll(self._timeout_s):
-                self.alive = False  # the connection's next answer would be this one's: never reuse it
-                raise GroupUnavailable(f"the owner process did not answer step within {self._timeout_s:.0f} s")
-            reply = conn.recv()
+            while True:
+                if not conn.poll(max(0.0, deadline - time.monotonic())):
+                    self.alive = False
+                    raise GroupUnavailable(f"the owner process did not answer step within {self._timeout_s:.0f} s")
+                reply = conn.recv()
+                if reply[1] >= n:
+                    break  # (smaller: the late answer to a step an earlier group gave up on)
         except (EOFError, OSError):
             self.alive = False
             raise GroupUnavailable("the owner process is gone") from None
@@ -80,6 +87,7 @@ class Replica:
         self.index, self.settings, self.cfg = index, settings, cfg
         self.ctl = Channel(ctl)
         self.steps = steps
+        self.sent = [0] * len(steps)  # steps sent per slot connection, for every group in turn (RemoteGroup)
         self.endpoint = Endpoint(settings, cfg, settings.slots)
         self.fe, self.batcher = self.endpoint.fe, self.endpoint.batcher
         self.fe.gather = self._gather
@@ -154,7 +162,7 @@ class Replica:
                 for j, fd in enumerate(fds):
                     slots.append(Slot.open(self.cfg, j, f"/proc/self/fd/{fd}"))
                     os.close(fd)
-                group = RemoteGroup(gen, backend, slots, self.steps,
+                group = RemoteGroup(gen, backend, slots, self.steps, self.sent,
                                     self.settings.step_timeout_s + STEP_ANSWER_MARGIN_S)
                 call(self._attach, group)
             elif kind == "detach":

@@ -300,7 +300,7 @@ class Batcher:
                 copy_in, layer, copy_out = job.compute
                 self.metrics.observe_request_compute((copy_in, layer, copy_out))
         except Exception:  # noqa: BLE001  a bug in the books, not in the answers: say it, keep serving
-            log.exception("recording the metrics of step %s failed", getattr(stats, "seq", "?"))
+            log.exception("recording the metrics of step %s failed", stats.seq)
 
     def _execute(self, group, pieces: list[_Piece], T: int):
         """Worker thread: rows into the slot, one step, answers out of the slot. Returns the step's
