@@ -209,9 +209,9 @@ def run(args) -> dict:
         print(f"--- {routing}: {A.routing_stats(ids.cpu(), E, [128])}", flush=True)
         tables = build_tables(ids, torch.tensor([T], dtype=torch.int32, device=dev), E, T, cfg.S)
         used = int(tables.expert_offsets[-1])
-        half = int((tables.row_token[BM // 2:used:BM] < 0).sum())  # blocks that run a half tile
         nb = [(hi - lo) // BM for lo, hi in itertools.pairwise(tables.expert_offsets.tolist())]
         tails = (tables.row_token.view(-1, BM)[:, BM // 2] < 0).tolist()  # per block: a half tail (if used)
+        half = sum(tails[:used // BM])  # blocks that run a half tile
         ends = list(itertools.accumulate(nb))
         pairs = sum((n - int(n > 0 and tails[end - 1])) // 2 for n, end in zip(nb, ends, strict=True))
         print(f"    layout rows {used} for {T * K} hits; with split_tail {used - half * BM // 2} computed "

@@ -55,11 +55,17 @@ log = logging.getLogger("moe-serve.fleet")
 FRONTEND_START_TIMEOUT_S = 120.0  # a front end imports torch, FastAPI and grpc, binds, answers
 FRONTEND_STOP_GRACE_S = 5.0       # past the drain, how long a front end may take to exit
 COLLECT_TIMEOUT_S = 2.0           # a front end's answer to "collect" (a scrape waits this at most)
-RESTART_BACKOFF_S = 1.0           # a dead front end is restarted after this, doubling up to MAX
-MAX_RESTART_BACKOFF_S = 30.0
-HEALTHY_RESET_S = 60.0            # a front end that lived this long resets its back-off
-WATCH_INTERVAL_S = 0.5
+RESTART_BACKOFF_S = 1.0           # a dead front end is restarted after this, doubling up to MAX_BACKOFF_S
+# Supervision, of the rank group (service.server) and of the front ends alike:
+WATCH_INTERVAL_S = 0.5            # how often idle processes are checked
+MAX_BACKOFF_S = 30.0              # a restart's back-off doubles up to this
+HEALTHY_RESET_S = 60.0            # a process that served this long resets its back-off
 PR_SET_NAME = 15                  # prctl option: the thread's name, shown in /proc/PID/comm
+
+
+def backoff_s(base: float, failures: int) -> float:
+    """The wait before a restart after `failures` failed ones: `base`, doubling, at most MAX_BACKOFF_S."""
+    return min(MAX_BACKOFF_S, base * 2 ** failures)
 
 
 def set_frontend_threads(device: str, frontends: int) -> None:
@@ -117,14 +123,6 @@ class SlotShare:
         self.group = group
         self._free = SlotPool(slots)
 
-    @property
-    def backend(self) -> str:
-        return self.group.backend
-
-    @property
-    def alive(self) -> bool:
-        return self.group.alive
-
     def acquire_slot(self, timeout: float | None = None):
         return self._free.get(timeout, alive=self.group.alive)
 
@@ -162,12 +160,7 @@ class Fleet:
         self._ids = itertools.count(1)
         self._pending: dict[int, Future] = {}  # collect id -> its answer
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="moe-fleet")  # scrapes asked by front ends
-        self._watcher: threading.Thread | None = None
         self._failures: dict[int, int] = {}
-
-    @property
-    def pids(self) -> list[int]:
-        return [m.proc.pid for m in self._members.values()]
 
     # ---- life cycle ------------------------------------------------------------------------
 
@@ -179,8 +172,7 @@ class Fleet:
             if self._stopping:
                 return
             self._spawn(i)
-        self._watcher = threading.Thread(target=self._watch, name="moe-fleet-watch", daemon=True)
-        self._watcher.start()
+        threading.Thread(target=self._watch, name="moe-fleet-watch", daemon=True).start()
 
     def _spawn(self, i: int) -> None:
         from service.replica import replica_main
@@ -274,7 +266,7 @@ class Fleet:
                     conn.close()
                 failures = 0 if time.monotonic() - m.started > HEALTHY_RESET_S else self._failures.get(m.index, 0)
                 while not self._stopping:
-                    time.sleep(min(MAX_RESTART_BACKOFF_S, RESTART_BACKOFF_S * 2 ** failures))
+                    time.sleep(backoff_s(RESTART_BACKOFF_S, failures))
                     failures += 1
                     self._failures[m.index] = failures
                     if self._stopping:

@@ -42,15 +42,19 @@ from service.api.grpc import GrpcServer
 from service.api.http import create_app
 from service.config import LayerConfig, Settings
 from service.errors import ConfigError, GroupUnavailable, MoEError, WorkerError
-from service.fleet import FRONTEND_STOP_GRACE_S, Fleet, set_frontend_threads
+from service.fleet import (
+    FRONTEND_STOP_GRACE_S,
+    HEALTHY_RESET_S,
+    WATCH_INTERVAL_S,
+    Fleet,
+    backoff_s,
+    set_frontend_threads,
+)
 from service.metrics import Metrics, merge
 from service.worker.warmup import expert_source, warm_up
 
 log = logging.getLogger("moe-serve")
 
-WATCH_INTERVAL_S = 0.5   # how often an idle group's rank processes are checked
-MAX_BACKOFF_S = 30.0     # restart back-off doubles up to this
-HEALTHY_RESET_S = 60.0   # a group that served this long resets the back-off
 GRPC_STOP_GRACE_S = 1.0  # after the drain, what is left of gRPC calls gets this long
 MAX_DEFAULT_FRONTENDS = 4  # the default --frontends on a GPU host: min(this, CPU cores // 2)
 
@@ -354,7 +358,7 @@ class Server:
             await asyncio.wait_for(self._stop.wait(), seconds)
 
     def _backoff(self, failures: int) -> float:
-        return min(MAX_BACKOFF_S, self.settings.restart_backoff_s * 2 ** (failures - 1))
+        return backoff_s(self.settings.restart_backoff_s, failures - 1)
 
     async def _watch(self, group) -> None:
         """Return when the group fails (a step failed, a rank process is gone or, while idle, a

@@ -122,7 +122,8 @@ class GemmConfig:
     ctas_per_sm: int = 1
     # Serial GEMMs: programs take tiles from an atomic counter in tile order (a dynamic persistent
     # schedule) instead of tiles pid, pid + P, ...: tiles that share weights or rows then start
-    # close together, so that one DRAM read serves both from L2. The fused kernels keep their walk.
+    # close together, so that one DRAM read serves both from L2. The fused kernels honour it too (their
+    # counters are the dispenser's disp[1] / disp[2], rewound by the final reduce).
     queue: bool = False
     # Within an expert's tiles, column-tile-major order (tile_coords): the blocks that share a weight
     # column tile are consecutive tiles. Needs the layout's expert_offsets (the launchers' argument).
