@@ -6,9 +6,9 @@
 
 A `service.server.Server` (HTTP on uvicorn, gRPC on grpc.aio, the batcher, shared-memory slots:
 everything the front end runs) is started in its own process (`frontend_load.py serve ...`) on
-the seed shape (E=64, H=4096, K=8, bf16, R=1, C=512) with a stand-in rank group: its step copies
-slot.x into slot.out and sleeps --step-ms (the H200's layer time at 512 tokens, 1.4 ms), so what
-is measured is the front end alone. Load: bench/serve_load.py's closed-loop client processes (one
+the seed shape (E=64, H=4096, K=8, bf16, R=1, C=512) with bench/standin_serve.py's stand-in rank group:
+one step at a time (as on one GPU), each sleeping --step-ms (the H200's layer time at 512 tokens,
+1.4 ms) and copying slot.x into slot.out, so what is measured is the front end alone. Load: bench/serve_load.py's closed-loop client processes (one
 per concurrent caller); `--client raw` replaces its HTTP client (http.client) with a raw-socket
 one (sendall the prepared request, recv_into one preallocated buffer) so that the load generator
 is not what is timed (its gRPC client is grpc's own, bytes in, bytes out). The server keeps torch's
@@ -44,67 +44,13 @@ import types
 
 import serve_load
 import torch
+from standin_serve import StandInGroup, StandInServer
 
 from service.api import batcher as batcher_mod
 from service.api import codecs, connections
 from service.api import grpc as grpc_mod
 from service.api import http as http_mod
 from service.cli import parse_settings
-from service.server import Server
-from service.worker.group import StepStats
-from service.worker.shm import create_slots, remove_slots
-
-# ---- the stand-in rank group --------------------------------------------------------------------
-
-
-class StandInGroup:
-    """The rank group's API on real shared-memory slots; a step copies x into out and sleeps."""
-
-    backend = "fused"  # a name the metrics know; nothing is computed
-
-    def __init__(self, cfg, slots: int, step_s: float):
-        import queue
-
-        self.cfg, self.step_s = cfg, step_s
-        self.slots = create_slots(cfg, slots)
-        self.free: queue.Queue = queue.Queue()
-        for s in self.slots:
-            self.free.put(s)
-        self.pids: list[int] = []
-        self.seq = 0
-
-    def start(self) -> None:
-        pass
-
-    def close(self) -> None:
-        remove_slots(self.slots)
-
-    def poll(self) -> bool:
-        return True
-
-    def heartbeat(self, timeout: float = 2.0) -> bool:
-        return True
-
-    def acquire_slot(self, timeout=None):
-        return self.free.get(timeout=timeout)
-
-    def release(self, slot) -> None:
-        self.free.put(slot)
-
-    def run(self, slot, T: int) -> StepStats:
-        mark("step_start")
-        slot.out[:T].copy_(slot.x[:T])
-        time.sleep(self.step_s)
-        self.seq += 1
-        mark("run_back")
-        return StepStats(seq=self.seq, tokens=T, backend=self.backend, layer_s=self.step_s,
-                         stages={}, exposed_comm_s=0.0)
-
-
-class StandInServer(Server):
-    def _warm_up(self, group) -> None:  # the stand-in computes nothing to check
-        pass
-
 
 # ---- server-side timeline (installed by `serve --timeline`) -------------------------------------
 
@@ -174,6 +120,7 @@ def install_timeline() -> None:
     _wrap(codecs, "decode_grpc", before="decode_start", after="decoded")
     _wrap(batcher_mod.Batcher, "submit", before="submitted", after="answered")
     _wrap(batcher_mod.Batcher, "_execute", before="slot_copy")
+    _wrap(StandInGroup, "run", before="step_start", after="run_back")
     _wrap(codecs, "encode_v2_http", after="encoded")
     _wrap(codecs, "encode_grpc", after="encoded")
     _wrap(codecs, "serialize_grpc_response", after="serialized")
