@@ -5,14 +5,15 @@
         [--trees floor,BASE,.,.@uvloop] [--reps 2]
 
 A `service.server.Server` (HTTP on uvicorn, gRPC on grpc.aio, the batcher, shared-memory slots:
-everything the front end runs) is started in its own process (`frontend_load.py serve ...`) on
-the seed shape (E=64, H=4096, K=8, bf16, R=1, C=512) with bench/standin_serve.py's stand-in rank group:
+everything the front end runs) is started in its own process (`frontend_load.py serve ...`) on the
+seed shape (E=64, H=4096, K=8, bf16, R=1, C=512) with bench/standin_serve.py's stand-in rank group:
 one step at a time (as on one GPU), each sleeping --step-ms (the H200's layer time at 512 tokens,
-1.4 ms) and copying slot.x into slot.out, so what is measured is the front end alone. Load: bench/serve_load.py's closed-loop client processes (one
-per concurrent caller); `--client raw` replaces its HTTP client (http.client) with a raw-socket
-one (sendall the prepared request, recv_into one preallocated buffer) so that the load generator
-is not what is timed (its gRPC client is grpc's own, bytes in, bytes out). The server keeps torch's
-default thread count, as a GPU server's front end does (a CPU server pins one).
+1.4 ms) and copying slot.x into slot.out, so what is measured is the front end alone. Load:
+bench/serve_load.py's closed-loop client processes (one per concurrent caller); `--client raw`
+replaces its HTTP client (http.client) with a raw-socket one (sendall the prepared request,
+recv_into one preallocated buffer) so that the load generator is not what is timed (its gRPC client
+is grpc's own, bytes in, bytes out). The server keeps torch's default thread count, as a GPU
+server's front end does (a CPU server pins one).
 
 `--trees` starts one server per entry and alternates every cell between them (`--reps` rounds):
 a checkout's root (its `service` is imported: before/after in one run), `PATH@uvloop` (that server
@@ -242,21 +243,6 @@ class Clients(serve_load.Clients):
         super().__init__(n, raw_client if raw else None)
         self.raw = raw
 
-    def run_stamped(self, c: int, job: tuple, seconds: float) -> tuple[list[float], float, list]:
-        start_at = time.time() + 1.0 + 0.05 * c
-        stop_at = start_at + seconds
-        for conn in self.conns[:c]:
-            conn.send((*job, start_at, stop_at))
-        lats, end, stamps = [], start_at, []
-        for conn in self.conns[:c]:
-            status, value, t, *more = conn.recv()
-            if status != "ok":
-                raise RuntimeError(f"client failed: {value}")
-            lats += value
-            stamps += more[0] if more else []
-            end = max(end, t)
-        return lats, end - start_at, stamps
-
 
 # ---- the timeline's table -------------------------------------------------------------------------
 
@@ -396,10 +382,7 @@ def main() -> int:
                             target = grpc_target if proto == "grpc" else url
                             job = (proto, target, "/v2/models/moe/infer", body, header_len, T * cfg.H * 2,
                                    serve_load.WIRE_BITS["bf16"][1])
-                            if clients.raw or proto == "grpc":
-                                lats, wall, stamps = clients.run_stamped(c, job, args.seconds)
-                            else:
-                                (lats, wall), stamps = clients.run(c, job, args.seconds), []
+                            lats, wall, stamps = clients.run(c, job, args.seconds)
                             all_stamps[(proto, T)] = stamps
                             q = statistics.quantiles(lats, n=100, method="inclusive")
                             name = tree_name(tree)

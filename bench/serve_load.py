@@ -161,19 +161,21 @@ class Clients:
             self.conns.append(a)
             self.procs.append(p)
 
-    def run(self, c: int, job: tuple, seconds: float) -> tuple[list[float], float]:
+    def run(self, c: int, job: tuple, seconds: float) -> tuple[list[float], float, list]:
+        """Latencies, the cell's wall time, and the per-request timestamps of clients that keep them."""
         start_at = time.time() + 1.0 + 0.05 * c  # room for every client's connection and warm-up
         stop_at = start_at + seconds
         for conn in self.conns[:c]:
             conn.send((*job, start_at, stop_at))
-        lats, end = [], start_at
+        lats, end, stamps = [], start_at, []
         for conn in self.conns[:c]:
-            status, value, t = conn.recv()
+            status, value, t, *more = conn.recv()
             if status != "ok":
                 raise RuntimeError(f"client failed: {value}")
             lats += value
+            stamps += more[0] if more else []
             end = max(end, t)
-        return lats, end - start_at
+        return lats, end - start_at, stamps
 
     def close(self) -> None:
         for conn in self.conns:
@@ -340,7 +342,7 @@ def main() -> int:
                 job = (proto, target, f"/v2/models/{args.model}/infer", body, header_len, T * cfg.H * wire_size,
                        finite)
                 for c in conc:
-                    lats, wall = clients.run(c, job, args.seconds)
+                    lats, wall, _ = clients.run(c, job, args.seconds)
                     q = statistics.quantiles(lats, n=100, method="inclusive") if len(lats) > 1 else [lats[0]] * 99
                     row = {"protocol": proto, "T": T, "concurrency": c, "requests": len(lats),
                            "tok_s": len(lats) * T / wall, "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3,
