@@ -10,8 +10,8 @@ owner:
       the rank group; group.run numbers the steps         HTTP + gRPC on the same ports, a batcher,
       control channel, one per front end   <---------->   its slots of the group (mapped through
         ("attach", gen, backend) + the slots' fds,          the descriptors the owner sends)
-        ("detach", why), ("drain",), ("collect", id),      ("listening", pid), ("scrape", id),
-        ("scraped", id, [Snapshot])                        ("collected", id, Snapshot)
+        ("detach", why), ("drain",), ("collect", id),      ("started", pid), ("listening", pid),
+        ("scraped", id, [Snapshot])                        ("scrape", id), ("collected", id, Snapshot)
       one step connection per slot of a front end <--->   ("step", gen, n, T) -> ("done", n, StepStats)
         (a thread here calls group.run on that slot)        | ("failed", n, kind, text)
 
@@ -140,6 +140,7 @@ class _Member:
         self.index, self.proc, self.ctl, self.steps = index, proc, ctl, steps
         self.threads: list[threading.Thread] = []
         self.started = time.monotonic()
+        self.listening = False  # bound its ports (after it was told the group's state)
 
 
 class Fleet:
@@ -187,21 +188,26 @@ class Fleet:
         ctl_there.close()
         for _, b in pairs:
             b.close()
-        ready = wait([ctl_here, proc.sentinel], timeout=FRONTEND_START_TIMEOUT_S)
-        msg = None
-        if ctl_here in ready:
-            try:
-                msg = ctl_here.recv()
-            except (EOFError, OSError):
-                msg = None
-        if not msg or msg[0] != "listening":
+        deadline = time.monotonic() + FRONTEND_START_TIMEOUT_S
+        member = _Member(i, proc, Channel(ctl_here), [a for a, _ in pairs])
+        if self._expect(member, "started", deadline):  # imported, reading its control channel
+            with self._lock:  # held across the send: detach() (and so the group's close) cannot come in between
+                self._members[i] = member
+                self._send_state(member)
+            # It binds its listeners now that it knows the group's state: it never listens unattached
+            # while the group is up (it would answer 503 beside front ends that serve).
+            if self._expect(member, "listening", deadline):
+                member.listening = True
+        if not member.listening:
+            with self._lock:
+                self._members.pop(i, None)
             proc.kill()
             proc.join(5)
-            ctl_here.close()
-            for a, _ in pairs:
-                a.close()
+            for conn in (ctl_here, *member.steps):
+                conn.close()
+            if self._stopping:
+                return
             raise MoEError(f"front end {i} did not start (exit code {proc.exitcode}); see its log above")
-        member = _Member(i, proc, Channel(ctl_here), [a for a, _ in pairs])
         for j, conn in enumerate(member.steps):
             t = threading.Thread(target=self._serve_slot, args=(member, j, conn), daemon=True,
                                  name=f"moe-fe{i}-slot{j}")
@@ -210,10 +216,6 @@ class Fleet:
         reader = threading.Thread(target=self._read, args=(member,), daemon=True, name=f"moe-fe{i}-ctl")
         reader.start()
         member.threads.append(reader)
-        with self._lock:  # held across the send: detach() (and so the group's close) cannot come in between
-            self._members[i] = member
-            if self._group is not None:
-                self._send_attach(member, self._group, self._gen)
         log.info("front end %d listening (pid %d)", i, proc.pid)
 
     def stop(self) -> None:
@@ -293,6 +295,26 @@ class Fleet:
         mine = group.slots[m.index * self.slots:(m.index + 1) * self.slots]
         m.ctl.send(("attach", gen, group.backend, len(mine)), fds=[s.owner_fd for s in mine])
 
+    def _send_state(self, m: _Member) -> None:
+        """The group's state to a front end that has just started (under the lock)."""
+        if self._group is not None:
+            self._send_attach(m, self._group, self._gen)
+        else:
+            m.ctl.send(("detach", self._why))
+
+    @staticmethod
+    def _expect(m: _Member, kind: str, deadline: float) -> bool:
+        """Wait for front end m's message `kind` until `deadline`; False if it exits, fails or is late.
+        (Only `kind` can come: it answers nothing before it listens, and is asked nothing else.)"""
+        conn = m.ctl.conn
+        if conn not in wait([conn, m.proc.sentinel], timeout=max(0.0, deadline - time.monotonic())):
+            return False
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return False
+        return bool(msg) and msg[0] == kind
+
     def detach(self, why: str) -> None:
         with self._lock:
             self._group, self._why = None, why
@@ -354,7 +376,7 @@ class Fleet:
         """Every front end's snapshot, the owner's first; one that does not answer in
         COLLECT_TIMEOUT_S is left out (logged)."""
         with self._lock:
-            members = list(self._members.values())
+            members = [m for m in self._members.values() if m.listening]
         asked = []
         for m in members:
             request_id = next(self._ids)

@@ -3,9 +3,11 @@
 It serves HTTP and gRPC on the server's ports (SO_REUSEPORT) with its own batcher, and runs its
 steps on its share of the owner's rank group through `RemoteGroup`: the rows go into the slot
 (mapped from the descriptor the owner sent), ("step", gen, n, T) goes to the owner, whose thread
-calls group.run and answers. Readiness follows the owner's ("attach", ...) / ("detach", why);
-("drain",) or SIGTERM drains and exits 0; the control channel closing (the owner exited) stops
-the process at once, failing what it still holds with 503.
+calls group.run and answers. It binds its listeners only after the owner's first ("attach", ...)
+or ("detach", why), so that a restarted front end never takes connections it would refuse while
+the others serve; readiness then follows those messages. ("drain",) or SIGTERM drains and exits
+0; the control channel closing (the owner exited) stops the process at once, failing what it
+still holds with 503.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ class Replica:
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop  # the running loop, set by serve()
         self._stop = asyncio.Event()
+        self._known = asyncio.Event()  # set by the owner's first attach or detach
         self._draining = False
         self._scrapes: dict[int, tuple[threading.Event, list]] = {}
         self._scrape_ids = iter(range(1, sys.maxsize))
@@ -104,11 +107,21 @@ class Replica:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
                 loop.add_signal_handler(sig, self.drain)
+        # Listen only once the group's state is known: a process that accepted connections before
+        # its first ("attach", ...) would answer them 503 while the other front ends serve.
+        threading.Thread(target=self._read, name="moe-ctl", daemon=True).start()
+        self.ctl.send(("started", os.getpid()))
+        known, stop = asyncio.ensure_future(self._known.wait()), asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait([known, stop], return_when=asyncio.FIRST_COMPLETED)
+        known.cancel()
+        if self._stop.is_set() and not self._known.is_set():  # drained or orphaned before listening
+            stop.cancel()
+            return self.exit_code
         if not await self.endpoint.start(http_port, grpc_port, reuse_port=True):
+            stop.cancel()
             return 1
         self.ctl.send(("listening", os.getpid()))
-        threading.Thread(target=self._read, name="moe-ctl", daemon=True).start()
-        await self._stop.wait()
+        await stop
         drain_end = time.monotonic() + (s.drain_timeout_s if self._draining else 0.0)
         if self._draining:
             drained = await self.batcher.wait_idle(s.drain_timeout_s)
@@ -139,15 +152,22 @@ class Replica:
         self.batcher.attach(group)
         if not self._draining:
             self.fe.set_ready(True)
+        self._known.set()
 
     def _detach(self, why: str) -> None:
         self.fe.set_ready(False, why)
         self.batcher.detach(GroupUnavailable(why))
+        self._known.set()
 
     # ---- the control channel (a thread: reads block) ---------------------------------------
 
     def _read(self) -> None:
-        call = self._loop.call_soon_threadsafe
+        loop = self._loop
+
+        def call(fn, *args) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: serve() has returned
+                loop.call_soon_threadsafe(fn, *args)
+
         while True:
             try:
                 msg = self.ctl.conn.recv()

@@ -183,6 +183,7 @@ class GrpcServer:
     """grpc.aio server with the inference service, health (follows readiness) and reflection."""
 
     def __init__(self, fe: Frontend, host: str, port: int):
+        self.fe = fe
         s = fe.settings
         idle_ms = int(s.idle_timeout_s * 1000)
         options = [
@@ -212,7 +213,7 @@ class GrpcServer:
             raise OSError(f"cannot bind the gRPC port {host}:{port}")
 
     async def start(self) -> None:
-        await self.set_serving(False)
+        await self.set_serving(self.fe.ready)  # a front end may start after it is attached (service.replica)
         await self.server.start()
 
     async def set_serving(self, ready: bool) -> None:

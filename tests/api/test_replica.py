@@ -37,3 +37,62 @@ def test_a_late_answer_to_a_given_up_step_is_never_taken_by_the_next_group():
     b = RemoteGroup(2, "fused", [slot], [here], sent, timeout_s=5.0)
     assert b.run(slot, 8) == {"gen": 2, "n": 2}
     t.join(5)
+
+
+def test_a_front_end_listens_only_once_it_knows_the_groups_state():
+    """A (re)started front end binds its ports only after the owner's first attach or detach: one
+    that listened before would answer 503 ("starting") beside front ends that serve."""
+    import asyncio
+    import socket
+
+    from service.config import Settings
+    from service.replica import Replica
+    from tests.api.common import CFG
+    from tests.serverproc import free_port
+
+    http_port, grpc_port = free_port(), free_port()
+    owner, ctl = mp.Pipe()
+    settings = Settings(host="127.0.0.1", slots=1, http_port=http_port, grpc_port=grpc_port)
+    replica = Replica(1, settings, CFG, ctl, [mp.Pipe()[0]])
+    code: list[int] = []
+    t = threading.Thread(target=lambda: code.append(asyncio.run(replica.serve(http_port, grpc_port))), daemon=True)
+    t.start()
+
+    def listening(port: int) -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    assert owner.poll(60) and owner.recv()[0] == "started"
+    time.sleep(0.5)  # time it would have had to bind
+    assert not listening(http_port) and not listening(grpc_port)
+    owner.send(("detach", "the rank group is restarting"))
+    assert owner.poll(60) and owner.recv()[0] == "listening"
+    assert listening(http_port) and listening(grpc_port)
+    import httpx
+
+    r = httpx.get(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=10)
+    assert r.status_code == 503 and not replica.fe.ready, r.text
+    owner.close()  # the owner is gone: the front end stops
+    t.join(30)
+    assert code == [1]
+
+
+def test_a_front_end_drained_before_it_listens_exits_without_listening():
+    import asyncio
+
+    from service.config import Settings
+    from service.replica import Replica
+    from tests.api.common import CFG
+    from tests.serverproc import free_port
+
+    http_port, grpc_port = free_port(), free_port()
+    owner, ctl = mp.Pipe()
+    settings = Settings(host="127.0.0.1", slots=1, http_port=http_port, grpc_port=grpc_port)
+    replica = Replica(1, settings, CFG, ctl, [mp.Pipe()[0]])
+    code: list[int] = []
+    t = threading.Thread(target=lambda: code.append(asyncio.run(replica.serve(http_port, grpc_port))), daemon=True)
+    t.start()
+    assert owner.poll(60) and owner.recv()[0] == "started"
+    owner.send(("drain",))
+    t.join(30)
+    assert code == [0] and not owner.poll(0.2)  # no "listening"
