@@ -11,7 +11,8 @@ owner:
       control channel, one per front end   <---------->   its slots of the group (mapped through
         ("attach", gen, backend) + the slots' fds,          the descriptors the owner sends)
         ("detach", why), ("drain",), ("collect", id),      ("started", pid), ("listening", pid),
-        ("scraped", id, [Snapshot])                        ("scrape", id), ("collected", id, Snapshot)
+        ("scraped", id, [Snapshot])                        ("attached", gen), ("scrape", id),
+                                                             ("collected", id, Snapshot)
       one step connection per slot of a front end <--->   ("step", gen, n, T) -> ("done", n, StepStats)
         (a thread here calls group.run on that slot)        | ("failed", n, kind, text)
 
@@ -55,6 +56,7 @@ log = logging.getLogger("moe-serve.fleet")
 FRONTEND_START_TIMEOUT_S = 120.0  # a front end imports torch, FastAPI and grpc, binds, answers
 FRONTEND_STOP_GRACE_S = 5.0       # past the drain, how long a front end may take to exit
 COLLECT_TIMEOUT_S = 2.0           # a front end's answer to "collect" (a scrape waits this at most)
+ATTACH_TIMEOUT_S = 10.0           # attach() waits this long for every listening front end to serve
 RESTART_BACKOFF_S = 1.0           # a dead front end is restarted after this, doubling up to MAX_BACKOFF_S
 # Supervision, of the rank group (service.server) and of the front ends alike:
 WATCH_INTERVAL_S = 0.5            # how often idle processes are checked
@@ -141,6 +143,7 @@ class _Member:
         self.threads: list[threading.Thread] = []
         self.started = time.monotonic()
         self.listening = False  # bound its ports (after it was told the group's state)
+        self.attached = 0       # the last generation it confirmed serving ("attached", gen)
 
 
 class Fleet:
@@ -154,6 +157,7 @@ class Fleet:
         self.http_port = self.grpc_port = 0
         self._members: dict[int, _Member] = {}
         self._lock = threading.Lock()          # guards _group, _gen, _members
+        self._acks = threading.Condition(self._lock)  # a front end confirmed an attach
         self._group = None
         self._gen = 0
         self._why = "the rank group is starting"
@@ -283,12 +287,26 @@ class Fleet:
 
     def attach(self, group, gen: int) -> SlotShare:
         """Serve every front end with `group` (started, warmed up) as generation `gen`; front end 0's
-        share of its slots."""
+        share of its slots. Returns once every listening front end serves it (or after
+        ATTACH_TIMEOUT_S, logged), so that the owner turns ready only when they all are: a client
+        told "ready" by one process is not answered 503 by another. Blocking: call it in a thread."""
         with self._lock:
             self._group, self._gen = group, gen
             members = list(self._members.values())
         for m in members:
             self._send_attach(m, group, gen)
+        deadline = time.monotonic() + ATTACH_TIMEOUT_S
+        with self._acks:
+            while True:
+                late = [m for m in members if m.listening and m.attached < gen and m.proc.is_alive()
+                        and self._members.get(m.index) is m]
+                left = deadline - time.monotonic()
+                if not late or left <= 0 or self._stopping:
+                    break
+                self._acks.wait(min(left, WATCH_INTERVAL_S))
+        for m in late:
+            log.warning("front end %d did not confirm the rank group within %.0f s; it serves once it does",
+                        m.index, ATTACH_TIMEOUT_S)
         return SlotShare(group, group.slots[:self.slots])
 
     def _send_attach(self, m: _Member, group, gen: int) -> None:
@@ -305,15 +323,19 @@ class Fleet:
     @staticmethod
     def _expect(m: _Member, kind: str, deadline: float) -> bool:
         """Wait for front end m's message `kind` until `deadline`; False if it exits, fails or is late.
-        (Only `kind` can come: it answers nothing before it listens, and is asked nothing else.)"""
+        (Only `kind` or "attached" can come: before it listens it is asked nothing else.)"""
         conn = m.ctl.conn
-        if conn not in wait([conn, m.proc.sentinel], timeout=max(0.0, deadline - time.monotonic())):
-            return False
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return False
-        return bool(msg) and msg[0] == kind
+        while True:
+            if conn not in wait([conn, m.proc.sentinel], timeout=max(0.0, deadline - time.monotonic())):
+                return False
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                return False
+            if msg and msg[0] == "attached":  # its confirmation of the state sent at its start
+                m.attached = max(m.attached, msg[1])
+                continue
+            return bool(msg) and msg[0] == kind
 
     def detach(self, why: str) -> None:
         with self._lock:
@@ -359,7 +381,11 @@ class Fleet:
                 msg = m.ctl.conn.recv()
             except (EOFError, OSError):
                 return
-            if msg[0] == "collected":
+            if msg[0] == "attached":
+                with self._acks:
+                    m.attached = max(m.attached, msg[1])
+                    self._acks.notify_all()
+            elif msg[0] == "collected":
                 future = self._pending.pop(msg[1], None)
                 if future is not None:
                     future.set_result(msg[2])

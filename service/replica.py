@@ -153,6 +153,7 @@ class Replica:
         if not self._draining:
             self.fe.set_ready(True)
         self._known.set()
+        self.ctl.send(("attached", group.gen))  # the owner turns ready once every front end has
 
     def _detach(self, why: str) -> None:
         self.fe.set_ready(False, why)

@@ -329,7 +329,8 @@ class Server:
             first = False
             self.metrics.use_backend(group.backend)
             generation += 1
-            self._attached = group if self.fleet is None else self.fleet.attach(group, generation)
+            self._attached = (group if self.fleet is None  # the fleet's: once every front end serves it
+                              else await asyncio.to_thread(self.fleet.attach, group, generation))
             self.batcher.attach(self._attached)
             self.fe.set_ready(not self._stopping)
             log.info("ready (rank pids %s)", getattr(group, "pids", "?"))

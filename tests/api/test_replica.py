@@ -96,3 +96,38 @@ def test_a_front_end_drained_before_it_listens_exits_without_listening():
     owner.send(("drain",))
     t.join(30)
     assert code == [0] and not owner.poll(0.2)  # no "listening"
+
+
+def test_the_owner_turns_ready_only_once_every_front_end_serves_the_group():
+    """Fleet.attach returns (and the owner then turns ready) only after each listening front end has
+    confirmed ("attached", gen): a client told "ready" by one process is never answered 503 by another."""
+    import os
+
+    from service.config import Settings
+    from service.fleet import Channel, Fleet, _Member
+    from tests.api.common import CFG
+
+    fleet = Fleet(Settings(slots=1), CFG, "cpu", 2, own_snapshot=lambda: None, on_failure=lambda *a: None)
+    owner, fe = mp.Pipe()
+    proc = types.SimpleNamespace(is_alive=lambda: True, pid=0)
+    member = _Member(1, proc, Channel(owner), [])
+    member.listening = True
+    fleet._members[1] = member
+    threading.Thread(target=fleet._read, args=(member,), daemon=True).start()
+    fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(2)]
+    group = types.SimpleNamespace(backend="cpu", slots=[types.SimpleNamespace(owner_fd=fd) for fd in fds])
+    returned = threading.Event()
+    t = threading.Thread(target=lambda: (fleet.attach(group, 7), returned.set()), daemon=True)
+    t.start()
+    assert fe.poll(10)
+    msg = fe.recv()
+    assert msg[:2] == ("attach", 7), msg
+    for fd in Channel(fe).recv_fds(msg[3]):
+        os.close(fd)
+    assert not returned.wait(0.5)  # the front end has not confirmed yet
+    fe.send(("attached", 6))  # an older generation's confirmation does not count
+    assert not returned.wait(0.3)
+    fe.send(("attached", 7))
+    assert returned.wait(5)
+    for fd in fds:
+        os.close(fd)
