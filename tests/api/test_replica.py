@@ -39,24 +39,31 @@ def test_a_late_answer_to_a_given_up_step_is_never_taken_by_the_next_group():
     t.join(5)
 
 
-def test_a_front_end_listens_only_once_it_knows_the_groups_state():
-    """A (re)started front end binds its ports only after the owner's first attach or detach: one
-    that listened before would answer 503 ("starting") beside front ends that serve."""
+def start_replica():
+    """Front end 1 serving in a thread of this process, on fresh ports; the owner's end of its control channel."""
     import asyncio
-    import socket
 
     from service.config import Settings
     from service.replica import Replica
     from tests.api.common import CFG
     from tests.serverproc import free_port
 
-    http_port, grpc_port = free_port(), free_port()
+    ports = free_port(), free_port()
     owner, ctl = mp.Pipe()
-    settings = Settings(host="127.0.0.1", slots=1, http_port=http_port, grpc_port=grpc_port)
+    settings = Settings(host="127.0.0.1", slots=1, http_port=ports[0], grpc_port=ports[1])
     replica = Replica(1, settings, CFG, ctl, [mp.Pipe()[0]])
     code: list[int] = []
-    t = threading.Thread(target=lambda: code.append(asyncio.run(replica.serve(http_port, grpc_port))), daemon=True)
+    t = threading.Thread(target=lambda: code.append(asyncio.run(replica.serve(*ports))), daemon=True)
     t.start()
+    return replica, owner, t, code, ports
+
+
+def test_a_front_end_listens_only_once_it_knows_the_groups_state():
+    """A (re)started front end binds its ports only after the owner's first attach or detach: one
+    that listened before would answer 503 ("starting") beside front ends that serve."""
+    import socket
+
+    replica, owner, t, code, (http_port, grpc_port) = start_replica()
 
     def listening(port: int) -> bool:
         with socket.socket() as s:
@@ -78,20 +85,7 @@ def test_a_front_end_listens_only_once_it_knows_the_groups_state():
 
 
 def test_a_front_end_drained_before_it_listens_exits_without_listening():
-    import asyncio
-
-    from service.config import Settings
-    from service.replica import Replica
-    from tests.api.common import CFG
-    from tests.serverproc import free_port
-
-    http_port, grpc_port = free_port(), free_port()
-    owner, ctl = mp.Pipe()
-    settings = Settings(host="127.0.0.1", slots=1, http_port=http_port, grpc_port=grpc_port)
-    replica = Replica(1, settings, CFG, ctl, [mp.Pipe()[0]])
-    code: list[int] = []
-    t = threading.Thread(target=lambda: code.append(asyncio.run(replica.serve(http_port, grpc_port))), daemon=True)
-    t.start()
+    replica, owner, t, code, _ = start_replica()
     assert owner.poll(60) and owner.recv()[0] == "started"
     owner.send(("drain",))
     t.join(30)
