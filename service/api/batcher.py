@@ -14,9 +14,12 @@ steps are in flight: while one runs, the next is filled.
 
 A step runs in a worker thread: it copies the rows into the group's shared-memory slot views
 (slot.x[:T] ...), converting them to the group's dtype on the way (the one copy in: the request's
-tensors are views of its wire bytes), calls the blocking `group.run`, copies slot.out into each
-request's answer in the request's dtype (the one copy out, which the encoders send as it is) and
-releases the slot, so the event loop stays free. With `slots` >= 2 several steps are in flight:
+tensors are views of its wire bytes), checks each request's rows there (`codecs.rows_error`: a
+request whose hidden_states hold NaN, infinity or values past the slot's dtype fails alone with its
+400, its rows in the slot zeroed, its batch-mates' answers unchanged), calls the blocking
+`group.run`, copies slot.out into each request's answer in the request's dtype (the one copy out:
+into the response's own buffer where the caller passes one, which the encoders then send as it
+is) and releases the slot, so the event loop stays free. With `slots` >= 2 several steps are in flight:
 the group overlaps one step's copies with another's compute (service.worker.group).
 
 Admission is bounded in tokens: a request that would push the queued tokens past
@@ -36,7 +39,8 @@ from collections.abc import Callable
 
 import torch
 
-from service.errors import DeadlineExceeded, GroupUnavailable, Overloaded, WorkerError
+from service.api.codecs import rows_error
+from service.errors import DeadlineExceeded, GroupUnavailable, InvalidInput, Overloaded, WorkerError
 from service.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -58,6 +62,8 @@ class _Job:
     # seconds of the steps its rows ran in, by phase: copy in, layer, copy out
     compute: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0, 0.0])
     dropped: bool = False
+    # set by a step thread when the request's rows fail their check in the slot; the loop fails it
+    invalid: InvalidInput | None = None
 
     @property
     def T(self) -> int:
@@ -161,8 +167,10 @@ class Batcher:
     # ---- requests --------------------------------------------------------------------------
 
     async def submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, timeout_s: float,
-                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Answer one validated request: out [T, H] in `out_dtype` (default x's dtype)."""
+                     out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Answer one request (validated but for hidden_states' values, checked in the slot):
+        [T, H] in `out_dtype` (default x's dtype), written into `out` when given (the response's
+        buffer: the answer's one copy out of the slot lands where it is sent from)."""
         if self._refusal is not None:
             raise self._refusal
         T = x.shape[0]
@@ -170,7 +178,10 @@ class Batcher:
             raise Overloaded(f"the queue is full ({self._queued} of {self.queue_tokens} tokens queued, "
                              f"this request has {T}); retry later")
         now = time.monotonic()
-        out = torch.empty(T, x.shape[1], dtype=out_dtype or x.dtype)  # [T, H]
+        if out is None:
+            out = torch.empty(T, x.shape[1], dtype=out_dtype or x.dtype)  # [T, H]
+        elif out.shape != x.shape or (out_dtype is not None and out.dtype != out_dtype):
+            raise ValueError(f"out is {out.dtype} {list(out.shape)}, the request {out_dtype} {list(x.shape)}")
         job = _Job(x, ids, w, out, asyncio.get_running_loop().create_future(),
                    arrival=now, deadline=now + timeout_s)
         self._queue.append(job)
@@ -278,9 +289,9 @@ class Batcher:
         try:
             stats, phases = await loop.run_in_executor(self._pool, self._execute, group, pieces, T)
         except BaseException as e:  # noqa: BLE001  any failure of a step fails the group
-            for p in pieces:
-                p.job.fail(e if isinstance(e, (WorkerError, GroupUnavailable))
-                           else GroupUnavailable(f"the step failed: {type(e).__name__}: {e}"))
+            for p in pieces:  # a request whose rows failed their check keeps its own 400
+                p.job.fail(p.job.invalid or (e if isinstance(e, (WorkerError, GroupUnavailable))
+                           else GroupUnavailable(f"the step failed: {type(e).__name__}: {e}")))
             if self.on_failure and not self._closing and not isinstance(e, asyncio.CancelledError):
                 self.on_failure(group, e)
             return
@@ -288,8 +299,13 @@ class Batcher:
             self._slots.release()
         for job in {p.job for p in pieces}:
             job.compute = [a + b for a, b in zip(job.compute, phases, strict=True)]
+            if job.invalid is not None:
+                self._drop(job)
+                job.fail(job.invalid)
         answered = []
         for p in pieces:
+            if p.job.invalid is not None:
+                continue
             p.job.done += p.rows
             if p.job.done == p.job.T and not p.job.future.done():
                 answered.append(p.job)
@@ -303,8 +319,10 @@ class Batcher:
             log.exception("recording the metrics of step %s failed", stats.seq)
 
     def _execute(self, group, pieces: list[_Piece], T: int):
-        """Worker thread: rows into the slot, one step, answers out of the slot. Returns the step's
-        stats and the seconds of those three phases."""
+        """Worker thread: rows into the slot (each request's checked there; a request that fails
+        is marked `invalid` and its rows zeroed, here and in any later step that already holds
+        some), one step, answers out of the slot. Returns the step's stats and the seconds of those
+        three phases."""
         slot = group.acquire_slot(timeout=self.slot_timeout_s)
         try:
             if self._closing:
@@ -313,14 +331,22 @@ class Batcher:
             for p in pieces:
                 rows = slice(p.start, p.start + p.rows)
                 at = slice(p.at, p.at + p.rows)
-                slot.x[at].copy_(p.job.x[rows])
-                slot.ids[at].copy_(p.job.ids[rows])
-                slot.w[at].copy_(p.job.w[rows])
+                job = p.job
+                if job.invalid is None:
+                    slot.x[at].copy_(job.x[rows])
+                    slot.ids[at].copy_(job.ids[rows])
+                    slot.w[at].copy_(job.w[rows])
+                    job.invalid = rows_error(slot.x[at], job.x[rows], p.start)
+                if job.invalid is not None:  # rows the layer computes harmlessly, answered to nobody
+                    slot.x[at].zero_()
+                    slot.ids[at].zero_()
+                    slot.w[at].zero_()
             t1 = time.perf_counter()
             stats = group.run(slot, T)
             t2 = time.perf_counter()
             for p in pieces:
-                p.job.out[p.start:p.start + p.rows].copy_(slot.out[p.at:p.at + p.rows])
+                if p.job.invalid is None:
+                    p.job.out[p.start:p.start + p.rows].copy_(slot.out[p.at:p.at + p.rows])
             return stats, (t1 - t0, t2 - t1, time.perf_counter() - t2)
         finally:
             try:

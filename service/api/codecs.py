@@ -4,13 +4,15 @@ T tokens, H hidden, K top-k, E experts (see service.config).
 
 Formats: `/moe/forward` JSON and safetensors, Open Inference Protocol v2 over HTTP (JSON
 tensors and the binary tensor data extension) and over gRPC (raw contents or typed
-contents). Every decoder ends in `validate`, so nothing reaches a shared-memory slot that
-could make a rank fail: shapes, T agreement, dtypes, expert ids in [0, E), finite values and
-the token limit are all checked here, each with a message that names the problem.
+contents). Every decoder ends in `validate`: shapes, T agreement, dtypes, expert ids in [0, E), finite
+weights and the token limit are checked there, and hidden_states' values (finite, within the
+layer's dtype) by `rows_error` on the rows the batcher copies into the step's slot, before the
+step runs; each error names the problem, so nothing reaches a rank that could make it fail.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import itertools
 import json
@@ -79,35 +81,37 @@ class Decoded:
 # validation
 
 
-def finite_range(t: torch.Tensor) -> tuple[float, float] | None:
-    """(min, max) of the non-empty float tensor `t` in one vectorized pass, or None when an element
-    is NaN or infinite: min and max propagate NaN, and an infinity is the min or the max. One
-    aminmax is ~2x faster on the CPU than masking the exponent bits and taking their max (and ~30x
-    faster than torch.isfinite on bf16), and it gives the range that `fits` needs in the same pass."""
-    lo, hi = (float(v) for v in torch.aminmax(t))
-    return (lo, hi) if math.isfinite(lo) and math.isfinite(hi) else None
-
-
 def all_finite(t: torch.Tensor) -> bool:
-    """True when no element of the float tensor `t` is NaN or infinite."""
-    return t.numel() == 0 or finite_range(t) is not None
+    """True when no element of the float tensor `t` is NaN or infinite: one aminmax (min and max
+    propagate NaN, and an infinity is the min or the max), ~30x faster than torch.isfinite on bf16."""
+    return t.numel() == 0 or all(math.isfinite(float(v)) for v in torch.aminmax(t))
 
 
-def fits(t: torch.Tensor, dtype: torch.dtype, value_range: tuple[float, float] | None = None) -> bool:
-    """True when the finite tensor `t` (whose (min, max) is `value_range` when known) converts to
-    `dtype` without overflow. Rounding is monotonic, so the element of largest magnitude decides;
-    widening conversions always fit."""
-    if t.numel() == 0 or torch.finfo(t.dtype).max <= torch.finfo(dtype).max:
-        return True
-    lo, hi = value_range or finite_range(t) or (math.nan, math.nan)
-    return bool(torch.isfinite(torch.tensor(max(-lo, hi), dtype=t.dtype).to(dtype)))
+def rows_error(rows: torch.Tensor, sent: torch.Tensor, first: int = 0) -> InvalidInput | None:
+    """The check of hidden_states' values, made on `rows` [n, H] as the step's slot holds them (the
+    one copy in, converted from `sent`, the request's rows `first`.. as they came): None when every
+    element is finite. The screen is one sum of the rows: a NaN or an infinity anywhere makes it
+    non-finite, so a finite sum proves every element finite; a non-finite one (also the rare overflow
+    of the sum itself) is decided exactly. A value that the slot's narrower dtype cannot hold became
+    an infinity in the copy, so the same check covers the range of the narrowing cast (rounding
+    decides as it does on the ranks). ~2.5x cheaper than one aminmax of bf16 rows (bench/NOTES.md,
+    issue 11d); the error names the first bad row of the request."""
+    if math.isfinite(float(rows.sum())) or all_finite(rows):
+        return None
+    overflow = all_finite(sent)
+    row = first + int((~torch.isfinite(rows if overflow else sent)).any(dim=1).nonzero()[0])
+    if overflow:
+        return InvalidInput(f"hidden_states has values outside the range of {_name(rows.dtype)} (row {row})")
+    return InvalidInput(f"hidden_states contains NaN or infinity (row {row})")
 
 
 def validate(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, spec: ModelSpec
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Check one request's tensors against the model. x is returned as it came (a view of the
-    request's bytes where it can be: the batcher converts it to spec.dtype as it copies it into
-    the step's slot, the one copy of the rows); ids become int32 and w float32 ([T, K], small)."""
+    """Check one request's tensors against the model: everything but hidden_states' values, which
+    the batcher checks on the step's slot rows as it copies them in (`rows_error`: the one pass over
+    them besides the one copy). x is returned as it came (a view of the request's bytes where it
+    can be: the batcher converts it to spec.dtype in that copy); ids become int32 and w float32
+    ([T, K], small)."""
     if x.dtype not in FLOAT_DTYPES:
         raise InvalidInput(f"hidden_states must be float32, float16 or bfloat16, got {_name(x.dtype)}")
     if ids.dtype not in INT_DTYPES:
@@ -134,11 +138,6 @@ def validate(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, spec: ModelSpe
         raise InvalidInput(f"topk_ids[{t}, {k}] = {bad} is not an expert id in [0, {spec.E})")
     if not all_finite(w):
         raise InvalidInput("topk_weights contains NaN or infinity")
-    x_range = finite_range(x)  # T > 0 and H > 0: not empty
-    if x_range is None:
-        raise InvalidInput("hidden_states contains NaN or infinity")
-    if not fits(x, spec.dtype, x_range):
-        raise InvalidInput(f"hidden_states has values outside the range of {_name(spec.dtype)}")
     return x.contiguous(), ids.to(torch.int32).contiguous(), w.to(torch.float32).contiguous()
 
 
@@ -265,6 +264,18 @@ def decode_v2_http(body: Body, header_length: str | None, spec: ModelSpec) -> De
     return decoded
 
 
+def v2_http_decode_work(body: Body, header_length: str | None) -> int:
+    """About the elements decode_v2_http handles: the JSON part's bytes / 4 (binary blobs are
+    viewed, not parsed, and hidden_states' values are checked later, in the slot), or the whole
+    body's when it came in several chunks (joined first: a copy). What decides whether decoding
+    leaves the event loop; a malformed length is the decoder's to name."""
+    chunks = body if isinstance(body, list) else [body]
+    size = sum(map(len, chunks))
+    if len(chunks) == 1 and header_length is not None and header_length.isdigit():
+        size = min(int(header_length), size)
+    return size // 4
+
+
 def encode_v2_http(out: torch.Tensor, req: Decoded, model_name: str) -> tuple[list, int | None]:
     """The response body as parts to send one after the other (the output's bytes are a view of
     `out`, not a copy) and, with binary output, the JSON header's length."""
@@ -377,39 +388,70 @@ def decode_grpc(request: pb.ModelInferRequest | GrpcInferRequest, spec: ModelSpe
     return _decoded_v2(tensors, spec, request.id or None, timeout)
 
 
-def grpc_elements(request: pb.ModelInferRequest) -> int:
-    """The elements a request declares (its shapes): the size that decides whether decoding leaves
-    the event loop. Measuring the contents instead would copy them (upb hands out bytes copies,
-    and ByteSize() encodes the whole message)."""
+def grpc_decode_work(request: GrpcInferRequest | pb.ModelInferRequest) -> int:
+    """The elements decode_grpc converts from protobuf's typed contents: what decides whether
+    decoding leaves the event loop. Raw contents are viewed, not converted (0: decoded on the loop;
+    hidden_states' values are checked later, in the slot); typed ones count their declared shapes
+    (measuring the contents instead would copy them: upb hands out copies, ByteSize() encodes the
+    whole message)."""
+    if isinstance(request, GrpcInferRequest):
+        if request.raw:
+            return 0
+        request = request.message
     return sum(math.prod(item.shape) for item in request.inputs)
 
 
 @dataclasses.dataclass
 class GrpcInferResponse:
-    """A ModelInferResponse as two parts: the message without raw_output_contents, and the output's
-    bytes (a view of the answer tensor), joined only by `serialize_grpc_response`: one copy."""
+    """A ModelInferResponse made before the step, as its serialized bytes: protobuf's bytes of every
+    field but raw_output_contents, then that field's key and length, then the answer's rows, which
+    `out` [T, H] views: the batcher's copy out of the slot writes them in place (the answer's one
+    copy), and the serializer returns `data` as it is (grpc takes `bytes` only: a bytearray or a
+    memoryview is refused, so there was a join of the answer on the event loop before)."""
 
-    message: pb.ModelInferResponse
-    raw: memoryview
+    data: bytes
+    out: torch.Tensor
 
     def to_message(self) -> pb.ModelInferResponse:
         """The whole message (tests and in-process callers)."""
-        return pb.ModelInferResponse.FromString(serialize_grpc_response(self))
+        return pb.ModelInferResponse.FromString(self.data)
 
 
-def encode_grpc(out: torch.Tensor, req: Decoded, model_name: str) -> GrpcInferResponse:
+def grpc_response(req: Decoded, model_name: str) -> GrpcInferResponse:
+    """The response to `req`, its answer's rows still to be written into `.out`."""
+    T, H = req.x.shape
     response = pb.ModelInferResponse(model_name=model_name, id=req.request_id or "")
-    response.outputs.add(name=OUTPUT_NAME, datatype=V2_NAMES[out.dtype], shape=list(out.shape))
-    return GrpcInferResponse(response, tensor_bytes(out))
+    response.outputs.add(name=OUTPUT_NAME, datatype=V2_NAMES[req.out_dtype], shape=[T, H])
+    size = T * H * req.out_dtype.itemsize
+    head = response.SerializeToString() + _key_and_length(_RAW_OUTPUTS, size)
+    data = _bytes_to_fill(len(head) + size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # bytes are read-only to Python: see _bytes_to_fill
+        torch.frombuffer(data, dtype=torch.uint8, count=len(head)).copy_(torch.frombuffer(bytearray(head),
+                                                                                          dtype=torch.uint8))
+        out = torch.frombuffer(data, dtype=req.out_dtype, count=T * H, offset=len(head)).view(T, H)
+    return GrpcInferResponse(data, out)
+
+
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype, _new_bytes.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t)
+
+
+def _bytes_to_fill(n: int) -> bytes:
+    """A new bytes object of `n` uninitialized bytes, to be written once before anyone reads it:
+    CPython's PyBytes_FromStringAndSize(NULL, n), whose contents its C API lets the creator fill
+    (torch.frombuffer of it is then writable memory: it holds a reference, so the bytes outlive
+    every write). bytes(n) would zero them first (calloc: +140 us for 4 MiB), and a bytearray is
+    refused by grpc."""
+    assert n > 1, n  # the empty bytes object is a shared singleton (so may be a one-byte one)
+    return _new_bytes(None, n)
 
 
 def serialize_grpc_response(response: GrpcInferResponse | pb.ModelInferResponse) -> bytes:
-    """The gRPC serializer of ModelInfer: protobuf's bytes for the small fields, then the one
-    raw_output_contents entry appended as its own field (concatenated fields merge)."""
+    """The gRPC serializer of ModelInfer: a GrpcInferResponse is already its bytes."""
     if isinstance(response, pb.ModelInferResponse):
         return response.SerializeToString()
-    head = response.message.SerializeToString()
-    return b"".join((head, _key_and_length(_RAW_OUTPUTS, len(response.raw)), response.raw))
+    return response.data
 
 
 def _key_and_length(field: int, n: int) -> bytes:

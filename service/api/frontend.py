@@ -61,14 +61,15 @@ class Frontend:
             for callback in self.on_ready_change:
                 callback(ready)
 
-    async def infer(self, req: Decoded, transport_timeout_s: float | None = None) -> torch.Tensor:
-        """The layer's answer [T, H] in the request's dtype."""
+    async def infer(self, req: Decoded, transport_timeout_s: float | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's answer [T, H] in the request's dtype (written into `out` when given)."""
         if not self._ready:
             raise GroupUnavailable(self._why_not)
         timeout = req.timeout_s or self.settings.request_timeout_s
         if transport_timeout_s is not None:
             timeout = min(timeout, transport_timeout_s)
-        out = await self.batcher.submit(req.x, req.ids, req.w, timeout, out_dtype=req.out_dtype)
+        out = await self.batcher.submit(req.x, req.ids, req.w, timeout, out_dtype=req.out_dtype, out=out)
         self._inference_count += out.shape[0]
         self._last_inference_ms = time.time_ns() // 1_000_000
         return out

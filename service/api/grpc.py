@@ -2,8 +2,10 @@
 and server reflection, on grpc.aio in the same event loop as HTTP.
 
 ModelInfer answers in `raw_output_contents`. It has its own (de)serializers (codecs.parse_grpc_request,
-codecs.serialize_grpc_response): the tensors' bytes are viewed in the received message and the
-answer is joined once, instead of protobuf copying every blob on the way in and on the way out.
+codecs.serialize_grpc_response): the tensors' bytes are viewed in the received message, and the
+response's bytes are made before the step with room for the answer, which the batcher copies
+out of the slot straight into them (codecs.grpc_response), instead of protobuf copying every blob
+on the way in and on the way out.
 The deadline is the smallest of the client's gRPC deadline, the request's `timeout` parameter
 (microseconds) and the server default. Every error is mapped by `_failure`, which asks
 `service.api.error_map` for the code, and the call fails through `_reject`: set code and
@@ -137,9 +139,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             message = request.message if isinstance(request, codecs.GrpcInferRequest) else request
             codecs.check_model(message.model_name, message.model_version, fe.model_name)
-            req = await fe.offload(codecs.grpc_elements(message), codecs.decode_grpc, request, fe.spec)
-            out = await fe.infer(req, transport_timeout_s=context.time_remaining())
-            response = codecs.encode_grpc(out, req, fe.model_name)  # a small message and a view of `out`
+            req = await fe.offload(codecs.grpc_decode_work(request), codecs.decode_grpc, request, fe.spec)
+            response = codecs.grpc_response(req, fe.model_name)  # the answer's rows are written into it
+            await fe.infer(req, transport_timeout_s=context.time_remaining(), out=response.out)
         except Exception as exc:  # noqa: BLE001  mapped to a code in one place
             status, code, text = _failure(exc)
             fe.observe("grpc", status, started)

@@ -210,7 +210,8 @@ def create_app(fe: Frontend) -> FastAPI:
                 raise UnsupportedMediaType(f"Content-Type must be {JSON} or {OCTET_STREAM}, got {media!r}")
             timeout = codecs.parse_timeout_s(request.headers.get(TIMEOUT_HEADER), "X-Request-Timeout")
             body = await read_body(request, limit, timeout or fe.settings.request_timeout_s)
-            req = await fe.offload(sum(map(len, body)) // 4, codecs.decode_v2_http, body, header_length, fe.spec)
+            work = codecs.v2_http_decode_work(body, header_length)
+            req = await fe.offload(work, codecs.decode_v2_http, body, header_length, fe.spec)
             req.timeout_s = timeout or req.timeout_s
             out = await fe.infer(req)
             # Binary output is a JSON header and a view of `out`: nothing worth a thread hop.

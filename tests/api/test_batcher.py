@@ -13,7 +13,7 @@ import torch
 
 from service.api.batcher import Batcher
 from service.config import LayerConfig
-from service.errors import DeadlineExceeded, GroupUnavailable, Overloaded, WorkerError
+from service.errors import DeadlineExceeded, GroupUnavailable, InvalidInput, Overloaded, WorkerError
 from service.metrics import Metrics
 from service.moe.reference import moe_reference
 from service.worker.group import StepStats
@@ -26,7 +26,8 @@ BUDGET = CFG.tokens_per_step
 class FakeGroup:
     """Slots of plain tensors; run() computes the fp32 reference on rows [0, T) of the slot."""
 
-    def __init__(self, cfg: LayerConfig, slots: int = 2, fail_at_step: int | None = None, step_s: float = 0.0):
+    def __init__(self, cfg: LayerConfig, slots: int = 2, fail_at_step: int | None = None, step_s: float = 0.0,
+                 dtype: torch.dtype = torch.float32):
         gen = torch.Generator().manual_seed(0)
         self.cfg = cfg
         self.gate = torch.randn(cfg.E, cfg.I, cfg.H, generator=gen) / cfg.H ** 0.5  # [E, I, H]
@@ -36,8 +37,9 @@ class FakeGroup:
         self.free: queue.Queue = queue.Queue()
         for i in range(slots):
             self.free.put(types.SimpleNamespace(
-                index=i, x=torch.zeros(N, cfg.H), ids=torch.zeros(N, cfg.K, dtype=torch.int32),
-                w=torch.zeros(N, cfg.K), out=torch.zeros(N, cfg.H)))
+                index=i, x=torch.zeros(N, cfg.H, dtype=dtype), ids=torch.zeros(N, cfg.K, dtype=torch.int32),
+                w=torch.zeros(N, cfg.K), out=torch.zeros(N, cfg.H, dtype=dtype)))
+        self.nonfinite_steps = 0  # steps whose rows held a NaN or an infinity (the batcher lets none in)
         self.steps: list[int] = []
         self.fail_at_step, self.step_s = fail_at_step, step_s
         self.lock = threading.Lock()
@@ -61,7 +63,8 @@ class FakeGroup:
                 self.alive = False
                 raise WorkerError("rank 1 died (exit code -9)", rank=1)
             time.sleep(self.step_s)
-            slot.out[:T] = self.ref(slot.x[:T], slot.ids[:T], slot.w[:T])
+            self.nonfinite_steps += not bool(torch.isfinite(slot.x[:T]).all())
+            slot.out[:T] = self.ref(slot.x[:T].float(), slot.ids[:T], slot.w[:T])
             slot.out[T:] = float("nan")  # rows past T must never be read
         return StepStats(seq=len(self.steps), tokens=T, backend="serial", layer_s=1e-3,
                          stages={"gemm1": 5e-4, "gemm2": 5e-4}, exposed_comm_s=0.0, wall_s=self.step_s)
@@ -104,6 +107,81 @@ def test_split_reassemble_and_no_mixing():
     assert sum(group.steps) == sum(sizes)
     assert max(group.steps) <= BUDGET
     assert len(group.steps) == -(-sum(sizes) // BUDGET), "steps should be full while requests wait"
+
+
+def _solo(group, x, ids, w):
+    """The answer of a request in steps of its own (a fresh batcher, nothing else queued)."""
+    async def main():
+        b = await started(group, delay_s=0.0)
+        out = await b.submit(x, ids, w, timeout_s=10)
+        await b.close()
+        return out
+    return run(main())
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.float32, torch.float16])
+def test_bad_rows_fail_alone_and_batch_mates_equal_solo_runs(slot_dtype):
+    """Requests of odd sizes (T=1, split over steps), mixed wire dtypes, some with a bad row (NaN,
+    infinity, a value past the slot's float16 range) in their first or a later piece, merged into
+    shared steps: each bad one gets its own InvalidInput naming the row, no step's rows hold a
+    non-finite value, every good one equals its solo run."""
+    group = FakeGroup(CFG, dtype=slot_dtype, step_s=0.002)
+    sizes = [1, 13, 3, 20, 7, 1, 9, 5, 17]
+    bad = {1: (10, float("nan")), 3: (2, float("inf")), 6: (4, -7e4)}  # request: (row, value)
+    wire = (torch.float32, torch.bfloat16, torch.float16)
+
+    async def main():
+        b = await started(group, delay_s=0.01)
+        reqs = []
+        for i, T in enumerate(sizes):
+            x, ids, w = batch(T, 70 + i)
+            x = x.to(wire[i % 3] if i not in bad else torch.float32)
+            if i in bad:
+                row, value = bad[i]
+                x[row, i % CFG.H] = value
+            reqs.append((x, ids, w))
+        outs = await asyncio.gather(*(b.submit(*r, timeout_s=10) for r in reqs), return_exceptions=True)
+        await b.close()
+        return reqs, outs
+
+    reqs, outs = run(main())
+    assert group.nonfinite_steps == 0
+    assert len(group.steps) < sum(-(-T // BUDGET) for T in sizes), "the requests should have shared steps"
+    for i, ((x, ids, w), out) in enumerate(zip(reqs, outs, strict=True)):
+        if i in bad:
+            row, value = bad[i]
+            if value == -7e4 and slot_dtype == torch.float32:  # fits a float32 slot: a good request
+                assert not isinstance(out, BaseException), out
+                continue
+            assert isinstance(out, InvalidInput), (i, out)
+            what = "outside the range of float16" if value == -7e4 else "NaN or infinity"
+            assert f"{what} (row {row})" in str(out), (i, out)
+            continue
+        assert not isinstance(out, BaseException), (i, out)
+        assert out.dtype == x.dtype and out.shape == x.shape
+        solo = _solo(FakeGroup(CFG, dtype=slot_dtype), x, ids, w)
+        assert rel_err(out.float(), solo.float()) <= TOL[x.dtype], i
+
+
+def test_the_answer_lands_in_the_callers_buffer():
+    """submit(out=...) writes the answer there (the response's own bytes: one copy out of the slot)
+    and returns it; a buffer of another shape or dtype is refused before anything is queued."""
+    group = FakeGroup(CFG)
+    x, ids, w = batch(11, 90)  # two steps
+    buf = torch.full((11, CFG.H), float("nan"), dtype=torch.bfloat16)
+
+    async def main():
+        b = await started(group)
+        got = await b.submit(x, ids, w, timeout_s=10, out_dtype=torch.bfloat16, out=buf)
+        with pytest.raises(ValueError, match="out is"):
+            await b.submit(x, ids, w, timeout_s=10, out_dtype=torch.bfloat16, out=buf[:10])
+        await b.close()
+        return got
+
+    got = run(main())
+    assert got.data_ptr() == buf.data_ptr()
+    assert rel_err(buf.float(), group.ref(x, ids, w)) < TOL[torch.bfloat16]
+    assert group.steps == [8, 3]
 
 
 def test_a_failure_to_record_metrics_does_not_hold_answers_back(caplog):

@@ -43,24 +43,35 @@ NON_FINITE_BITS = {torch.bfloat16: (torch.int16, [0x7F80, -0x80, 0x7FC0, 0x7F81,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_all_finite_finds_every_non_finite_pattern_anywhere(dtype):
+    """all_finite and the slot's check (rows_error: its sum screen, then the exact pass naming the
+    request's row) both find each pattern at each position."""
     x = torch.randn(3, 67, generator=torch.Generator().manual_seed(5)).to(dtype)
     assert codecs.all_finite(x) and codecs.all_finite(x[:0])
-    assert codecs.finite_range(x) == (x.min().item(), x.max().item())
+    assert codecs.rows_error(x, x) is None
     int_dtype, patterns = NON_FINITE_BITS[dtype]
     for bits in patterns:
         for i in range(x.numel()):
             bad = x.clone()
             bad.view(int_dtype).view(-1)[i] = bits
             assert not codecs.all_finite(bad), (hex(bits), i)
-            assert codecs.finite_range(bad) is None
-    assert codecs.all_finite(torch.tensor([torch.finfo(dtype).max, -torch.finfo(dtype).max], dtype=dtype))
+            err = codecs.rows_error(bad, bad, first=10)
+            assert err is not None and f"NaN or infinity (row {10 + i // 67})" in str(err), (hex(bits), i, err)
+    big = torch.tensor([[torch.finfo(dtype).max, -torch.finfo(dtype).max]], dtype=dtype)
+    assert codecs.all_finite(big)
+    assert codecs.rows_error(big.repeat(1, 3)[:, :4].abs(), big) is None  # the sum overflows: decided exactly
 
 
-def test_fits_narrowing_only():
-    x = torch.tensor([1.0, -65504.0])
-    assert codecs.fits(x, torch.float16) and codecs.fits(x, torch.bfloat16)
-    assert not codecs.fits(torch.tensor([1.0, -70000.0]), torch.float16)
-    assert codecs.fits(torch.tensor([3e38]).bfloat16(), torch.float32)  # widening always fits
+def test_rows_error_names_a_narrowing_overflow():
+    """Values that the slot's dtype cannot hold are infinities in the slot; the request's own rows
+    decide that they were finite as sent, and the message says so (row of the request)."""
+    sent = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
+    sent[2, 3] = -70000.0  # finite in fp32, beyond float16's 65504
+    err = codecs.rows_error(sent.half(), sent, first=7)
+    assert err is not None and "outside the range of float16 (row 9)" in str(err)
+    sent[2, 3] = -65504.0
+    assert codecs.rows_error(sent.half(), sent) is None and codecs.rows_error(sent.bfloat16(), sent) is None
+    wide = torch.tensor([[3e38, -3e38]]).bfloat16()
+    assert codecs.rows_error(wide.float(), wide) is None  # widening always fits
 
 
 @pytest.mark.parametrize("change, needle", [
@@ -72,7 +83,6 @@ def test_fits_narrowing_only():
     (lambda x, i, w: (x.double(), i, w), "hidden_states must be float32"),
     (lambda x, i, w: (x, i.clamp(max=0) - 1, w), "= -1 is not an expert id in [0, 6)"),
     (lambda x, i, w: (x, i.clamp(min=6), w), "is not an expert id"),
-    (lambda x, i, w: (x.index_fill(0, torch.tensor([1]), float("nan")), i, w), "hidden_states contains NaN"),
     (lambda x, i, w: (x, i, w.index_fill(0, torch.tensor([2]), float("-inf"))), "topk_weights contains NaN"),
 ])
 def test_validate_names_the_problem(change, needle):
@@ -81,14 +91,12 @@ def test_validate_names_the_problem(change, needle):
     assert needle in str(err.value)
 
 
-def test_validate_token_limit_and_dtype_range():
+def test_validate_token_limit_and_leaves_the_values_to_the_slot():
     with pytest.raises(PayloadTooLarge, match="queue_tokens"):
         codecs.validate(*tensors(T=101), SPEC)
-    half = codecs.ModelSpec(E=6, H=5, K=2, dtype=torch.float16, max_tokens=100)
     x, ids, w = tensors()
-    x[0, 0] = 1e6  # finite in fp32, inf in fp16
-    with pytest.raises(InvalidInput, match="outside the range of float16"):
-        codecs.validate(x, ids, w, half)
+    x[1, 2] = float("nan")  # checked where the rows land (Batcher: codecs.rows_error on the slot's rows)
+    assert codecs.validate(x, ids, w, SPEC)[0].data_ptr() == x.data_ptr()
 
 
 def test_forward_json_and_safetensors_round_trip():
@@ -179,10 +187,31 @@ def test_grpc_decode(raw):
     for received in (r, codecs.parse_grpc_request(r.SerializeToString())):
         req = codecs.decode_grpc(received, SPEC)
         assert torch.equal(req.x, x) and torch.equal(req.ids, ids.int()) and req.timeout_s == 1e-3
-    wire = codecs.serialize_grpc_response(codecs.encode_grpc(req.x, req, "moe"))
-    response = pb.ModelInferResponse.FromString(wire)
+    answer = codecs.grpc_response(req, "moe")
+    answer.out.copy_(req.x)  # as the batcher's copy out of the slot does
+    response = pb.ModelInferResponse.FromString(codecs.serialize_grpc_response(answer))
     assert response.id == "g" and list(response.outputs[0].shape) == [3, 5]
     assert list(response.raw_output_contents) == [codecs.to_bytes(x)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("T, request_id", [(1, ""), (7, "odd"), (200, "an id of 22 characters")])
+def test_grpc_response_is_made_before_the_answer_and_filled_in_place(dtype, T, request_id):
+    """The response's bytes exist before the step; the answer written into .out (at any byte offset
+    the head leaves: ids of odd lengths) is what the client parses, bit for bit, in its dtype."""
+    x, ids, w = tensors(T=T, x_dtype=dtype, seed=T)
+    req = codecs.Decoded(x, ids.int(), w, out_dtype=dtype, request_id=request_id or None)
+    answer = codecs.grpc_response(req, "moe")
+    assert answer.out.shape == (T, SPEC.H) and answer.out.dtype == dtype
+    expected = torch.randn(T, SPEC.H, generator=torch.Generator().manual_seed(T + 1)).to(dtype)
+    answer.out.copy_(expected)
+    wire = codecs.serialize_grpc_response(answer)
+    assert type(wire) is bytes and wire is answer.data  # no copy, no join
+    response = pb.ModelInferResponse.FromString(wire)
+    assert response.model_name == "moe" and response.id == request_id
+    out = response.outputs[0]
+    assert (out.name, out.datatype, list(out.shape)) == ("output", codecs.V2_NAMES[dtype], [T, SPEC.H])
+    assert list(response.raw_output_contents) == [codecs.to_bytes(expected)]
 
 
 def test_grpc_parser_views_raw_contents_and_keeps_the_rest():
@@ -317,5 +346,5 @@ def test_json_integers_are_numbers():
     assert req.x.dtype == torch.float32 and req.x[0].tolist() == [1, 2, 3, 4, 5]
     with pytest.raises(InvalidInput, match="topk_ids has values outside the int64 range"):
         codecs.decode_forward_json(forward_body(topk_ids=[[0, 2 ** 70]] * 3), SPEC)
-    with pytest.raises(InvalidInput, match="hidden_states contains NaN or infinity"):
-        codecs.decode_forward_json(forward_body(hidden_states=[[2 ** 200, 0, 0, 0, 0]] * 3), SPEC)
+    x = codecs.decode_forward_json(forward_body(hidden_states=[[2 ** 200, 0, 0, 0, 0]] * 3), SPEC).x
+    assert "hidden_states contains NaN or infinity (row 0)" in str(codecs.rows_error(x, x))
