@@ -4,7 +4,10 @@
 
 Reads /metrics and /v2/models/{model}/stats and prints, per answered request (means over the
 requests since `--before`, a snapshot this script wrote with --save): the server's arrival-to-answer
-time by protocol (moe_request_duration_seconds), the statistics' queue, compute_input (rows into
+time by protocol (moe_request_duration_seconds: HTTP from the request's first byte, gRPC from the
+deserializer's start), the receive inside it (moe_request_receive_seconds: HTTP first byte to the
+body read, gRPC the deserializer), the send after it (moe_response_send_seconds, HTTP: the
+response handed to the connection), the statistics' queue, compute_input (rows into
 the slot), compute_infer (group.run: the send to the ranks, their step, the answers) and
 compute_output (rows out of the slot), and per step the layer time on rank 0 (moe_layer_seconds)
 with its stages, and a step's wall time in the group's owner and on rank 0 (moe_step_seconds).
@@ -30,8 +33,8 @@ def snapshot(url: str, model: str) -> dict:
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name.endswith(("_sum", "_count")) and fam.name in (
-                    "moe_request_duration_seconds", "moe_layer_seconds", "moe_stage_seconds",
-                    "moe_step_seconds"):
+                    "moe_request_duration_seconds", "moe_request_receive_seconds", "moe_response_send_seconds",
+                    "moe_layer_seconds", "moe_stage_seconds", "moe_step_seconds"):
                 key = s.name + "|" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
                 sums[key] = sums.get(key, 0.0) + s.value
     with urllib.request.urlopen(f"{url}/v2/models/{model}/stats", timeout=10) as r:
@@ -63,6 +66,12 @@ def main() -> None:
         total = now.get(key.replace("_count", "_sum"), 0.0)
         if now[key]:
             print(f"server arrival->answer {labels}: {ms(total, now[key]):.2f} ms over {now[key]:.0f} requests")
+    for family, what in (("moe_request_receive_seconds", "receive (in arrival->answer)"),
+                         ("moe_response_send_seconds", "send (after it)")):
+        for key in sorted(k for k in now if k.startswith(family + "_count")):
+            if now[key]:
+                print(f"server {what} {key.split('|', 1)[1]}: "
+                      f"{ms(now.get(key.replace('_count', '_sum'), 0.0), now[key]):.2f} ms over {now[key]:.0f}")
     for part in ("queue", "compute_input", "compute_infer", "compute_output"):
         c, ns = now.get(f"stats_{part}_count", 0.0), now.get(f"stats_{part}_ns", 0.0)
         print(f"statistics {part}: {ms(ns * 1e-9, c):.3f} ms over {c:.0f}")

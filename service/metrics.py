@@ -73,8 +73,20 @@ class Metrics:
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         self.request_duration = Histogram(
-            "moe_request_duration_seconds", "Time from a request's arrival to its answer.",
+            "moe_request_duration_seconds",
+            "Time from a request's arrival (HTTP: its first byte on the connection; gRPC: its message "
+            "reaching the server's deserializer, after grpc's own receive) to its answer, before the send.",
             ["protocol", "status"], buckets=TIME_BUCKETS, registry=r)
+        self.request_receive = Histogram(
+            "moe_request_receive_seconds",
+            "The receive part of moe_request_duration_seconds: HTTP from the request's first byte to its "
+            "whole body read by the handler, gRPC from the deserializer's start to the handler.",
+            ["protocol"], buckets=TIME_BUCKETS, registry=r)
+        self.response_send = Histogram(
+            "moe_response_send_seconds",
+            "HTTP: time from a response's start to its last byte handed to the connection (after "
+            "moe_request_duration_seconds; waits for the client where the socket's buffer is full).",
+            ["protocol"], buckets=TIME_BUCKETS, registry=r)
         self.requests = Counter(
             "moe_requests_total", "Requests answered, by protocol and status code.",
             ["protocol", "status"], registry=r)

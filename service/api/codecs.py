@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import json
 import math
+import time
 import warnings
 
 import numpy as np
@@ -308,6 +309,7 @@ class GrpcInferRequest:
 
     message: pb.ModelInferRequest
     raw: list[memoryview]
+    received: float = 0.0  # time.perf_counter() when the deserializer got the message: where its books start
 
 
 def _varint(data: memoryview, i: int) -> tuple[int, int]:
@@ -327,6 +329,7 @@ def parse_grpc_request(data: bytes) -> GrpcInferRequest:
     """The gRPC deserializer of ModelInfer. Top-level fields are walked once: raw_input_contents
     become memoryviews, the rest (small) is handed to protobuf. Anything this walk does not
     understand goes to protobuf whole, which then parses it or raises its own DecodeError."""
+    received = time.perf_counter()
     view = memoryview(data)
     raw: list[memoryview] = []
     rest: list[memoryview] = []
@@ -357,8 +360,8 @@ def parse_grpc_request(data: bytes) -> GrpcInferRequest:
                 raise ValueError("truncated")
             rest.append(view[start:i])
     except (ValueError, IndexError):
-        return GrpcInferRequest(pb.ModelInferRequest.FromString(data), [])
-    return GrpcInferRequest(pb.ModelInferRequest.FromString(b"".join(rest)), raw)
+        return GrpcInferRequest(pb.ModelInferRequest.FromString(data), [], received)
+    return GrpcInferRequest(pb.ModelInferRequest.FromString(b"".join(rest)), raw, received)
 
 
 def decode_grpc(request: pb.ModelInferRequest | GrpcInferRequest, spec: ModelSpec) -> Decoded:

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import resource
+import time
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,9 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 FD_RESERVE = 256  # descriptors besides client connections: slots, rank pipes, the store, logs, grpc
+# The ASGI scope's key for the time (time.perf_counter) the request's first byte was read: where the
+# server's books start (service.api.http); absent for a request pipelined behind another.
+FIRST_BYTE = "moe.first_byte"
 
 
 def ensure_file_limit(max_connections: int) -> int:
@@ -64,6 +68,7 @@ class ConnectionBounds:
         self.idle_timeout_s, self.max_connections = idle_timeout_s, max_connections
         self._idle_since = self.loop.time()
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._first_byte: float | None = None  # of the request whose headers are being read
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
@@ -75,6 +80,14 @@ class ConnectionBounds:
                         "the longest-idle one" if idle else "the new one, every other one is busy")
             victim.transport.close()
         self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if not self.busy and self._first_byte is None:  # the first bytes of a request
+            self._first_byte = time.perf_counter()
+        super().data_received(data)  # type: ignore[misc]
+        if self._first_byte is not None and self.busy:  # its headers are in: the request has a scope
+            self.cycle.scope.setdefault(FIRST_BYTE, self._first_byte)
+            self._first_byte = None
 
     @property
     def busy(self) -> bool:

@@ -136,6 +136,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         fe = self.fe
         started = time.perf_counter()
+        if isinstance(request, codecs.GrpcInferRequest):  # timed from the deserializer's start
+            fe.metrics.request_receive.labels("grpc").observe(started - request.received)
+            started = request.received
         try:
             message = request.message if isinstance(request, codecs.GrpcInferRequest) else request
             codecs.check_model(message.model_name, message.model_version, fe.model_name)

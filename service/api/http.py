@@ -12,6 +12,7 @@ import asyncio
 import inspect
 import logging
 import time
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from service.api import codecs
+from service.api.connections import FIRST_BYTE
 from service.api.error_map import (
     RETRY_AFTER_S,
     BodyTimeout,
@@ -44,17 +46,22 @@ TIMEOUT_HEADER = "x-request-timeout"
 
 class PartsResponse(Response):
     """A response whose body is sent as several parts (bytes-like: the answer tensor's memory is
-    sent as it is, never joined into one bytes object)."""
+    sent as it is, never joined into one bytes object); `sent(seconds)` is called with the time
+    from its start to its last part handed to the connection."""
 
-    def __init__(self, parts: list, media_type: str, headers: dict | None = None):
-        self.parts = parts
+    def __init__(self, parts: list, media_type: str, headers: dict | None = None,
+                 sent: Callable[[float], None] | None = None):
+        self.parts, self.sent = parts, sent
         super().__init__(b"", media_type=media_type, headers=headers)
         self.headers["content-length"] = str(sum(len(p) for p in parts))
 
     async def __call__(self, scope, receive, send) -> None:
+        started = time.perf_counter()
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         for i, part in enumerate(self.parts):
             await send({"type": "http.response.body", "body": part, "more_body": i + 1 < len(self.parts)})
+        if self.sent is not None:
+            self.sent(time.perf_counter() - started)
 
 
 def error_response(exc: BaseException) -> JSONResponse:
@@ -130,9 +137,16 @@ def create_app(fe: Frontend) -> FastAPI:
     async def _any_error(request: Request, exc: Exception) -> JSONResponse:
         return error_response(exc)
 
-    async def answer(protocol: str, handle) -> Response:
-        """Run one inference handler; every outcome is counted under its status code."""
-        started = time.perf_counter()
+    def received(protocol: str, request: Request) -> None:
+        """The body is in: its receive time, from the request's first byte, goes to the books."""
+        first_byte = request.scope.get(FIRST_BYTE)
+        if first_byte is not None:
+            fe.metrics.request_receive.labels(protocol).observe(time.perf_counter() - first_byte)
+
+    async def answer(protocol: str, request: Request, handle) -> Response:
+        """Run one inference handler; every outcome is counted under its status code, timed from the
+        request's first byte where the connection saw it (service.api.connections.FIRST_BYTE)."""
+        started = request.scope.get(FIRST_BYTE) or time.perf_counter()
         try:
             response = await handle()
         except Exception as exc:  # noqa: BLE001  mapped to a status in one place
@@ -152,6 +166,7 @@ def create_app(fe: Frontend) -> FastAPI:
                 raise UnsupportedMediaType(f"Content-Type must be {JSON} or {SAFETENSORS}, got {media!r}")
             timeout = codecs.parse_timeout_s(request.headers.get(TIMEOUT_HEADER), "X-Request-Timeout")
             body = await read_body(request, limit, timeout or fe.settings.request_timeout_s)
+            received(protocol, request)
             decode = codecs.decode_safetensors if media == SAFETENSORS else codecs.decode_forward_json
             req = await fe.offload(sum(map(len, body)) // 4, decode, body, fe.spec)
             req.timeout_s = timeout
@@ -161,7 +176,7 @@ def create_app(fe: Frontend) -> FastAPI:
                                 media_type=SAFETENSORS)
             return Response(await fe.offload(out.numel(), codecs.encode_forward_json, out), media_type=JSON)
 
-        return await answer(protocol, handle)
+        return await answer(protocol, request, handle)
 
     # ---- Open Inference Protocol v2 --------------------------------------------------------
 
@@ -210,6 +225,7 @@ def create_app(fe: Frontend) -> FastAPI:
                 raise UnsupportedMediaType(f"Content-Type must be {JSON} or {OCTET_STREAM}, got {media!r}")
             timeout = codecs.parse_timeout_s(request.headers.get(TIMEOUT_HEADER), "X-Request-Timeout")
             body = await read_body(request, limit, timeout or fe.settings.request_timeout_s)
+            received(protocol, request)
             work = codecs.v2_http_decode_work(body, header_length)
             req = await fe.offload(work, codecs.decode_v2_http, body, header_length, fe.spec)
             req.timeout_s = timeout or req.timeout_s
@@ -217,12 +233,13 @@ def create_app(fe: Frontend) -> FastAPI:
             # Binary output is a JSON header and a view of `out`: nothing worth a thread hop.
             work = 0 if req.binary_output else out.numel()
             parts, json_length = await fe.offload(work, codecs.encode_v2_http, out, req, fe.model_name)
+            sent = fe.metrics.response_send.labels(protocol).observe
             if json_length is None:
-                return PartsResponse(parts, media_type=JSON)
-            return PartsResponse(parts, media_type=OCTET_STREAM,
+                return PartsResponse(parts, media_type=JSON, sent=sent)
+            return PartsResponse(parts, media_type=OCTET_STREAM, sent=sent,
                                  headers={"Inference-Header-Content-Length": str(json_length)})
 
-        return await answer(protocol, handle)
+        return await answer(protocol, request, handle)
 
     # ---- metrics ---------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import socket
 import time
 
 import httpx
@@ -21,6 +22,7 @@ import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
+from service.api import codecs
 from tests.api.common import CFG, check, inputs
 from tests.helpers import rel_err, tolerance
 from tests.serverproc import ServerProcess
@@ -530,6 +532,49 @@ def test_metrics_move(http):
     assert "1.0" in buckets and "65536.0" in buckets
     assert value(after["moe_ready"], "moe_ready") == 1
     assert value(after["moe_queued_tokens"], "moe_queued_tokens") == 0
+
+
+def test_books_start_at_the_first_byte(server, http):
+    """A v2 binary request whose headers trickle in (a few bytes, a pause, the rest with the body) is
+    timed from its first byte: moe_request_duration_seconds and its receive part hold the pause, and
+    the answer's send is booked after it; a gRPC request's receive is booked too."""
+    x, ids, w = inputs(5, seed=11)
+    blobs = [codecs.to_bytes(t) for t in (x, ids.to(torch.int32), w)]
+    header = json.dumps({"inputs": [{"name": n, "datatype": d, "shape": list(t.shape),
+                                     "parameters": {"binary_data_size": len(b)}}
+                                    for n, d, t, b in zip(codecs.INPUT_NAMES, ("FP32", "INT32", "FP32"),
+                                                          (x, ids, w), blobs, strict=True)],
+                         "parameters": {"binary_data_output": True}}).encode()
+    body = header + b"".join(blobs)
+    request = (f"POST /v2/models/moe/infer HTTP/1.1\r\nHost: test\r\nContent-Type: application/octet-stream\r\n"
+               f"Inference-Header-Content-Length: {len(header)}\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    pause_s = 0.4
+    before = scrape(http)
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(request[:10])
+        time.sleep(pause_s)
+        sock.sendall(request[10:])
+        answer = b""
+        while b"\r\n\r\n" not in answer or len(answer) < answer.index(b"\r\n\r\n") + 4 + int(
+                answer.lower().split(b"content-length: ")[1].split(b"\r\n")[0]):
+            answer += sock.recv(1 << 16)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.infer("moe", triton_inputs(grpcclient, x, ids, w))
+    after = scrape(http)
+
+    def moved(family, sample, **labels):
+        return value(after[family], sample, **labels) - value(before[family], sample, **labels)
+
+    ok = dict(protocol="v2_binary", status="200")
+    assert moved("moe_request_duration_seconds", "moe_request_duration_seconds_count", **ok) == 1
+    assert moved("moe_request_duration_seconds", "moe_request_duration_seconds_sum", **ok) >= pause_s
+    assert moved("moe_request_receive_seconds", "moe_request_receive_seconds_count", protocol="v2_binary") == 1
+    receive = moved("moe_request_receive_seconds", "moe_request_receive_seconds_sum", protocol="v2_binary")
+    assert pause_s <= receive <= moved("moe_request_duration_seconds", "moe_request_duration_seconds_sum", **ok)
+    assert moved("moe_response_send_seconds", "moe_response_send_seconds_count", protocol="v2_binary") == 1
+    assert moved("moe_request_receive_seconds", "moe_request_receive_seconds_count", protocol="grpc") == 1
 
 
 # ---- supervision (last: it restarts the group) -------------------------------------------------
