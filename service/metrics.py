@@ -84,7 +84,7 @@ class Metrics:
             ["protocol"], buckets=TIME_BUCKETS, registry=r)
         self.response_send = Histogram(
             "moe_response_send_seconds",
-            "HTTP: time from a response's start to its last byte handed to the connection (after "
+            "HTTP v2 infer: time from a response's start to its last byte handed to the connection (after "
             "moe_request_duration_seconds; waits for the client where the socket's buffer is full).",
             ["protocol"], buckets=TIME_BUCKETS, registry=r)
         self.requests = Counter(

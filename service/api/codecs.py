@@ -446,7 +446,7 @@ def _bytes_to_fill(n: int) -> bytes:
     (torch.frombuffer of it is then writable memory: it holds a reference, so the bytes outlive
     every write). bytes(n) would zero them first (calloc: +140 us for 4 MiB), and a bytearray is
     refused by grpc."""
-    assert n > 1, n  # the empty bytes object is a shared singleton (so may be a one-byte one)
+    assert n > 1, n  # CPython shares its empty bytes object; a message is never that short
     return _new_bytes(None, n)
 
 
