@@ -1,0 +1,380 @@
+// GEMM1 + SwiGLU of the serial backend as a Hopper tile: wgmma from shared memory, the weights by
+// TMA, the gathered token rows by a producer warp group, a persistent grid fed by the tile queue.
+// sm_90a only (wgmma, setmaxnreg); csrc/build.py compiles this file for that target alone. Design,
+// floor and prediction: bench/NOTES.md "Issue 12c".
+//
+// One CTA = 384 threads, one per SM, persistent:
+//   warp group 0 (producer, 40 registers): thread 0 takes tiles from the queue (an atomic counter in
+//     tile order, as GemmConfig.queue: tile t = (row block t / n_tiles, column tile t % n_tiles),
+//     blocks of expert E skipped), and per K step of 64 issues the 4 TMA boxes of the weights
+//     (gate columns pn*128 + [0, 64), [64, 128), up columns Ir + the same; [64 K rows x 64 columns]
+//     each, 128B swizzle) on the stage's `full` barrier with their byte count. All 128 threads copy
+//     the gathered A rows, one row per thread (row_token[s], 8 x 16-byte cp.async per K step) into
+//     the 128B-swizzled K-major layout wgmma reads; padding rows (row_token < 0) are zero-filled
+//     without reading memory. A thread signals its rows of stage i once they have landed: after
+//     stage i + kLag is issued it waits for the group of stage i (cp.async.wait_group kLag), makes
+//     the writes visible to the async proxy (fence.proxy.async) and arrives on full[i].
+//   warp groups 1 and 2 (consumers, 232 registers): rows 0-63 and 64-127 of the tile; per stage
+//     4 k16 steps x (gate, up) wgmma m64n128k16 into two 64-register fp32 accumulators, one wgmma
+//     group in flight (wait_group 1) before the previous stage is released (`empty`, one arrive per
+//     warp). Epilogue: silu(g) * u in fp32, bf16 pairs stored straight from the registers, only for
+//     rows whose row_token >= 0. A tile whose row 64 is padding (a half tail, as split_tail) has no
+//     real row in warp group 2: it skips its wgmma and epilogue (waits and releases only).
+// The producer ends the stream with a stage whose tile number is -1; the consumers stop on it.
+
+#include "gemm_sm90/gemm1_sm90.h"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "gemm_sm90/wgmma_m64n128k16.cuh"
+
+namespace moe {
+namespace sm90 {
+namespace {
+
+constexpr int kBoxCols = 64;                                  // weight columns per TMA box (128 bytes)
+constexpr int kABytes = kTileRows * kTileDepth * 2;           // 16 KB: A [128 rows x 64 K]
+constexpr int kBoxBytes = kTileDepth * kBoxCols * 2;          // 8 KB: one weight box [64 K x 64 columns]
+constexpr int kBBytes = 4 * kBoxBytes;                        // 32 KB: gate 2 boxes, then up 2 boxes
+constexpr int kStageBytes = kABytes + kBBytes;                // 48 KB
+constexpr int kLag = 2;                                       // cp.async groups in flight per producer thread
+constexpr int kProducerThreads = 128;
+constexpr int kConsumerWarps = 8;
+constexpr int kFullArrivals = kProducerThreads + 1;           // every producer thread + the TMA issue
+constexpr int kDone = -1;                                     // tile number that ends the stream
+
+static_assert(kLag < kStages, "a lagged arrive must come before the producer waits on that stage again");
+static_assert(kStageBytes % 1024 == 0, "stages must keep the 1024-byte alignment of the 128B swizzle");
+
+struct Control {
+  uint64_t full[kStages];   // producer -> consumers: A rows landed (128 arrivals) + weight bytes (TMA)
+  uint64_t empty[kStages];  // consumers -> producer: one arrival per consumer warp
+  int tile[kStages];        // tile number of the stage's data (kDone ends the stream)
+  int next[2];              // thread 0 -> producer warp group: the next tile (double-buffered)
+};
+
+constexpr size_t kSmemBytes = static_cast<size_t>(kStages) * kStageBytes + sizeof(Control) + 1024;
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// Waits until the phase with this parity has completed (a fresh barrier: parity 1 passes at once).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int col, int row) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(col), "r"(row)
+      : "memory");
+}
+
+// 16 bytes global -> shared, L2 only; src_bytes 0 writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+__device__ __forceinline__ void producer_sync() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// Keeps the compiler from moving accumulator registers across wgmma issue / wait points.
+__device__ __forceinline__ void fence_operands(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// wgmma matrix descriptor, 128-byte swizzle: start address, leading and stride byte offsets (>> 4).
+// A, K-major: rows of 128 bytes, 8-row atoms 1024 bytes apart (SBO); LBO unused (16).
+// B, MN-major: K rows of 128 bytes (64 columns), 8-row atoms 1024 bytes apart (SBO), the next 64
+// columns one TMA box (8 KB, LBO) further.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ float silu_mul(float g, float u) { return __fdividef(g, 1.0f + __expf(-g)) * u; }
+
+__device__ __forceinline__ int next_tile(int32_t* queue, const int32_t* block_expert, int num_tiles, int n_tiles,
+                                         int E) {
+  while (true) {
+    const int tile = atomicAdd(queue, 1);
+    if (tile >= num_tiles) return kDone;
+    if (block_expert[tile / n_tiles] < E) return tile;
+  }
+}
+
+__device__ void producer(const Gemm1Args& p, const CUtensorMap* w_map, uint8_t* stages, Control* ctl) {
+  const int t = threadIdx.x;  // 0..127: the tile row this thread copies
+  const int n_tiles = p.Ir / kTileCols;
+  const int num_tiles = (p.S / kTileRows) * n_tiles;
+  const int k_steps = p.H / kTileDepth;
+  const __nv_bfloat16* a = static_cast<const __nv_bfloat16*>(p.a);
+  const uint32_t stage0 = smem_u32(stages);
+  const uint32_t swz = static_cast<uint32_t>(t & 7);
+  uint32_t it = 0;  // K steps issued so far, over all tiles: stage it % kStages, phase it / kStages
+  for (int n = 0;; ++n) {
+    if (t == 0) ctl->next[n & 1] = next_tile(p.queue, p.block_expert, num_tiles, n_tiles, p.E);
+    producer_sync();
+    const int tile = ctl->next[n & 1];
+    if (tile == kDone) break;
+    const int block = tile / n_tiles, pn = tile % n_tiles;
+    const int expert = p.block_expert[block];
+    const int s = block * kTileRows + t;
+    const int token = p.row_token ? p.row_token[s] : s;
+    const uint32_t bytes = token >= 0 ? 16u : 0u;
+    const __nv_bfloat16* src = a + static_cast<int64_t>(token >= 0 ? token : 0) * p.H;
+    for (int kk = 0; kk < k_steps; ++kk, ++it) {
+      const uint32_t stage = it % kStages;
+      mbar_wait(smem_u32(&ctl->empty[stage]), ((it / kStages) & 1) ^ 1);
+      const uint32_t base = stage0 + stage * kStageBytes;
+      const uint32_t full = smem_u32(&ctl->full[stage]);
+      if (t == 0) {
+        ctl->tile[stage] = tile;
+        mbar_arrive_expect_tx(full, kBBytes);
+        const int row = expert * p.H + kk * kTileDepth;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          const int col = (b < 2 ? 0 : p.Ir) + pn * kTileCols + (b & 1) * kBoxCols;
+          tma_load_2d(base + kABytes + b * kBoxBytes, w_map, full, col, row);
+        }
+      }
+      const __nv_bfloat16* row_src = src + kk * kTileDepth;
+#pragma unroll
+      for (uint32_t j = 0; j < 8; ++j) cp_async_16(base + t * 128 + ((j ^ swz) << 4), row_src + j * 8, bytes);
+      cp_async_commit();
+      if (it >= kLag) {
+        cp_async_wait<kLag>();
+        fence_proxy_async();
+        mbar_arrive(smem_u32(&ctl->full[(it - kLag) % kStages]));
+      }
+    }
+  }
+  // The last kLag stages' rows, then the end of the stream.
+  cp_async_wait<0>();
+  fence_proxy_async();
+  for (uint32_t i = it >= kLag ? it - kLag : 0; i < it; ++i) mbar_arrive(smem_u32(&ctl->full[i % kStages]));
+  const uint32_t stage = it % kStages;
+  mbar_wait(smem_u32(&ctl->empty[stage]), ((it / kStages) & 1) ^ 1);
+  if (t == 0) {
+    ctl->tile[stage] = kDone;
+    mbar_arrive(smem_u32(&ctl->full[stage]));  // the arrival the TMA issue makes otherwise
+  }
+  mbar_arrive(smem_u32(&ctl->full[stage]));
+}
+
+__device__ void consumer(const Gemm1Args& p, uint8_t* stages, Control* ctl) {
+  const int wg = threadIdx.x / 128 - 1;        // 0: tile rows 0-63, 1: rows 64-127
+  const int warp = (threadIdx.x / 32) % 4;     // 16-row slice of the warp group's 64
+  const int lane = threadIdx.x % 32;
+  const int n_tiles = p.Ir / kTileCols;
+  const int k_steps = p.H / kTileDepth;
+  const uint32_t stage0 = smem_u32(stages);
+  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
+  float gate[64], up[64];
+  uint32_t it = 0;
+  while (true) {
+    const uint32_t first = it % kStages;
+    mbar_wait(smem_u32(&ctl->full[first]), (it / kStages) & 1);
+    const int tile = ctl->tile[first];
+    if (tile == kDone) break;
+    const int block = tile / n_tiles, pn = tile % n_tiles;
+    // Warp group 1 of a half tail (row 64 is padding, so are rows 65..127) computes nothing.
+    const bool live = wg == 0 || p.row_token == nullptr || p.row_token[block * kTileRows + 64] >= 0;
+    if (!live) {  // wait for each stage and release it
+      for (int kk = 0; kk < k_steps; ++kk, ++it) {
+        const uint32_t stage = it % kStages;
+        if (kk > 0) mbar_wait(smem_u32(&ctl->full[stage]), (it / kStages) & 1);
+        if (lane == 0) mbar_arrive(smem_u32(&ctl->empty[stage]));
+      }
+      continue;
+    }
+    uint32_t prev = 0;
+    for (int kk = 0; kk < k_steps; ++kk, ++it) {
+      const uint32_t stage = it % kStages;
+      if (kk > 0) mbar_wait(smem_u32(&ctl->full[stage]), (it / kStages) & 1);
+      const uint32_t a0 = stage0 + stage * kStageBytes + wg * 64 * 128;
+      const uint32_t b0 = stage0 + stage * kStageBytes + kABytes;
+      fence_operands(gate);
+      fence_operands(up);
+      wgmma_fence();
+#pragma unroll
+      for (uint32_t k16 = 0; k16 < kTileDepth / 16; ++k16) {
+        const uint64_t da = smem_desc(a0 + k16 * 32, 16, 1024);
+        const uint32_t scale = (kk > 0 || k16 > 0) ? 1u : 0u;
+        wgmma_m64n128k16_bf16(gate, da, smem_desc(b0 + k16 * 2048, kBoxBytes, 1024), scale);
+        wgmma_m64n128k16_bf16(up, da, smem_desc(b0 + 2 * kBoxBytes + k16 * 2048, kBoxBytes, 1024), scale);
+      }
+      wgmma_commit();
+      wgmma_wait<1>();  // the previous stage's group has read its operands
+      fence_operands(gate);
+      fence_operands(up);
+      if (kk > 0 && lane == 0) mbar_arrive(smem_u32(&ctl->empty[prev]));
+      prev = stage;
+    }
+    wgmma_wait<0>();
+    fence_operands(gate);
+    fence_operands(up);
+    if (lane == 0) mbar_arrive(smem_u32(&ctl->empty[prev]));
+    // Accumulator fragment of m64nN: register 4j + 2i + c holds row lane/4 + 8i (of the warp's 16)
+    // and column 8j + 2(lane%4) + c.
+    const int r0 = block * kTileRows + wg * 64 + warp * 16 + lane / 4;
+    const int col = pn * kTileCols + 2 * (lane % 4);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = r0 + 8 * i;
+      if (p.row_token != nullptr && p.row_token[r] < 0) continue;  // padding: never written
+      __nv_bfloat16* row_out = out + static_cast<int64_t>(r) * p.Ir + col;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int q = 4 * j + 2 * i;
+        const __nv_bfloat162 v = __floats2bfloat162_rn(silu_mul(gate[q], up[q]), silu_mul(gate[q + 1], up[q + 1]));
+        *reinterpret_cast<__nv_bfloat162*>(row_out + 8 * j) = v;
+      }
+    }
+  }
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+__global__ void __launch_bounds__(kThreads, 1) gemm1_kernel(const Gemm1Args args, const __grid_constant__ CUtensorMap w_map) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* stages = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  Control* ctl = reinterpret_cast<Control*>(stages + kStages * kStageBytes);
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      mbar_init(smem_u32(&ctl->full[i]), kFullArrivals);
+      mbar_init(smem_u32(&ctl->empty[i]), kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&w_map)) : "memory");
+  }
+  __syncthreads();
+  if (threadIdx.x < kProducerThreads) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    producer(args, &w_map, stages, ctl);
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    consumer(args, stages, ctl);
+  }
+#else
+  __trap();  // built for sm_90a only (csrc/build.py)
+#endif
+}
+
+enum Error : int {
+  kNoEntryPoint = -1,   // the driver's cuTensorMapEncodeTiled was not found
+  kEncodeFailed = -2,   // cuTensorMapEncodeTiled refused the weights' map
+};
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status) !=
+            cudaSuccess ||
+        status != cudaDriverEntryPointSuccess)
+      ptr = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+}  // namespace
+
+size_t gemm1_smem_bytes() { return kSmemBytes; }
+
+const char* gemm1_shape_error(int64_t H, int64_t Ir, int64_t E, int64_t S, int64_t num_a_rows) {
+  if (H <= 0 || H % kTileDepth) return "H must be a positive multiple of 64 (K steps of 64, TMA boxes within an expert)";
+  if (Ir <= 0 || Ir % kTileCols) return "Ir must be a positive multiple of 128 (the tile's output columns)";
+  if (S <= 0 || S % kTileRows) return "S must be a positive multiple of 128 (row blocks)";
+  if (E < 1 || E * H > INT32_MAX || 2 * Ir > INT32_MAX) return "E*H and 2*Ir must fit int32 TMA coordinates";
+  if (S > INT32_MAX || num_a_rows < 1 || num_a_rows * H > (int64_t{1} << 40)) return "S or the token matrix is too large";
+  if ((S / kTileRows) * (Ir / kTileCols) > INT32_MAX) return "too many tiles for the int32 queue";
+  return nullptr;
+}
+
+int gemm1_launch(const Gemm1Args& args, void* stream) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = encode_fn();
+  if (encode == nullptr) return kNoEntryPoint;
+  // W13 [E, H, 2*Ir] as the 2-D [E*H rows, 2*Ir columns] row-major matrix; dimension 0 is the inner one.
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(2 * args.Ir), static_cast<cuuint64_t>(args.E) * args.H};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(2 * args.Ir) * 2};  // bytes between rows
+  const cuuint32_t box[2] = {kBoxCols, kTileDepth};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult res = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(args.w13), dims, strides,
+                              box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (res != CUDA_SUCCESS) return kEncodeFailed;
+  static bool attribute_set = false;  // the first launch in the process sets the opt-in shared memory
+  if (!attribute_set) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(gemm1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes));
+    if (err != cudaSuccess) return static_cast<int>(err);
+    attribute_set = true;
+  }
+  gemm1_kernel<<<args.num_programs, kThreads, kSmemBytes, static_cast<cudaStream_t>(stream)>>>(args, map);
+  return static_cast<int>(cudaGetLastError());
+}
+
+const char* gemm1_error_string(int error) {
+  switch (error) {
+    case kNoEntryPoint:
+      return "the driver has no cuTensorMapEncodeTiled (CUDA driver older than 12.0?)";
+    case kEncodeFailed:
+      return "cuTensorMapEncodeTiled refused the W13 tensor map (alignment or size)";
+    default:
+      return cudaGetErrorString(static_cast<cudaError_t>(error));
+  }
+}
+
+}  // namespace sm90
+}  // namespace moe
