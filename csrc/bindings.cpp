@@ -5,8 +5,13 @@
 //   moe::build_tables_out(Tensor ids, Tensor counts, int E, int C, Tensor(a!) expert_offsets, ...)
 //       the same into caller-owned buffers (allocated once at capacity; nothing allocates per batch)
 //
+//   moe::gemm1_swiglu_sm90(Tensor a, Tensor w13, Tensor block_expert, Tensor? row_token, Tensor(a!) queue,
+//                          Tensor(b!) out, int num_programs) -> ()
+//       GEMM1 + SwiGLU over the gathered layout on the Hopper tile (csrc/gemm_sm90); registered only
+//       when csrc/build.py compiled that tile (an sm_90 target: MOE_SM90_TILE)
+//
 // Tables as in docs/CONTRACTS.md (service.moe.tables.Tables), all int32. One launch, no host sync.
-// The CUDA kernel lives in csrc/schedule/schedule_kernel.cu and knows nothing of torch.
+// The CUDA kernels live in csrc/schedule/ and csrc/gemm_sm90/ and know nothing of torch.
 
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
@@ -19,40 +24,14 @@
 
 #include <climits>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
 
+#include "check.h"
+#include "gemm_sm90/gemm1_sm90.h"
 #include "schedule/schedule_kernel.h"
-
-// Error messages are built with std::string and std::to_string only, never with std::ostream
-// (which TORCH_CHECK's c10::str uses for anything but one string). Why: on the H200 image the
-// built library carried its own copy of libstdc++'s stream code, whose locale facets are never
-// initialised; the first `<< int64_t` in a failing check dereferenced a null facet and killed the
-// process (SIGSEGV in std::ostream::_M_insert<long>, bench/NOTES.md). Messages made here reach
-// TORCH_CHECK as one std::string, which c10 passes through untouched, and the c10::Error is built
-// inside libc10 with its own (initialised) library.
-namespace moe {
-namespace msg {
-inline void append(std::string& out, const char* s) { out += s; }
-inline void append(std::string& out, const std::string& s) { out += s; }
-template <class T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
-inline void append(std::string& out, T value) {
-  out += std::to_string(value);
-}
-inline void append(std::string& out, const c10::Device& device) { out += device.str(); }  // formatted in libc10
-inline void append(std::string& out, c10::ScalarType type) { out += c10::toString(type); }
-}  // namespace msg
-
-template <class... Args>
-std::string message(const Args&... args) {
-  std::string out;
-  (msg::append(out, args), ...);
-  return out;
-}
-}  // namespace moe
-
-#define MOE_CHECK(cond, ...) TORCH_CHECK(cond, ::moe::message(__VA_ARGS__))
 
 namespace moe {
 namespace {
@@ -146,6 +125,65 @@ void build_tables_out_op(const Tensor& ids, const Tensor& counts, int64_t E, int
   build_tables_out(ids, counts, E, C, expert_offsets, block_expert, slots, row_token, pull_order, job_order);
 }
 
+#ifdef MOE_SM90_TILE
+// ---- moe::gemm1_swiglu_sm90 -------------------------------------------------------------------
+
+void check_tile_tensor(const Tensor& t, const char* name, const Tensor& like, c10::ScalarType type) {
+  MOE_CHECK(t.defined(), "moe::gemm1_swiglu_sm90: ", name, " is an undefined tensor");
+  MOE_CHECK(t.device() == like.device(), "moe::gemm1_swiglu_sm90: ", name, " is on ", t.device(), ", a on ",
+            like.device());
+  MOE_CHECK(t.scalar_type() == type, "moe::gemm1_swiglu_sm90: ", name, " must be ", type, ", got ", t.scalar_type());
+  MOE_CHECK(t.is_contiguous(), "moe::gemm1_swiglu_sm90: ", name, " must be contiguous");
+  MOE_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "moe::gemm1_swiglu_sm90: ", name,
+            " must start 16-byte aligned");
+}
+
+void gemm1_swiglu_sm90(const Tensor& a, const Tensor& w13, const Tensor& block_expert,
+                       const std::optional<Tensor>& row_token, Tensor queue, Tensor out, int64_t num_programs) {
+  MOE_CHECK(a.defined() && a.is_cuda(), "moe::gemm1_swiglu_sm90: a must be a CUDA tensor");
+  MOE_CHECK(a.dim() == 2 && w13.dim() == 3 && out.dim() == 2,
+            "moe::gemm1_swiglu_sm90: a [N, H], w13 [E, H, 2*Ir] and out [S, Ir] expected");
+  const int64_t H = a.size(1), E = w13.size(0), Ir = w13.size(2) / 2, S = out.size(0);
+  MOE_CHECK(w13.size(1) == H && w13.size(2) == 2 * Ir, "moe::gemm1_swiglu_sm90: w13 must be [E, ", H,
+            ", 2*Ir], got [", w13.size(0), ", ", w13.size(1), ", ", w13.size(2), "]");
+  MOE_CHECK(out.size(1) == Ir, "moe::gemm1_swiglu_sm90: out must be [S, ", Ir, "], got [", S, ", ", out.size(1), "]");
+  const char* shape_error = sm90::gemm1_shape_error(H, Ir, E, S, a.size(0));
+  MOE_CHECK(shape_error == nullptr, "moe::gemm1_swiglu_sm90: ", shape_error == nullptr ? "" : shape_error, " (H=", H,
+            ", Ir=", Ir, ", E=", E, ", S=", S, ", N=", a.size(0), ")");
+  check_tile_tensor(a, "a", a, at::kBFloat16);
+  check_tile_tensor(w13, "w13", a, at::kBFloat16);
+  check_tile_tensor(out, "out", a, at::kBFloat16);
+  check_tile_tensor(block_expert, "block_expert", a, at::kInt);
+  check_tile_tensor(queue, "queue", a, at::kInt);
+  MOE_CHECK(block_expert.numel() == S / sm90::kTileRows, "moe::gemm1_swiglu_sm90: block_expert must have S/128 = ",
+            S / sm90::kTileRows, " entries, got ", block_expert.numel());
+  MOE_CHECK(queue.numel() == 1, "moe::gemm1_swiglu_sm90: queue must be one int32 counter");
+  if (row_token.has_value()) {
+    check_tile_tensor(*row_token, "row_token", a, at::kInt);
+    MOE_CHECK(row_token->numel() == S, "moe::gemm1_swiglu_sm90: row_token must have S = ", S, " entries, got ",
+              row_token->numel());
+  } else {
+    MOE_CHECK(a.size(0) == S, "moe::gemm1_swiglu_sm90: without row_token a is the layout itself: [", S,
+              ", H], got ", a.size(0), " rows");
+  }
+  const int64_t tiles = S / sm90::kTileRows * (Ir / sm90::kTileCols);
+  MOE_CHECK(num_programs >= 1 && num_programs <= tiles, "moe::gemm1_swiglu_sm90: num_programs must be in [1, ",
+            tiles, "], got ", num_programs);
+#ifndef MOE_SYNTAX_ONLY
+  const c10::cuda::CUDAGuard guard(a.device());
+  void* stream = c10::cuda::getCurrentCUDAStream(a.device().index()).stream();
+#else
+  void* stream = nullptr;
+#endif
+  sm90::Gemm1Args args{a.data_ptr(), w13.data_ptr(), out.data_ptr(), block_expert.data_ptr<int32_t>(),
+                       row_token.has_value() ? row_token->data_ptr<int32_t>() : nullptr, queue.data_ptr<int32_t>(),
+                       static_cast<int>(a.size(0)), static_cast<int>(S), static_cast<int>(H), static_cast<int>(Ir),
+                       static_cast<int>(E), static_cast<int>(num_programs)};
+  const int err = sm90::gemm1_launch(args, stream);
+  MOE_CHECK(err == 0, "moe::gemm1_swiglu_sm90: launch failed: ", sm90::gemm1_error_string(err));
+}
+#endif  // MOE_SM90_TILE
+
 }  // namespace
 }  // namespace moe
 
@@ -155,9 +193,16 @@ TORCH_LIBRARY(moe, m) {
   m.def("build_tables_out(Tensor ids, Tensor counts, int E, int C, Tensor(a!) expert_offsets, "
         "Tensor(b!) block_expert, Tensor(c!) slots, Tensor(d!) row_token, Tensor(e!) pull_order, "
         "Tensor(f!) job_order) -> ()");
+#ifdef MOE_SM90_TILE
+  m.def("gemm1_swiglu_sm90(Tensor a, Tensor w13, Tensor block_expert, Tensor? row_token, Tensor(a!) queue, "
+        "Tensor(b!) out, int num_programs) -> ()");
+#endif
 }
 
 TORCH_LIBRARY_IMPL(moe, CUDA, m) {
   m.impl("build_tables", &moe::build_tables);
   m.impl("build_tables_out", &moe::build_tables_out_op);
+#ifdef MOE_SM90_TILE
+  m.impl("gemm1_swiglu_sm90", &moe::gemm1_swiglu_sm90);
+#endif
 }

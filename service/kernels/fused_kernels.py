@@ -656,6 +656,8 @@ class Plan:
             "kernel 2: nobody takes jobs"
         assert self.job_tokens >= 1 and self.job_tokens & (self.job_tokens - 1) == 0, \
             f"job_tokens must be a power of two, got {self.job_tokens}"
+        assert not (self.config1.cuda_tile or self.config2.cuda_tile), \
+            "GemmConfig.cuda_tile is the serial GEMM1's: the fused kernels run the Triton tile"
 
 
 def _p2(x: int) -> int:

@@ -133,6 +133,14 @@ class GemmConfig:
     # stream per FLOP halves; the accumulators keep the BM x BN tile's size). An expert's odd last
     # block and its half tail (split_tail) keep the BM-row tiles (tile_coords). Needs expert_offsets.
     pair: bool = False
+    # GEMM1 of the serial backend (gemm1_swiglu) runs the Hopper CUDA tile of csrc/gemm_sm90
+    # (service.kernels.cuda_tile: wgmma, TMA weights, a producer warp group for the gathered rows)
+    # instead of the Triton kernel; an error where it cannot run (not sm_90, library built without
+    # it, another activation, a bias), never a fallback. The tile is 128 x (128 gate + 128 up) x 64
+    # with 4 stages, takes tiles from the queue and skips the padding half of tail blocks: the
+    # config must say so (BN 128, BK 64, queue, split_tail; no pair, w_desc, pn_major). GEMM2 and the
+    # fused kernels have no CUDA tile and refuse it.
+    cuda_tile: bool = False
 
     def __post_init__(self) -> None:
         assert self.BM == BM, f"the gathered layout fixes BM = {BM}, got {self.BM}"
@@ -140,6 +148,10 @@ class GemmConfig:
         assert not self.pair or self.BN >= 32, f"a pair tile is BN/2 columns wide: BN must be >= 32, got {self.BN}"
         assert not (self.pair and self.w_desc), "pair tiles read the weights by pointer loads: w_desc's [BK, BN] " \
             "boxes are a BM-row tile's"
+        assert not self.cuda_tile or (self.BN, self.BK, self.queue, self.split_tail, self.ctas_per_sm) == \
+            (128, 64, True, True, 1) and not (self.pair or self.w_desc or self.pn_major), \
+            f"the CUDA tile is BN=128, BK=64 with queue and split_tail, one CTA per SM, no pair, w_desc or " \
+            f"pn_major: got {self}"
         for name in ("BN", "BK"):
             value = getattr(self, name)
             assert value >= 16 and value & (value - 1) == 0, f"{name} must be a power of two >= 16, got {value}"
@@ -537,6 +549,11 @@ def gemm1_swiglu(a, w13, block_expert, *, config: GemmConfig, out=None, num_prog
     are not written either. expert_offsets [E+1] int32 (the layout's) is needed by config.pn_major and
     config.pair.
     """
+    if config.cuda_tile:  # the Hopper tile (GemmConfig.cuda_tile); it raises where it cannot run
+        from service.kernels import cuda_tile
+
+        return cuda_tile.gemm1_swiglu(a, w13, block_expert, out=out, num_programs=num_programs,
+                                      row_token=row_token, act=act, bias=bias)
     if w13.dim() != 3 or w13.shape[2] % 2:
         raise ValueError(f"w13 must be [E, H, 2*Ir], got {list(w13.shape)}")
     Ir = w13.shape[2] // 2
@@ -557,6 +574,8 @@ def gemm2(act, w2, block_expert, *, config: GemmConfig, out=None, num_programs=N
     config.split_tail skip the padding half of tail blocks, as GEMM1 does (and config.pair pair the
     same blocks GEMM1 pairs); expert_offsets as GEMM1's.
     """
+    if config.cuda_tile:
+        raise ValueError("GemmConfig.cuda_tile is GEMM1's: GEMM2 has no CUDA tile")
     if w2.dim() != 3:
         raise ValueError(f"w2 must be [E, Ir, H], got {list(w2.shape)}")
     H = w2.shape[2]

@@ -17,7 +17,8 @@ An entry may add `"w_desc": true`: the weights are then read through TMA tensor 
 `"ctas_per_sm": 2`: the serial GEMMs' persistent grid holds two programs per SM; `"queue": true`:
 the programs take tiles from an atomic counter (GemmConfig.queue); `"pn_major": true`: an expert's
 tiles in column-tile-major order (GemmConfig.pn_major); `"pair": true`: two full blocks of one expert
-run one 2*BM x BN/2 tile (GemmConfig.pair).
+run one 2*BM x BN/2 tile (GemmConfig.pair); `"cuda_tile": true` (gemm1 files only): the serial GEMM1
+runs the Hopper CUDA tile (GemmConfig.cuda_tile, service.kernels.cuda_tile).
 
 `bench/tune_gemm.py` writes these files on a GPU. The request path only reads them (cached);
 when no file matches, a default chosen by the device's shared memory is used and logged once.
@@ -93,7 +94,8 @@ def config_from_dict(entry: dict) -> GemmConfig:
                       num_warps=int(entry["num_warps"]), num_stages=int(entry["num_stages"]),
                       w_desc=bool(entry.get("w_desc", False)), split_tail=bool(entry.get("split_tail", True)),
                       ctas_per_sm=int(entry.get("ctas_per_sm", 1)), queue=bool(entry.get("queue", False)),
-                      pn_major=bool(entry.get("pn_major", False)), pair=bool(entry.get("pair", False)))
+                      pn_major=bool(entry.get("pn_major", False)), pair=bool(entry.get("pair", False)),
+                      cuda_tile=bool(entry.get("cuda_tile", False)))
 
 
 def config_to_dict(config: GemmConfig) -> dict:
@@ -110,6 +112,8 @@ def config_to_dict(config: GemmConfig) -> dict:
         out["pn_major"] = True
     if config.pair:
         out["pair"] = True
+    if config.cuda_tile:
+        out["cuda_tile"] = True
     return out
 
 

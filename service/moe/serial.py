@@ -42,7 +42,8 @@ tokens. NCCL moves whole blocks (reading m would sync the device).
 Kernels, chosen once per rank and logged (`GEMMS`, `build_tables` below):
 - GEMMs: on CUDA with bf16/fp16 the Triton grouped GEMM of service.kernels.grouped_gemm
   (SwiGLU fused into GEMM1; measured 1.18-1.23x `torch._grouped_mm` for GEMM1+SwiGLU and
-  1.05-1.11x for GEMM2 at the seed shape on an H200, bench/RESULTS.md); elsewhere
+  1.05-1.11x for GEMM2 at the seed shape on an H200, bench/RESULTS.md); GEMM1 on the Hopper
+  CUDA tile (service.kernels.cuda_tile) when its tile config says cuda_tile (off by default); elsewhere
   service.moe.grouped (`torch._grouped_mm` where it runs, a per-expert loop otherwise).
 - Tables: the one-launch CUDA op of csrc/ where it is built, the torch builder otherwise.
 """
@@ -99,6 +100,13 @@ class GroupedGemms:
             self.w13 = weights.w13.to(device, cfg.dtype).contiguous()  # [E, H, 2*Ir] in the layer dtype, as fused
             self.w2 = weights.w2.to(device, cfg.dtype).contiguous()    # [E, Ir, H]
             self.configs = [lookup_for_device(device, mode, cfg.E, cfg.H, cfg.Ir) for mode in ("gemm1", "gemm2")]
+            if self.configs[0].cuda_tile:  # the opt-in Hopper GEMM1: refused here, at start, where it cannot run
+                from service.kernels.cuda_tile import device_reason, layer_reason
+
+                reason = layer_reason(cfg.dtype, cfg.act, weights.b13, cfg.H, cfg.Ir) or device_reason(device)
+                if reason:
+                    raise RuntimeError(f"the GEMM1 config asks for the CUDA tile (cuda_tile): {reason}")
+                log.info("GEMM1: the sm_90a CUDA tile (service.kernels.cuda_tile)")
             self.h = torch.empty(cfg.S, cfg.Ir, dtype=cfg.dtype, device=device)  # [S, Ir] activations
             self.d = torch.empty(cfg.S, cfg.H, dtype=cfg.dtype, device=device)    # [S, H]
         else:
