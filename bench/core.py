@@ -3,8 +3,8 @@ and the layer a user would run instead (issue 12).
 
     python bench/core.py --anchors PATH/bench_anchors.py [--tokens 2048] [--K 8] [--E 64] [--H 4096]
                          [--Ir 768] [--iters 100] [--w-desc off] [--split on,off] [--pair off,gemm1,on]
-                         [--order static,queue] [--repeats N] [--routing balanced,skewed] [--json FILE] [--profile]
-                         [--no-anchor]
+                         [--order static,queue] [--cuda-tile off,on] [--repeats N] [--routing balanced,skewed]
+                         [--json FILE] [--profile] [--no-anchor]
 
 Shape: the seed preset's per-rank share (T = 2048 tokens, K = 8, E = 64, H = 4096, Ir = 768), all on
 one GPU (R = 1, C = T), bf16. Weights and routing come from the anchor script's own generators
@@ -25,8 +25,10 @@ TMA descriptors), --split (GemmConfig.split_tail: half tiles for tail blocks; "n
 full tiles everywhere), --pair (GemmConfig.pair: two full blocks of one expert in one 2*BM x BN/2
 tile, stages as tuning.pair_config fits them; "on" in both GEMMs, "gemm1" in GEMM1 / kernel 1 only;
 w_desc rows skip it) and --order values (GemmConfig.queue: the GEMM programs take tiles from an
-atomic counter; pn_major: an expert's tiles column-tile-major), tagged by what differs from the
-defaults.
+atomic counter; pn_major: an expert's tiles column-tile-major) and --cuda-tile values (GemmConfig.cuda_tile
+in GEMM1: the Hopper CUDA tile of csrc/gemm_sm90, tagged " cuda1"; only with the queue and split_tail
+it implies, no pair or w_desc; serial layer rows only, the fused kernels have no CUDA tile), tagged by
+what differs from the defaults.
 --profile: no timing, no layers, no anchor rows: each variant's GEMM1 and GEMM2 run once per
 routing (what `ncu -k regex:grouped_gemm --launch-count N` profiles, bench/gpu_core.sh).
 Timing as the anchor times: our GEMMs and the dense matmul are captured in a graph
@@ -101,15 +103,19 @@ def variant_list(args, base) -> list[tuple[str, dict]]:
     choices = [[(field, v == "on") for v in getattr(args, arg.replace("-", "_")).split(",")]
                for arg, field, _ in VARIED]
     out = []
-    for combo, pair in itertools.product(itertools.product(*choices), args.pair.split(",")):
+    for combo, pair, cuda in itertools.product(itertools.product(*choices), args.pair.split(","),
+                                               args.cuda_tile.split(",")):
         if dict(combo)["w_desc"] and PAIRS[pair][0]:
             continue  # GemmConfig refuses the pair (pointer loads only)
         for order in args.order.split(","):
             change = {**dict(combo), "queue": False, "pn_major": False, **ORDERS[order]}
+            if cuda == "on" and not (change["queue"] and change["split_tail"] and not change["pn_major"]
+                                     and not change["w_desc"] and pair == "off"):
+                continue  # what the CUDA tile runs (GemmConfig.cuda_tile): the queue, split_tail, nothing else
             tag = "".join(f" {name}" if change[field] else f" no{name}"
                           for _, field, name in (*VARIED, *TAGGED) if change[field] != getattr(base, field))
-            tag += {"off": "", "gemm1": " pair1", "on": " pair"}[pair]
-            out.append((tag, {**change, "pair": PAIRS[pair][0], "pair2": PAIRS[pair][1]}))
+            tag += {"off": "", "gemm1": " pair1", "on": " pair"}[pair] + (" cuda1" if cuda == "on" else "")
+            out.append((tag, {**change, "pair": PAIRS[pair][0], "pair2": PAIRS[pair][1], "cuda_tile": cuda == "on"}))
     return out
 
 
@@ -162,8 +168,10 @@ def run(args) -> dict:
 
     def tile_configs(change: dict):
         """(GEMM1, GEMM2) configs of a variant (variant_list); pair tiles with their stages fitted to the device."""
-        fields = {k: v for k, v in change.items() if k not in ("pair", "pair2")}
+        fields = {k: v for k, v in change.items() if k not in ("pair", "pair2", "cuda_tile")}
         c1, c2 = dataclasses.replace(base1, **fields), dataclasses.replace(base2, **fields)
+        if change["cuda_tile"]:  # GEMM1 on the CUDA tile, whose shape the config must state
+            c1 = dataclasses.replace(c1, BN=128, BK=64, cuda_tile=True)
         return (pair_config(c1, smem, swiglu=True) if change["pair"] else c1,
                 pair_config(c2, smem, swiglu=False) if change["pair2"] else c2)
     variants = variant_list(args, base1)
@@ -238,7 +246,7 @@ def run(args) -> dict:
         if args.profile:
             continue
         for tag, change in variants:
-            for kind in ("serial", "fused"):
+            for kind in ("serial",) if change["cuda_tile"] else ("serial", "fused"):
                 timed.append((f"{kind} layer (graph){tag}", layer_measure(kind, tag, change, ids, tw, ref, routing),
                               f1 + f2, {}))
         # Rounds over every row, interleaved, so that a drift of the machine's speed touches all
@@ -279,13 +287,14 @@ def summary(result: dict) -> None:
         for tag in tags:
             g1, g2 = by.get((f"gemm1+swiglu{tag}", routing)), by.get((f"gemm2{tag}", routing))
             s, f = by.get((f"serial layer (graph){tag}", routing)), by.get((f"fused layer (graph){tag}", routing))
-            if not (g1 and g2 and s and f):
+            if not (g1 and g2 and s):
                 continue
             a = anchor["us"] if anchor else float("nan")
+            fused = f["us"] if f else float("nan")  # none for the CUDA tile's rows (serial only)
             weights = tag.strip() or "defaults"
             print(f"| {routing} | {weights} | {g1['tflops']:.0f} ({g1['tflops'] / 650:.2f}) | "
-                  f"{g2['tflops']:.0f} ({g2['tflops'] / 550:.2f}) | {s['us']:.0f} | {f['us']:.0f} | {a:.0f} | "
-                  f"{f['us'] / dense:.2f} | {a / f['us']:.2f} | {f['us'] / s['us']:.3f} |")
+                  f"{g2['tflops']:.0f} ({g2['tflops'] / 550:.2f}) | {s['us']:.0f} | {fused:.0f} | {a:.0f} | "
+                  f"{fused / dense:.2f} | {a / fused:.2f} | {fused / s['us']:.3f} |")
     sh = result["shape"]
     floor = sh["E"] * sh["H"] * 3 * sh["Ir"] * 2 / COPY_BYTES_PER_S * 1e6  # bf16 W13 + W2, read once
     print(f"dense bf16 matmul of the same FLOPs: {dense:.0f} us; weight-read floor {floor:.0f} us "
@@ -311,6 +320,8 @@ def main() -> None:
                    "(gemm1: GEMM1's tiles only)")
     p.add_argument("--order", default="static", help=f"tile orders to time, of {sorted(ORDERS)} (GemmConfig.queue, "
                    "pn_major)")
+    p.add_argument("--cuda-tile", default="off", help="GemmConfig.cuda_tile values for GEMM1: off, on or both "
+                   "(the Hopper CUDA tile; needs the csrc library built for 9.0)")
     p.add_argument("--repeats", type=int, default=1, help="rounds over all variants, interleaved; medians of rounds")
     p.add_argument("--profile", action="store_true", help="run each variant's GEMMs once, untimed (under ncu)")
     p.add_argument("--routing", default="balanced,skewed")

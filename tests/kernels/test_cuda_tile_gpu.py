@@ -1,0 +1,193 @@
+"""The Hopper CUDA tile (GemmConfig.cuda_tile, service.kernels.cuda_tile) on an sm_90 GPU (marked gpu).
+
+What the next GPU session runs first (bench/gpu_cuda_tile.sh), written without a device: GEMM1 +
+SwiGLU on the tile against the fp32 reference and against the Triton tile, output poisoned with NaN
+(rows it must not write stay NaN), fresh random inputs twice through the same buffers (barrier
+phases, the tile queue), balanced / skewed routings and experts with zero tokens, odd counts, one
+hit, the seed share; the persistent loop with few CTAs (bit-equal to the full grid); a CUDA graph
+replay; the refusals on the device; the serial layer at R = 1 with the tile selected by its config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from service.config import BM, Activation, LayerConfig, round_up
+from tests.helpers import TOL, rel_err, routing, slice_rank
+from tests.kernels.test_grouped_gemm import _routing_rows, make_block_expert
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                                 reason="needs an sm_90 GPU (the tile is sm_90a code)")]
+
+# (E, H, Ir, hits): odd counts, one hit, a single K step's multiple, the seed share.
+SHAPES = [(5, 256, 128, 1700), (3, 192, 256, 333), (8, 512, 128, 1), (64, 4096, 768, 16384)]
+
+
+def _problem(E, H, Ir, hits, kind, seed):
+    """Tokens x [N, H] (each repeated behind ~4 layout rows, as K copies of a token are), W13, the
+    layout's block_expert and row_token (real rows lead each expert's run, padding -1), and the
+    fp32 reference on the gathered rows."""
+    from service.kernels.grouped_gemm import gemm1_swiglu_ref
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = _routing_rows(kind, E, hits, gen)
+    S = round_up(hits + E * (BM - 1), BM)  # capacity layout, as LayerConfig.S
+    block_expert, offsets = make_block_expert(rows, S // BM)
+    N = max(1, hits // 4)
+    row_token = torch.full((S,), -1, dtype=torch.int32)
+    for e, n in enumerate(rows):
+        row_token[offsets[e]:offsets[e] + n] = torch.randint(0, N, (n,), generator=gen, dtype=torch.int32)
+    dev = torch.device("cuda")
+    x = torch.randn(N, H, generator=gen).bfloat16().to(dev)
+    w13 = (torch.randn(E, H, 2 * Ir, generator=gen) / math.sqrt(H)).bfloat16().to(dev)
+    block_expert, offsets, row_token = block_expert.to(dev), offsets.to(dev), row_token.to(dev)
+    ref = gemm1_swiglu_ref(x[row_token.clamp(min=0).long()], w13, block_expert)
+    return x, w13, block_expert, offsets, row_token, ref
+
+
+def _poisoned(S, Ir):
+    return torch.full((S, Ir), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+
+@pytest.mark.parametrize("kind", ["balanced", "skewed", "holes"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "E{}_H{}_Ir{}_hits{}".format(*s))
+def test_gpu_cuda_tile_matches_reference_and_triton(shape, kind):
+    from service.kernels import cuda_tile, tuning
+    from service.kernels.grouped_gemm import gemm1_swiglu
+
+    E, H, Ir, hits = shape
+    x, w13, block_expert, offsets, row_token, ref = _problem(E, H, Ir, hits, kind, seed=hits + E + len(kind))
+    S = row_token.shape[0]
+    real = row_token >= 0
+    triton_config = tuning.lookup_for_device(x.device, "gemm1", E, H, Ir)
+    gen = torch.Generator().manual_seed(7)
+    for round_ in range(2):  # the second round: fresh values through the same buffers
+        if round_:
+            x.copy_(torch.randn(x.shape, generator=gen).bfloat16())
+            w13.copy_((torch.randn(w13.shape, generator=gen) / math.sqrt(H)).bfloat16())
+            from service.kernels.grouped_gemm import gemm1_swiglu_ref
+
+            ref = gemm1_swiglu_ref(x[row_token.clamp(min=0).long()], w13, block_expert)
+        out = _poisoned(S, Ir)
+        cuda_tile.gemm1_swiglu(x, w13, block_expert, out=out, row_token=row_token)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out[real]).all(), f"round {round_}: a real row left unwritten or not finite"
+        assert torch.isnan(out[~real]).all(), f"round {round_}: a padding row or an unused block was written"
+        err = rel_err(out[real], ref[real])
+        assert err <= TOL[torch.bfloat16], (round_, err)
+        triton_out = _poisoned(S, Ir)
+        gemm1_swiglu(x, w13, block_expert, config=triton_config, out=triton_out, row_token=row_token,
+                     expert_offsets=offsets)
+        torch.cuda.synchronize()
+        # Same products in the same K order (wgmma k16 steps), other epilogue arithmetic: the rows
+        # agree within one bf16 rounding or so, far inside the reference tolerance.
+        assert rel_err(out[real], triton_out[real]) <= TOL[torch.bfloat16], rel_err(out[real], triton_out[real])
+
+
+def test_gpu_cuda_tile_without_gather_and_with_few_ctas():
+    """A is the layout itself (no row_token: every row of a used block written); and the persistent
+    loop with 1 and 3 CTAs (many tiles each: the stage ring wraps many times) bit-equal to the grid."""
+    from service.kernels import cuda_tile
+    from service.kernels.grouped_gemm import gemm1_swiglu_ref
+
+    E, H, Ir, hits = 4, 384, 256, 900
+    x, w13, block_expert, _, row_token, _ = _problem(E, H, Ir, hits, "skewed", seed=11)
+    a = x[row_token.clamp(min=0).long()].contiguous()  # [S, H]
+    used = (block_expert < E).repeat_interleave(BM)
+    ref = gemm1_swiglu_ref(a, w13, block_expert)
+    out = _poisoned(a.shape[0], Ir)
+    cuda_tile.gemm1_swiglu(a, w13, block_expert, out=out)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out[used]).all() and torch.isnan(out[~used]).all()
+    assert rel_err(out[used], ref[used]) <= TOL[torch.bfloat16]
+    for programs in (1, 3):
+        again = _poisoned(a.shape[0], Ir)
+        cuda_tile.gemm1_swiglu(a, w13, block_expert, out=again, num_programs=programs)
+        torch.cuda.synchronize()
+        assert torch.equal(again[used], out[used]), f"{programs} CTAs changed bits"
+
+
+def test_gpu_cuda_tile_in_a_graph():
+    from service.kernels import cuda_tile
+    from service.kernels.grouped_gemm import gemm1_swiglu_ref
+
+    E, H, Ir, hits = 6, 512, 128, 1000
+    x, w13, block_expert, _, row_token, ref = _problem(E, H, Ir, hits, "balanced", seed=5)
+    real = row_token >= 0
+    out = _poisoned(row_token.shape[0], Ir)
+    cuda_tile.gemm1_swiglu(x, w13, block_expert, out=out, row_token=row_token)  # the first launch outside
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cuda_tile.gemm1_swiglu(x, w13, block_expert, out=out, row_token=row_token)
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(3):
+        x.copy_(torch.randn(x.shape, generator=gen).bfloat16())
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = gemm1_swiglu_ref(x[row_token.clamp(min=0).long()], w13, block_expert)
+        assert torch.isnan(out[~real]).all()
+        assert rel_err(out[real], ref[real]) <= TOL[torch.bfloat16]
+
+
+def test_gpu_cuda_tile_refusals():
+    from service.kernels import cuda_tile
+
+    x, w13, block_expert, _, row_token, _ = _problem(3, 256, 128, 300, "balanced", seed=1)
+    with pytest.raises(TypeError, match="bf16 only"):
+        cuda_tile.gemm1_swiglu(x.half(), w13.half(), block_expert, row_token=row_token)
+    with pytest.raises(RuntimeError, match="silu"):
+        cuda_tile.gemm1_swiglu(x, w13, block_expert, row_token=row_token, act=Activation("gelu_tanh"))
+    with pytest.raises(RuntimeError, match="no bias"):
+        cuda_tile.gemm1_swiglu(x, w13, block_expert, row_token=row_token, bias=torch.zeros_like(w13[:, 0]))
+    with pytest.raises(RuntimeError, match="Ir % 128"):
+        cuda_tile.gemm1_swiglu(x, w13[:, :, :192].contiguous(), block_expert, row_token=row_token)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_gpu_serial_layer_with_the_cuda_tile(graph, monkeypatch, caplog):
+    """SerialLayer at R = 1 whose GEMM1 config says cuda_tile (the switch as the service would set it,
+    through the tile config lookup): balanced, skewed, T = 1, an empty step, one expert set for all."""
+    from service.kernels import tuning
+    from service.moe.reference import moe_reference
+    from service.moe.serial import SerialLayer
+    from service.moe.weights import RankWeights
+
+    lookup = tuning.lookup_for_device
+
+    def with_tile(device, mode, *args, **kw):
+        config = lookup(device, mode, *args, **kw)
+        if mode != "gemm1":
+            return config
+        return dataclasses.replace(config, BN=128, BK=64, queue=True, split_tail=True, pair=False, w_desc=False,
+                                   pn_major=False, ctas_per_sm=1, cuda_tile=True)
+
+    monkeypatch.setattr(tuning, "lookup_for_device", with_tile)
+    E, H, Ir, K, C = 8, 512, 256, 2, 700
+    cfg = LayerConfig(E=E, H=H, I=Ir, K=K, R=1, C=C, dtype=torch.bfloat16)
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(3)
+    gate, up, down = ((torch.randn(*s, generator=gen) / math.sqrt(s[2])).bfloat16().float()
+                      for s in ((E, Ir, H), (E, Ir, H), (E, H, Ir)))
+    with caplog.at_level("INFO", logger="service.moe.serial"):
+        layer = SerialLayer(cfg, RankWeights(*slice_rank(gate, up, down, 0, 1)), rank=0, device=dev, gemm="triton",
+                            graph=graph)
+    assert layer.gemms.configs[0].cuda_tile and "sm_90a CUDA tile" in caplog.text
+    gate, up, down = gate.to(dev), up.to(dev), down.to(dev)
+    for seq, (n, kind) in enumerate([(C, "balanced"), (C, "skewed"), (1, "balanced"), (0, "skewed"),
+                                     (C, "single")], start=1):
+        x = torch.randn(n, H, generator=gen).bfloat16().to(dev)
+        ids, w = routing(n, E, K, kind, gen)
+        out = layer.forward(x, ids.int().to(dev), w.to(dev), seq).clone()
+        layer.check_seq(seq)
+        assert out.shape == (n, H)
+        if n:
+            ref = moe_reference(x.float(), ids.to(dev), w.to(dev), gate, up, down)
+            assert torch.isfinite(out).all()
+            assert rel_err(out, ref) <= TOL[torch.bfloat16], (seq, n, kind, rel_err(out, ref))
