@@ -16,7 +16,7 @@
 #   ANCHORS=.anchors/bench_anchors.py COMMIT=<commit> [OUT=dir] [BUDGET=280] bash bench/gpu_cuda_tile.sh
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python3}
 LOG=${OUT:-build/gpu_cuda_tile}
 ANCHORS=${ANCHORS:?set ANCHORS to the path of bench_anchors.py}

@@ -9,9 +9,9 @@
 //     blocks of expert E skipped), and per K step of 64 issues the 4 TMA boxes of the weights
 //     (gate columns pn*128 + [0, 64), [64, 128), up columns Ir + the same; [64 K rows x 64 columns]
 //     each, 128B swizzle) on the stage's `full` barrier with their byte count. All 128 threads copy
-//     the gathered A rows, one row per thread (row_token[s], 8 x 16-byte cp.async per K step) into
-//     the 128B-swizzled K-major layout wgmma reads; padding rows (row_token < 0) are zero-filled
-//     without reading memory. A thread signals its rows of stage i once they have landed: after
+//     the gathered A rows (row_token[s]; 8 threads per row, 16 bytes each, 8 rows per thread: 8
+//     cp.async per K step) into the 128B-swizzled K-major layout wgmma reads; padding rows
+//     (row_token < 0) are zero-filled without reading memory. A thread signals its rows of stage i once they have landed: after
 //     stage i + kLag is issued it waits for the group of stage i (cp.async.wait_group kLag), makes
 //     the writes visible to the async proxy (fence.proxy.async) and arrives on full[i].
 //   warp groups 1 and 2 (consumers, 232 registers): rows 0-63 and 64-127 of the tile; per stage
@@ -151,13 +151,16 @@ __device__ __forceinline__ int next_tile(int32_t* queue, const int32_t* block_ex
 }
 
 __device__ void producer(const Gemm1Args& p, const CUtensorMap* w_map, uint8_t* stages, Control* ctl) {
-  const int t = threadIdx.x;  // 0..127: the tile row this thread copies
+  const int t = threadIdx.x;  // 0..127
+  // A copy: 8 consecutive threads copy one row's 8 16-byte chunks (128 contiguous bytes per 8
+  // threads: whole 32-byte sectors per instruction), rows r0, r0 + 16, ..., r0 + 112 of the tile.
+  const uint32_t chunk = t & 7, r0 = t >> 3;
+  const uint32_t dst0 = r0 * 128 + ((chunk ^ (r0 & 7)) << 4);  // 128B swizzle: (r0 + 16 i) & 7 == r0 & 7
   const int n_tiles = p.Ir / kTileCols;
   const int num_tiles = (p.S / kTileRows) * n_tiles;
   const int k_steps = p.H / kTileDepth;
   const __nv_bfloat16* a = static_cast<const __nv_bfloat16*>(p.a);
   const uint32_t stage0 = smem_u32(stages);
-  const uint32_t swz = static_cast<uint32_t>(t & 7);
   uint32_t it = 0;  // K steps issued so far, over all tiles: stage it % kStages, phase it / kStages
   for (int n = 0;; ++n) {
     if (t == 0) ctl->next[n & 1] = next_tile(p.queue, p.block_expert, num_tiles, n_tiles, p.E);
@@ -166,10 +169,13 @@ __device__ void producer(const Gemm1Args& p, const CUtensorMap* w_map, uint8_t* 
     if (tile == kDone) break;
     const int block = tile / n_tiles, pn = tile % n_tiles;
     const int expert = p.block_expert[block];
-    const int s = block * kTileRows + t;
-    const int token = p.row_token ? p.row_token[s] : s;
-    const uint32_t bytes = token >= 0 ? 16u : 0u;
-    const __nv_bfloat16* src = a + static_cast<int64_t>(token >= 0 ? token : 0) * p.H;
+    const __nv_bfloat16* src[8];  // this thread's chunk of its 8 rows at K step 0; nullptr: padding row
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int s = block * kTileRows + r0 + 16 * i;
+      const int token = p.row_token ? p.row_token[s] : s;
+      src[i] = token >= 0 ? a + static_cast<int64_t>(token) * p.H + chunk * 8 : nullptr;
+    }
     for (int kk = 0; kk < k_steps; ++kk, ++it) {
       const uint32_t stage = it % kStages;
       mbar_wait(smem_u32(&ctl->empty[stage]), ((it / kStages) & 1) ^ 1);
@@ -185,9 +191,10 @@ __device__ void producer(const Gemm1Args& p, const CUtensorMap* w_map, uint8_t* 
           tma_load_2d(base + kABytes + b * kBoxBytes, w_map, full, col, row);
         }
       }
-      const __nv_bfloat16* row_src = src + kk * kTileDepth;
 #pragma unroll
-      for (uint32_t j = 0; j < 8; ++j) cp_async_16(base + t * 128 + ((j ^ swz) << 4), row_src + j * 8, bytes);
+      for (int i = 0; i < 8; ++i) {  // padding rows: zeros, nothing read
+        cp_async_16(base + dst0 + i * 16 * 128, src[i] ? src[i] + kk * kTileDepth : a, src[i] ? 16u : 0u);
+      }
       cp_async_commit();
       if (it >= kLag) {
         cp_async_wait<kLag>();
@@ -286,7 +293,8 @@ __device__ void consumer(const Gemm1Args& p, uint8_t* stages, Control* ctl) {
 __global__ void __launch_bounds__(kThreads, 1) gemm1_kernel(const Gemm1Args args, const __grid_constant__ CUtensorMap w_map) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* stages = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // The 128B swizzle (TMA and wgmma) is a function of shared-memory address bits 4-9: stages start 1024-aligned.
+  uint8_t* stages = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   Control* ctl = reinterpret_cast<Control*>(stages + kStages * kStageBytes);
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
