@@ -24,8 +24,9 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                                  reason="needs an sm_90 GPU (the tile is sm_90a code)")]
 
-# (E, H, Ir, hits): odd counts, one hit, a single K step's multiple, the seed share.
-SHAPES = [(5, 256, 128, 1700), (3, 192, 256, 333), (8, 512, 128, 1), (64, 4096, 768, 16384)]
+# (E, H, Ir, hits): odd counts; one K step per tile (H = 64: every stage a new tile, so a stage's
+# rows are signalled two tiles later) and 3 (fewer than the 4 stages); one hit; the seed share.
+SHAPES = [(5, 256, 128, 1700), (4, 64, 128, 200), (3, 192, 256, 333), (8, 512, 128, 1), (64, 4096, 768, 16384)]
 
 
 def _problem(E, H, Ir, hits, kind, seed):
