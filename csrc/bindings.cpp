@@ -157,7 +157,7 @@ void gemm1_swiglu_sm90(const Tensor& a, const Tensor& w13, const Tensor& block_e
   check_tile_tensor(queue, "queue", a, at::kInt);
   MOE_CHECK(block_expert.numel() == S / sm90::kTileRows, "moe::gemm1_swiglu_sm90: block_expert must have S/128 = ",
             S / sm90::kTileRows, " entries, got ", block_expert.numel());
-  MOE_CHECK(queue.numel() == 1, "moe::gemm1_swiglu_sm90: queue must be one int32 counter");
+  MOE_CHECK(queue.numel() == 2, "moe::gemm1_swiglu_sm90: queue must be the two int32 counters of a tile queue");
   if (row_token.has_value()) {
     check_tile_tensor(*row_token, "row_token", a, at::kInt);
     MOE_CHECK(row_token->numel() == S, "moe::gemm1_swiglu_sm90: row_token must have S = ", S, " entries, got ",

@@ -5,7 +5,7 @@
 //
 // One CTA = 384 threads, one per SM, persistent:
 //   warp group 0 (producer, 40 registers): thread 0 takes tiles from the queue (an atomic counter in
-//     tile order, as GemmConfig.queue: tile t = (row block t / n_tiles, column tile t % n_tiles),
+//     tile order, rewound to 0 by the last CTA to finish, as GemmConfig.queue: tile t = (row block t / n_tiles, column tile t % n_tiles),
 //     blocks of expert E skipped), and per K step of 64 issues the 4 TMA boxes of the weights
 //     (gate columns pn*128 + [0, 64), [64, 128), up columns Ir + the same; [64 K rows x 64 columns]
 //     each, 128B swizzle) on the stage's `full` barrier with their byte count. All 128 threads copy
@@ -166,7 +166,16 @@ __device__ void producer(const Gemm1Args& p, const CUtensorMap* w_map, uint8_t* 
     if (t == 0) ctl->next[n & 1] = next_tile(p.queue, p.block_expert, num_tiles, n_tiles, p.E);
     producer_sync();
     const int tile = ctl->next[n & 1];
-    if (tile == kDone) break;
+    if (tile == kDone) {
+      if (t == 0) {  // the last CTA to take its last number rewinds the queue for the next launch
+        __threadfence();  // this CTA's last grab before its count
+        if (atomicAdd(p.queue + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+          atomicExch(p.queue, 0);
+          atomicExch(p.queue + 1, 0);
+        }
+      }
+      break;
+    }
     const int block = tile / n_tiles, pn = tile % n_tiles;
     const int expert = p.block_expert[block];
     const __nv_bfloat16* src[8];  // this thread's chunk of its 8 rows at K step 0; nullptr: padding row

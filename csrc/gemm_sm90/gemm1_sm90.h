@@ -26,7 +26,7 @@ struct Gemm1Args {
   void* out;                    // [S, Ir] bf16, contiguous
   const int32_t* block_expert;  // [S / 128]; E marks an unused block
   const int32_t* row_token;     // [S] row of A per output row (-1: padding), or nullptr: row s is A[s]
-  int32_t* queue;               // [1] int32, 0 at launch: the tile queue's counter
+  int32_t* queue;               // [2] int32, 0 at launch: next tile, CTAs done; the last CTA rewinds both to 0
   int num_a_rows, S, H, Ir, E;
   int num_programs;             // persistent CTAs (<= tiles, one per SM)
 };

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from service.config import BM, Activation
+from service.kernels.grouped_gemm import check_queue
 
 # csrc/gemm_sm90/gemm1_sm90.h (tests/kernels/test_cuda_tile.py checks that they agree).
 TILE_ROWS = 128   # kTileRows
@@ -107,9 +108,10 @@ def grid_size(S: int, Ir: int, sms: int) -> int:
 
 
 def gemm1_swiglu(a, w13, block_expert, *, out=None, num_programs=None, row_token=None,
-                 act: Activation = Activation(), bias=None) -> torch.Tensor:
+                 act: Activation = Activation(), bias=None, queue=None) -> torch.Tensor:
     """act [S, Ir] (module docstring); a [N, H] (with row_token [S]) or [S, H], w13 [E, H, 2*Ir], all
-    bf16 and contiguous on one sm_90 device, block_expert [S/BM] int32."""
+    bf16 and contiguous on one sm_90 device, block_expert [S/BM] int32; queue a reused
+    grouped_gemm.queue_counter (zero at launch, zero again after), else a fresh one."""
     if out is None:
         S = a.shape[0] if row_token is None else row_token.shape[0]
         out = torch.empty((S, w13.shape[2] // 2), dtype=a.dtype, device=a.device)
@@ -118,6 +120,5 @@ def gemm1_swiglu(a, w13, block_expert, *, out=None, num_programs=None, row_token
     if reason:
         raise RuntimeError(f"GemmConfig.cuda_tile: {reason}")
     P = num_programs or grid_size(S, Ir, torch.cuda.get_device_properties(a.device).multi_processor_count)
-    queue = torch.zeros(1, dtype=torch.int32, device=a.device)  # the tile queue's counter, 0 at launch
-    getattr(torch.ops.moe, OP)(a, w13, block_expert, row_token, queue, out, P)
+    getattr(torch.ops.moe, OP)(a, w13, block_expert, row_token, check_queue(queue, a.device), out, P)
     return out

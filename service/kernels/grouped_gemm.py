@@ -28,7 +28,8 @@ GEMM2 103 GFLOP against 403 MB of W2: close to the H200 ridge point, so tiles mu
 
 Schedule: a persistent grid of min(ctas_per_sm * #SMs, tiles at capacity) programs walks the
 tiles t = pid, pid + P, ... (the static walk), or, with GemmConfig.queue, takes them from an atomic
-counter in order (`next_tile`). Tile t is (row block t // n_tiles, column tile t % n_tiles), so
+counter in order (`next_tile`), which the last program to finish rewinds to 0 (`queue_counter`).
+Tile t is (row block t // n_tiles, column tile t % n_tiles), so
 tiles come in row-block order, which is expert order; with GemmConfig.pn_major an expert's own
 range is column-tile-major instead (`tile_coords`). Tiles whose block carries expert E are
 skipped without loading anything: the grid is sized at capacity and needs no host sync.
@@ -398,7 +399,7 @@ def _grouped_gemm_kernel(
     block_expert_ptr,                 # [S/BM] int32, E = unused block
     offsets_ptr,                      # PN_MAJOR or PAIR: [E+1] int32 expert_offsets (padded; multiples of BM)
     row_token_ptr,                    # GATHER or SPLIT: [S] int32 row of A for output row s (-1: padding)
-    queue_ptr,                        # QUEUE: [1] int32, 0 at launch: the next tile to take
+    queue_ptr,                        # QUEUE: [2] int32, 0 at launch: the next tile to take, programs done
     num_blocks, N, K, num_experts, num_a_rows,
     up_col,                           # ACT > 0: column of W where the up half starts (Ir)
     limit, alpha,                     # fp32: the activation's clamp bound and gpt-oss's alpha
@@ -434,6 +435,11 @@ def _grouped_gemm_kernel(
                                stride_wn, stride_om, stride_on, stride_be, ACT, CLAMP, BIAS, W_DESC, GATHER,
                                SPLIT, False, IEEE, EVEN_K, EVEN_N, BM, BN, BK)
         tile = next_tile(queue_ptr, tile, NUM_PROGRAMS, QUEUE)
+    if QUEUE:  # the last program out rewinds the counter for the next launch (`queue_counter`)
+        done = tl.atomic_add(queue_ptr + 1, 1, sem="acq_rel")  # after this program's last grab
+        if done == NUM_PROGRAMS - 1:  # every program has taken its last tile number: nobody reads it again
+            tl.atomic_xchg(queue_ptr, 0, sem="relaxed")
+            tl.atomic_xchg(queue_ptr + 1, 0, sem="relaxed")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -477,8 +483,26 @@ def weight_operand(w: torch.Tensor, config: GemmConfig):
     return TensorDescriptor(w, [E * K, n_w], [w.stride(1), 1], [config.BK, config.BN])
 
 
+def queue_counter(device: torch.device) -> torch.Tensor:
+    """A tile queue's counter, [2] int32 zeros: the next tile number and the programs done. A launch
+    with GemmConfig.queue (or the CUDA tile) leaves it zero again (its last program rewinds it), so
+    a caller that launches one GEMM after another on one stream allocates it once and passes it as
+    `queue` (the serial layer does), instead of a fresh zeroed tensor per launch."""
+    return torch.zeros(2, dtype=torch.int32, device=device)
+
+
+def check_queue(queue: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The counter a launch uses: `queue` (checked) or a fresh one."""
+    if queue is None:
+        return queue_counter(device)
+    if queue.dtype != torch.int32 or queue.shape != (2,) or queue.device != device:
+        raise ValueError(f"queue must be int32 [2] on {device} (queue_counter), got {queue.dtype} "
+                         f"{list(queue.shape)} on {queue.device}")
+    return queue
+
+
 def _launch(a, w, out, block_expert, *, n, up_col, act, bias, config, num_programs, row_token=None,
-            gather=False, expert_offsets=None):
+            gather=False, expert_offsets=None, queue=None):
     K = a.shape[1]
     S = row_token.shape[0] if gather else a.shape[0]
     E = w.shape[0]
@@ -525,7 +549,7 @@ def _launch(a, w, out, block_expert, *, n, up_col, act, bias, config, num_progra
         a, weight_operand(w, config), out, bias if bias is not None else out, block_expert,
         expert_offsets if config.pn_major or config.pair else block_expert,  # a dummy pointer without them
         row_token if row_token is not None else block_expert,  # a dummy pointer when GATHER and SPLIT are off
-        torch.zeros(1, dtype=torch.int32, device=a.device) if config.queue else block_expert,  # QUEUE's counter
+        check_queue(queue, a.device) if config.queue else block_expert,  # QUEUE's counter
         S // BM, n, K, E, a.shape[0], up_col, epi["limit"], epi["alpha"],
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         bias.stride(0) if bias is not None else 0,
@@ -539,7 +563,7 @@ def _launch(a, w, out, block_expert, *, n, up_col, act, bias, config, num_progra
 
 
 def gemm1_swiglu(a, w13, block_expert, *, config: GemmConfig, out=None, num_programs=None, row_token=None,
-                 act: Activation = Activation(), bias=None, expert_offsets=None):
+                 act: Activation = Activation(), bias=None, expert_offsets=None, queue=None):
     """act [S, Ir] = act(A @ W13[e][:, :Ir] (+ b13[e, :Ir]), A @ W13[e][:, Ir:] (+ b13[e, Ir:])) per row
     block (e = block_expert[b]); `act` defaults to silu(g) * u.
 
@@ -547,13 +571,13 @@ def gemm1_swiglu(a, w13, block_expert, *, config: GemmConfig, out=None, num_prog
     blocks are not written. With row_token [S] int32, a is [N, H] and row s of A is a[row_token[s]]
     (padding rows: -1), and with config.split_tail rows BM/2.. of a block whose row BM/2 is padding
     are not written either. expert_offsets [E+1] int32 (the layout's) is needed by config.pn_major and
-    config.pair.
+    config.pair. queue: a `queue_counter` to reuse (config.queue and the CUDA tile), else a fresh one.
     """
     if config.cuda_tile:  # the Hopper tile (GemmConfig.cuda_tile); it raises where it cannot run
         from service.kernels import cuda_tile
 
         return cuda_tile.gemm1_swiglu(a, w13, block_expert, out=out, num_programs=num_programs,
-                                      row_token=row_token, act=act, bias=bias)
+                                      row_token=row_token, act=act, bias=bias, queue=queue)
     if w13.dim() != 3 or w13.shape[2] % 2:
         raise ValueError(f"w13 must be [E, H, 2*Ir], got {list(w13.shape)}")
     Ir = w13.shape[2] // 2
@@ -562,17 +586,17 @@ def gemm1_swiglu(a, w13, block_expert, *, config: GemmConfig, out=None, num_prog
         out = torch.empty((S, Ir), dtype=a.dtype, device=a.device)
     return _launch(a, w13, out, block_expert, n=Ir, up_col=Ir, act=act, bias=bias, config=config,
                    num_programs=num_programs, row_token=row_token, gather=row_token is not None,
-                   expert_offsets=expert_offsets)
+                   expert_offsets=expert_offsets, queue=queue)
 
 
 def gemm2(act, w2, block_expert, *, config: GemmConfig, out=None, num_programs=None, bias=None, row_token=None,
-          expert_offsets=None):
+          expert_offsets=None, queue=None):
     """D [S, H] = act @ W2[e] (+ b2[e]) per row block (e = block_expert[b]).
 
     act [S, Ir], w2 [E, Ir, H], block_expert [S/BM] int32, bias b2 [E, H] or None. Rows of unused
     blocks are not written. row_token [S] int32 (the layout's; only its signs are read) lets
     config.split_tail skip the padding half of tail blocks, as GEMM1 does (and config.pair pair the
-    same blocks GEMM1 pairs); expert_offsets as GEMM1's.
+    same blocks GEMM1 pairs); expert_offsets and queue as GEMM1's.
     """
     if config.cuda_tile:
         raise ValueError("GemmConfig.cuda_tile is GEMM1's: GEMM2 has no CUDA tile")
@@ -582,7 +606,7 @@ def gemm2(act, w2, block_expert, *, config: GemmConfig, out=None, num_programs=N
     if out is None:
         out = torch.empty((act.shape[0], H), dtype=act.dtype, device=act.device)
     return _launch(act, w2, out, block_expert, n=H, up_col=0, act=None, bias=bias, config=config,
-                   num_programs=num_programs, row_token=row_token, expert_offsets=expert_offsets)
+                   num_programs=num_programs, row_token=row_token, expert_offsets=expert_offsets, queue=queue)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -109,6 +109,9 @@ class GroupedGemms:
                 log.info("GEMM1: the sm_90a CUDA tile (service.kernels.cuda_tile)")
             self.h = torch.empty(cfg.S, cfg.Ir, dtype=cfg.dtype, device=device)  # [S, Ir] activations
             self.d = torch.empty(cfg.S, cfg.H, dtype=cfg.dtype, device=device)    # [S, H]
+            from service.kernels.grouped_gemm import queue_counter
+
+            self.queue = queue_counter(device)  # both GEMMs' tile queue, rewound by each launch's last program
         else:
             self.w13 = prepare_weight(weights.w13.to(device, cfg.dtype))  # [E, H, 2*Ir]
             self.w2 = prepare_weight(weights.w2.to(device, cfg.dtype))    # [E, Ir, H]
@@ -135,10 +138,11 @@ class GroupedGemms:
             from service.kernels.grouped_gemm import gemm1_swiglu, gemm2
 
             gemm1_swiglu(x_g, self.w13, tables.block_expert, config=self.configs[0], out=self.h,
-                         row_token=tables.row_token, act=self.act, bias=self.b13, expert_offsets=tables.expert_offsets)
+                         row_token=tables.row_token, act=self.act, bias=self.b13, expert_offsets=tables.expert_offsets,
+                         queue=self.queue)
             timer.mark("gemm1")
             gemm2(self.h, self.w2, tables.block_expert, config=self.configs[1], out=self.d, bias=self.b2,
-                  row_token=tables.row_token, expert_offsets=tables.expert_offsets)
+                  row_token=tables.row_token, expert_offsets=tables.expert_offsets, queue=self.queue)
             timer.mark("gemm2")
             return self.d, tables.slots
         if native_grouped_mm_reason(x_g.device, x_g.dtype) is not None:

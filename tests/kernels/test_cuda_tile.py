@@ -42,6 +42,16 @@ def _args(S=256, N=40, H=128, Ir=128, E=3, dtype=torch.bfloat16):
     return a, w13, block_expert, out, row_token
 
 
+def test_queue_counter_checked():
+    from service.kernels.grouped_gemm import check_queue, queue_counter
+
+    counter = queue_counter(torch.device("cpu"))
+    assert check_queue(counter, counter.device) is counter and counter.tolist() == [0, 0]
+    assert check_queue(None, counter.device).tolist() == [0, 0]  # a fresh one
+    with pytest.raises(ValueError, match="queue must be int32 \\[2\\]"):
+        check_queue(torch.zeros(1, dtype=torch.int32), counter.device)
+
+
 def test_check_args_accepts_a_valid_call():
     assert cuda_tile.check_args(*_args()) == (256, 128)
 

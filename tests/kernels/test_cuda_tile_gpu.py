@@ -92,24 +92,28 @@ def test_gpu_cuda_tile_matches_reference_and_triton(shape, kind):
 
 def test_gpu_cuda_tile_without_gather_and_with_few_ctas():
     """A is the layout itself (no row_token: every row of a used block written); and the persistent
-    loop with 1 and 3 CTAs (many tiles each: the stage ring wraps many times) bit-equal to the grid."""
+    loop with 1 and 3 CTAs (many tiles each: the stage ring wraps many times) bit-equal to the grid,
+    all through one reused tile-queue counter, which every launch must leave at zero."""
     from service.kernels import cuda_tile
-    from service.kernels.grouped_gemm import gemm1_swiglu_ref
+    from service.kernels.grouped_gemm import gemm1_swiglu_ref, queue_counter
 
     E, H, Ir, hits = 4, 384, 256, 900
     x, w13, block_expert, _, row_token, _ = _problem(E, H, Ir, hits, "skewed", seed=11)
     a = x[row_token.clamp(min=0).long()].contiguous()  # [S, H]
     used = (block_expert < E).repeat_interleave(BM)
     ref = gemm1_swiglu_ref(a, w13, block_expert)
+    counter = queue_counter(x.device)
     out = _poisoned(a.shape[0], Ir)
-    cuda_tile.gemm1_swiglu(a, w13, block_expert, out=out)
+    cuda_tile.gemm1_swiglu(a, w13, block_expert, out=out, queue=counter)
     torch.cuda.synchronize()
+    assert counter.tolist() == [0, 0], "the last CTA did not rewind the tile queue"
     assert torch.isfinite(out[used]).all() and torch.isnan(out[~used]).all()
     assert rel_err(out[used], ref[used]) <= TOL[torch.bfloat16]
-    for programs in (1, 3):
+    for programs in (1, 3, 1):
         again = _poisoned(a.shape[0], Ir)
-        cuda_tile.gemm1_swiglu(a, w13, block_expert, out=again, num_programs=programs)
+        cuda_tile.gemm1_swiglu(a, w13, block_expert, out=again, num_programs=programs, queue=counter)
         torch.cuda.synchronize()
+        assert counter.tolist() == [0, 0], f"{programs} CTAs: the tile queue was not rewound"
         assert torch.equal(again[used], out[used]), f"{programs} CTAs changed bits"
 
 

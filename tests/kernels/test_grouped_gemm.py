@@ -95,7 +95,7 @@ def _run_case(name: str) -> dict:
     import dataclasses
 
     from service.config import Activation
-    from service.kernels.grouped_gemm import GemmConfig, gemm1_swiglu, gemm1_swiglu_ref, gemm2, gemm2_ref
+    from service.kernels.grouped_gemm import GemmConfig, gemm1_swiglu, gemm1_swiglu_ref, gemm2, gemm2_ref, queue_counter
 
     dtype_name, E, H, Ir, rows, spare, BN, BK, w_desc = CASES[name]
     kind, limit, biased, scale = EPILOGUES.get(name, ("silu", None, False, 1.0))
@@ -152,19 +152,25 @@ def _run_case(name: str) -> dict:
     act_s, d_s = split[True]
     # The same tiles in other orders: from the tile queue (GemmConfig.queue) and / or column-tile-major
     # within each expert (pn_major): the same numbers, bit for bit, on every row the static walk wrote.
+    # One counter for every launch (as the serial layer keeps one): each launch's last program must
+    # rewind it, or the next launch would start past its first tiles.
     _, offsets = make_block_expert(rows, num_blocks)
-    same = []
+    counter = queue_counter(torch.device("cpu"))
+    same, rewound = [], []
     for queue, pn_major in ((True, False), (False, True), (True, True)):
         c1q, c2q = (dataclasses.replace(c, queue=queue, pn_major=pn_major) for c in (cfg1, cfg2))
         act_q = torch.full((S, Ir), float("nan"), dtype=dtype)
         gemm1_swiglu(x, w13, block_expert, config=c1q, out=act_q, row_token=rt_layout, num_programs=3, act=act_fn,
-                     bias=b13, expert_offsets=offsets)
+                     bias=b13, expert_offsets=offsets, queue=counter)
+        rewound.append(counter.tolist() == [0, 0])
         d_q = torch.full((S, H), float("nan"), dtype=dtype)
         gemm2(act_clean, w2, block_expert, config=c2q, out=d_q, num_programs=5, bias=b2, row_token=rt_layout,
-              expert_offsets=offsets)
+              expert_offsets=offsets, queue=counter)
+        rewound.append(counter.tolist() == [0, 0])
         same.append(bool(torch.equal(act_q.nan_to_num(7.0), act_s.nan_to_num(7.0))
                          and torch.equal(d_q.nan_to_num(7.0), d_s.nan_to_num(7.0))))
     record["queue_same"] = all(same)
+    record["queue_rewound"] = all(rewound)
     # Pair tiles: the same configs with BN >= 32 (a pair tile is BN/2 wide), pair off and on, split_tail
     # on and off, static walk and queue + pn_major: the pair tiles must give the BM-row tiles' numbers
     # (bit for bit in the interpreter) on every row, write no row the BM-row tiles leave alone (unused
@@ -327,6 +333,7 @@ def test_interpreter_matches_reference(interpreter_results, name):
     assert r["skipped_rows"] == tails * (BM // 2), "the case's layout has other half tiles than expected"
     assert r["split_skips"], "split_tail computed rows BM/2.. of a tail block that are all padding"
     assert r["queue_same"], "GEMM1 / GEMM2 through the tile queue or in pn_major order differ from the static walk"
+    assert r["queue_rewound"], "a launch with the tile queue left its counter non-zero (queue_counter reused)"
     assert r["unsplit_writes"], "with split_tail off the full tile must write every row of a used block"
     assert r["pair_same"], "GEMM1 / GEMM2 with pair tiles differ from the BM-row tiles (values, or rows written)"
     assert r["err_pair"] <= tol, f"pair tiles: relative error {r['err_pair']:.3g} > {tol}"
