@@ -13,14 +13,14 @@
 #          skewed, split_tail + queue (the tuned configs), 3 interleaved rounds of 50 graph replays,
 #          no anchor rows; skipped when the tests hung (a hung tile would eat the call)
 # Usage (repository root of the device machine, web wheels installed, see bench/NOTES.md "Issue 12c"):
-#   ANCHORS=.anchors/bench_anchors.py COMMIT=<commit> [OUT=dir] [BUDGET=280] bash bench/gpu_cuda_tile.sh
+#   ANCHORS=.anchors/bench_anchors.py COMMIT=<commit> [OUT=dir] [BUDGET=290] bash bench/gpu_cuda_tile.sh
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python3}
 LOG=${OUT:-build/gpu_cuda_tile}
 ANCHORS=${ANCHORS:?set ANCHORS to the path of bench_anchors.py}
-BUDGET=${BUDGET:-280}
+BUDGET=${BUDGET:-290}
 mkdir -p "$LOG"
 START=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
@@ -64,7 +64,7 @@ fi
 
 if (( RC[build] == 0 )) && [[ "${RC[tests]:-1}" != 124 ]]; then
   echo "== core: bench/core.py, seed share, GEMM1 Triton vs CUDA tile"
-  timeout "$(cap 150)" "$PY" bench/core.py --anchors "$ANCHORS" --split on --order queue --cuda-tile off,on \
+  timeout "$(cap 120)" "$PY" bench/core.py --anchors "$ANCHORS" --split on --order queue --cuda-tile off,on \
     --routing balanced,skewed --repeats 3 --iters 50 --no-anchor --json "$LOG/core.json" > "$LOG/core.txt" 2>&1
   RC[core]=$?
   grep -E "!!|rel err|^\|" "$LOG/core.txt" | head -n 40
