@@ -12,6 +12,12 @@
 #            (tests/kernels/test_pair_gpu.py, <= 60 s), then bench/core.py at the seed share, balanced
 #            and skewed, pair off / GEMM1 only / both GEMMs (split + the configs' queue), 3 interleaved
 #            rounds of 50 replays, no anchor rows (<= 90 s): GEMM1, GEMM2, serial and fused layers
+#   cudatile issue 12c, the Hopper CUDA GEMM1 tile (csrc/gemm_sm90, GemmConfig.cuda_tile; bench/gpu_cuda_tile.sh
+#            runs this step alone): csrc/build.py --arch 9.0 (the tile's ptxas line) and the tile's SASS
+#            counts, tests/kernels/test_cuda_tile_gpu.py (<= 120 s), compute-sanitizer memcheck and
+#            synccheck of one small case only if those failed (not on a hang), then bench/core.py at
+#            the seed share, balanced and skewed, GEMM1 Triton vs CUDA tile (" cuda1") with split +
+#            queue, 3 interleaved rounds of 50 replays, no anchor rows (<= 120 s; skipped after a hang)
 # and a short table.
 # Usage: ANCHORS=path/bench_anchors.py COMMIT=$(git rev-parse HEAD) [STEPS="profile core"] bash bench/gpu_core.sh
 #        (PYTHON=...; OUT=dir; BUDGET=seconds for all steps; VARIANTS="--split on,off --queue off": the
@@ -37,13 +43,20 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | tee -a "$LOG/device.txt"
 echo "commit ${COMMIT:-unknown: set COMMIT (the copy that travels has no .git)}; steps: $STEPS" | tee -a "$LOG/device.txt"
 
+run_gpu_tests() {  # run_gpu_tests NAME SECONDS FILES...: the gpu-marked tests of FILES -> $LOG/NAME.txt, RC[NAME]
+  local name=$1 want=$2
+  shift 2
+  timeout "$(cap "$want")" "$PY" -m pytest -q -m gpu "$@" -p no:cacheprovider -rfE --durations=8 \
+    > "$LOG/$name.txt" 2>&1
+  RC[$name]=$?
+  grep -E "^(FAILED|ERROR)" "$LOG/$name.txt" | head -n 20
+  tail -n 3 "$LOG/$name.txt"
+}
+
 step_tests() {
   echo "== tests: GPU tests"
-  timeout "$(cap 200)" "$PY" -m pytest -q -m gpu ${TESTS:-tests/kernels tests/moe} -p no:cacheprovider -rfE \
-    --durations=12 > "$LOG/tests.txt" 2>&1
-  RC[tests]=$?
-  grep -E "^(FAILED|ERROR)" "$LOG/tests.txt" | head -n 20
-  tail -n 3 "$LOG/tests.txt"
+  # shellcheck disable=SC2086
+  run_gpu_tests tests 200 ${TESTS:-tests/kernels tests/moe}
 }
 
 step_profile() {
@@ -77,15 +90,43 @@ step_service() {
 
 step_pair() {
   echo "== pair: GPU tests of the pair tiles, then pair off / on at the seed share"
-  timeout "$(cap 60)" "$PY" -m pytest -q -m gpu tests/kernels/test_pair_gpu.py -p no:cacheprovider -rfE \
-    --durations=5 > "$LOG/tests_pair.txt" 2>&1
-  RC[pair_tests]=$?
-  grep -E "^(FAILED|ERROR)" "$LOG/tests_pair.txt" | head -n 10
-  tail -n 3 "$LOG/tests_pair.txt"
+  run_gpu_tests tests_pair 60 tests/kernels/test_pair_gpu.py
   timeout "$(cap ${PAIR_S:-90})" "$PY" bench/core.py --anchors "$ANCHORS" --iters 50 --repeats 3 --split on \
     --pair ${PAIRS:-off,gemm1,on} --order queue --no-anchor --json "$LOG/core_pair.json" > "$LOG/core_pair.txt" 2>&1
   RC[pair_core]=$?
   cat "$LOG/core_pair.txt"
+}
+
+step_cudatile() {
+  echo "== cudatile: build, the CUDA tile's GPU tests, GEMM1 Triton vs CUDA tile at the seed share"
+  timeout "$(cap 150)" "$PY" csrc/build.py --arch 9.0 > "$LOG/build.txt" 2>&1
+  RC[build]=$?
+  grep -E "gemm1_kernel|registers|spill|Potential|skipping|built|rror" "$LOG/build.txt" | head -n 12
+  if command -v cuobjdump > /dev/null && [[ -f build/moe_csrc/gemm1_sm90.o ]]; then
+    cuobjdump --dump-sass build/moe_csrc/gemm1_sm90.o > "$LOG/gemm1_sm90.sass" 2>&1
+    for op in HGMMA UTMALDG LDGSTS USETMAXREG WARPGROUP.DEPBAR STL LDL; do
+      printf "%s=%s " "$op" "$(grep -c "$op" "$LOG/gemm1_sm90.sass")"
+    done | tee -a "$LOG/build.txt"
+    echo
+  fi
+  (( RC[build] == 0 )) || return 0
+  run_gpu_tests tests_cudatile 120 tests/kernels/test_cuda_tile_gpu.py
+  if (( RC[tests_cudatile] == 124 )); then
+    echo "the tile's tests timed out (a hang?): no timing"
+    return 0
+  fi
+  if (( RC[tests_cudatile] != 0 )) && command -v compute-sanitizer > /dev/null && (( $(left) > 100 )); then
+    for tool in memcheck synccheck; do
+      timeout "$(cap 40)" compute-sanitizer --tool "$tool" --print-limit 20 "$PY" -m pytest -q -x -m gpu \
+        tests/kernels/test_cuda_tile_gpu.py -k few_ctas -p no:cacheprovider > "$LOG/sanitizer_$tool.txt" 2>&1
+      RC[sanitizer_$tool]=$?
+      grep -E "=========" "$LOG/sanitizer_$tool.txt" | head -n 12
+    done
+  fi
+  timeout "$(cap 120)" "$PY" bench/core.py --anchors "$ANCHORS" --iters 50 --repeats 3 --split on --order queue \
+    --cuda-tile off,on --no-anchor --json "$LOG/core_cudatile.json" > "$LOG/core_cudatile.txt" 2>&1
+  RC[cudatile_core]=$?
+  cat "$LOG/core_cudatile.txt"
 }
 
 step_tune() {
@@ -105,4 +146,7 @@ for step in "${!RC[@]}"; do printf '%-10s rc=%s\n' "$step" "${RC[$step]}"; done
 [[ -f "$LOG/core.txt" ]] && grep -A8 "^| routing" "$LOG/core.txt"
 [[ -f "$LOG/tests_pair.txt" ]] && grep -E '(passed|failed|error)' "$LOG/tests_pair.txt" | tail -n 1
 [[ -f "$LOG/core_pair.txt" ]] && grep -A8 "^| routing" "$LOG/core_pair.txt"
+[[ -f "$LOG/tests_cudatile.txt" ]] && grep -E '(passed|failed|error)' "$LOG/tests_cudatile.txt" | tail -n 1
+[[ -f "$LOG/core_cudatile.txt" ]] && grep -E "^  (dense|gemm1)" "$LOG/core_cudatile.txt" && \
+  grep -A8 "^| routing" "$LOG/core_cudatile.txt"
 for step in "${!RC[@]}"; do [[ "${RC[$step]}" == 0 ]] || exit 1; done
