@@ -38,6 +38,19 @@ namespace {
 
 using at::Tensor;
 
+// A launch's device guard and current stream on t's device (a null stream in the syntax check).
+struct LaunchContext {
+#ifndef MOE_SYNTAX_ONLY
+  explicit LaunchContext(const Tensor& t)
+      : guard(t.device()), stream(c10::cuda::getCurrentCUDAStream(t.device().index()).stream()) {}
+  const c10::cuda::CUDAGuard guard;
+  void* const stream;
+#else
+  explicit LaunchContext(const Tensor&) {}
+  void* const stream = nullptr;
+#endif
+};
+
 void check_int32_cuda(const Tensor& t, const char* name, int64_t numel, const Tensor& like) {
   MOE_CHECK(t.defined(), "moe::build_tables: ", name, " is an undefined tensor");
   MOE_CHECK(t.is_cuda(), "moe::build_tables: ", name, " must be a CUDA tensor, got ", t.device());
@@ -78,18 +91,13 @@ int64_t check_inputs(const Tensor& ids, const Tensor& counts, int64_t E, int64_t
 void launch(const Tensor& ids, const Tensor& counts, int64_t E, int64_t C, int64_t S, Tensor& expert_offsets,
             Tensor& block_expert, Tensor& slots, Tensor& row_token, Tensor& pull_order, Tensor& job_order) {
   const int64_t R = counts.size(0), K = ids.size(1);
-#ifndef MOE_SYNTAX_ONLY
-  const c10::cuda::CUDAGuard guard(ids.device());
-  void* stream = c10::cuda::getCurrentCUDAStream(ids.device().index()).stream();
-#else
-  void* stream = nullptr;
-#endif
+  const LaunchContext ctx(ids);
   const int err = build_tables_launch(ids.data_ptr<int32_t>(), counts.data_ptr<int32_t>(), static_cast<int>(R),
                                       static_cast<int>(C), static_cast<int>(K), static_cast<int>(E),
                                       static_cast<int>(S), expert_offsets.data_ptr<int32_t>(),
                                       block_expert.data_ptr<int32_t>(), slots.data_ptr<int32_t>(),
                                       row_token.data_ptr<int32_t>(), pull_order.data_ptr<int32_t>(),
-                                      job_order.data_ptr<int32_t>(), stream);
+                                      job_order.data_ptr<int32_t>(), ctx.stream);
   MOE_CHECK(err == 0, "moe::build_tables: launch failed: ", error_string(err));
 }
 
@@ -169,17 +177,12 @@ void gemm1_swiglu_sm90(const Tensor& a, const Tensor& w13, const Tensor& block_e
   const int64_t tiles = S / sm90::kTileRows * (Ir / sm90::kTileCols);
   MOE_CHECK(num_programs >= 1 && num_programs <= tiles, "moe::gemm1_swiglu_sm90: num_programs must be in [1, ",
             tiles, "], got ", num_programs);
-#ifndef MOE_SYNTAX_ONLY
-  const c10::cuda::CUDAGuard guard(a.device());
-  void* stream = c10::cuda::getCurrentCUDAStream(a.device().index()).stream();
-#else
-  void* stream = nullptr;
-#endif
+  const LaunchContext ctx(a);
   sm90::Gemm1Args args{a.data_ptr(), w13.data_ptr(), out.data_ptr(), block_expert.data_ptr<int32_t>(),
                        row_token.has_value() ? row_token->data_ptr<int32_t>() : nullptr, queue.data_ptr<int32_t>(),
                        static_cast<int>(a.size(0)), static_cast<int>(S), static_cast<int>(H), static_cast<int>(Ir),
                        static_cast<int>(E), static_cast<int>(num_programs)};
-  const int err = sm90::gemm1_launch(args, stream);
+  const int err = sm90::gemm1_launch(args, ctx.stream);
   MOE_CHECK(err == 0, "moe::gemm1_swiglu_sm90: launch failed: ", sm90::gemm1_error_string(err));
 }
 #endif  // MOE_SM90_TILE

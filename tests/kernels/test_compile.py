@@ -230,20 +230,39 @@ def test_build_skips_the_tile_without_sm90(tmp_path, capsys):
     assert "skipping the sm_90a GEMM1 tile" in capsys.readouterr().out
 
 
+def _cuda_include() -> Path | None:
+    """The CUDA toolkit's include directory, as nvcc itself reports it (nvcc may be a wrapper script)."""
+    if NVCC is None:
+        return None
+    out = subprocess.run([NVCC, "--dryrun", "-c", "-x", "cu", "/dev/null", "-o", "/dev/null"], capture_output=True,
+                         text=True, timeout=60).stderr
+    found = re.search(r'INCLUDES="-I([^"]+)"', out)
+    return Path(found.group(1).strip()) if found else None
+
+
+
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="no host C++ compiler")
 @pytest.mark.parametrize("tile", [False, True], ids=["schedule_only", "with_sm90_tile"])
-def test_bindings_syntax(tmp_path, tile):
-    """bindings.cpp against the installed torch headers (CPU builds ship no CUDA headers: the
-    file keeps CUDA types behind the launcher's plain C signature, so this works without them)."""
+@pytest.mark.parametrize("cuda", [False, True], ids=["syntax_only", "cuda_path"])
+def test_bindings_syntax(tmp_path, tile, cuda):
+    """bindings.cpp against the installed torch headers. syntax_only: CPU builds ship no CUDA
+    headers, and the file keeps CUDA types behind the launchers' plain C signatures, so this works
+    without them. cuda_path: the stream and guard code too, against the CUDA toolkit's headers
+    and torch's c10/cuda ones (a CPU wheel lacks their cmake-generated file, which the macro
+    C10_CUDA_NO_CMAKE_CONFIGURE_FILE skips)."""
     from torch.utils.cpp_extension import include_paths
 
+    include = _cuda_include() if cuda else None
+    if cuda and not (include and (include / "cuda_runtime_api.h").is_file()):
+        pytest.skip("no CUDA toolkit headers here")
     cxx = shutil.which("g++") or shutil.which("c++")
     flags = [f"-I{p}" for p in include_paths()]
     import sysconfig
 
     flags.append(f"-I{sysconfig.get_paths()['include']}")
-    cmd = [cxx, "-std=c++17", "-fsyntax-only", "-DMOE_SYNTAX_ONLY", *(["-DMOE_SM90_TILE"] if tile else []), *flags,
-           str(ROOT / "csrc" / "bindings.cpp")]
+    defines = ["-DMOE_SM90_TILE"] if tile else []
+    defines += [f"-I{include}", "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE"] if cuda else ["-DMOE_SYNTAX_ONLY"]
+    cmd = [cxx, "-std=c++20", "-fsyntax-only", *defines, *flags, str(ROOT / "csrc" / "bindings.cpp")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stderr[-4000:]}"
 
