@@ -14,7 +14,7 @@
 #            rounds of 50 replays, no anchor rows (<= 90 s): GEMM1, GEMM2, serial and fused layers
 #   cudatile issue 12c, the Hopper CUDA GEMM1 tile (csrc/gemm_sm90, GemmConfig.cuda_tile; bench/gpu_cuda_tile.sh
 #            runs this step alone): csrc/build.py --arch 9.0 (the tile's ptxas line) and the tile's SASS
-#            counts, tests/kernels/test_cuda_tile_gpu.py (<= 120 s), compute-sanitizer memcheck and
+#            counts, tests/kernels/test_cuda_tile_gpu.py (<= 150 s), compute-sanitizer memcheck and
 #            synccheck of one small case only if those failed (not on a hang), then bench/core.py at
 #            the seed share, balanced and skewed, GEMM1 Triton vs CUDA tile (" cuda1") with split +
 #            queue, 3 interleaved rounds of 50 replays, no anchor rows (<= 120 s; skipped after a hang)
@@ -110,7 +110,7 @@ step_cudatile() {
     echo
   fi
   (( RC[build] == 0 )) || return 0
-  run_gpu_tests tests_cudatile 120 tests/kernels/test_cuda_tile_gpu.py
+  run_gpu_tests tests_cudatile 150 tests/kernels/test_cuda_tile_gpu.py
   if (( RC[tests_cudatile] == 124 )); then
     echo "the tile's tests timed out (a hang?): no timing"
     return 0

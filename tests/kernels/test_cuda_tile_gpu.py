@@ -55,6 +55,64 @@ def _poisoned(S, Ir):
     return torch.full((S, Ir), float("nan"), dtype=torch.bfloat16, device="cuda")
 
 
+def _decode(out: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Index of the candidate silu(values[i]) nearest to each output."""
+    candidates = torch.nn.functional.silu(values.float())  # [V]
+    return (out.float()[..., None] - candidates).abs().argmin(dim=-1)
+
+
+def test_gpu_cuda_tile_probe_mapping():
+    """First, so that a wrong tile says where it is wrong: structured inputs whose outputs name the
+    K row and the weight column they came from. Rows: A row t is one-hot at k = t % 256 (H = 256,
+    4 K steps), gate W[k, n] = k / 64 (exact in bf16), up W = 1, so out[t, n] = silu(t % 256 / 64):
+    a wrong A swizzle, K-major descriptor or stage order shows as decoded k != t % 256. Columns: A
+    one-hot at k = 0, gate W[0, n] = n / 64, up W[0, n] = 1 (Ir = 256, two column tiles): out[t, n] =
+    silu(n / 64), so a wrong B swizzle, MN-major descriptor (LBO / SBO) or box order shows as decoded
+    n != n. Decoding tolerates one step of bf16 rounding."""
+    from service.kernels import cuda_tile
+
+    dev = torch.device("cuda")
+    E, H, Ir, S = 1, 256, 256, 256
+    block_expert = torch.tensor([0, 0], dtype=torch.int32, device=dev)
+    tokens = torch.arange(S, dtype=torch.int32, device=dev)
+    problems = []
+    # Rows and K.
+    a = torch.zeros(S, H, device=dev)
+    a[torch.arange(S), torch.arange(S) % H] = 1.0
+    w13 = torch.empty(E, H, 2 * Ir, device=dev)
+    w13[0, :, :Ir] = (torch.arange(H, device=dev) / 64.0)[:, None]
+    w13[0, :, Ir:] = 1.0
+    out = _poisoned(S, Ir)
+    cuda_tile.gemm1_swiglu(a.bfloat16(), w13.bfloat16(), block_expert, out=out, row_token=tokens)
+    torch.cuda.synchronize()
+    got = _decode(out, torch.arange(H, device=dev) / 64.0)  # [S, Ir] decoded k
+    want = (torch.arange(S, device=dev) % H)[:, None].expand_as(got)
+    bad = ((got - want).abs() > 1) | ~torch.isfinite(out.float())
+    if bad.any():
+        rows, cols = bad.nonzero(as_tuple=True)
+        problems.append(f"K/row mapping: {int(bad.sum())} of {bad.numel()} wrong; first (row, col, k wanted, k got): "
+                        + ", ".join(f"({r}, {c}, {int(want[r, c])}, {int(got[r, c])})"
+                                    for r, c in zip(rows[:12].tolist(), cols[:12].tolist(), strict=True)))
+    # Columns.
+    a = torch.zeros(S, H, device=dev)
+    a[:, 0] = 1.0
+    w13 = torch.randn(E, H, 2 * Ir, device=dev)
+    w13[0, 0, :Ir] = torch.arange(Ir, device=dev) / 64.0
+    w13[0, 0, Ir:] = 1.0
+    out = _poisoned(S, Ir)
+    cuda_tile.gemm1_swiglu(a.bfloat16(), w13.bfloat16(), block_expert, out=out, row_token=tokens)
+    torch.cuda.synchronize()
+    got = _decode(out, torch.arange(Ir, device=dev) / 64.0)  # [S, Ir] decoded n
+    want = torch.arange(Ir, device=dev)[None, :].expand_as(got)
+    bad = ((got - want).abs() > 1) | ~torch.isfinite(out.float())
+    if bad.any():
+        rows, cols = bad.nonzero(as_tuple=True)
+        problems.append(f"column mapping: {int(bad.sum())} of {bad.numel()} wrong; first (row, col, n got): "
+                        + ", ".join(f"({r}, {c}, {int(got[r, c])})"
+                                    for r, c in zip(rows[:12].tolist(), cols[:12].tolist(), strict=True)))
+    assert not problems, "; ".join(problems)
+
+
 @pytest.mark.parametrize("kind", ["balanced", "skewed", "holes"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "E{}_H{}_Ir{}_hits{}".format(*s))
 def test_gpu_cuda_tile_matches_reference_and_triton(shape, kind):
