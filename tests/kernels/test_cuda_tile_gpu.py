@@ -61,6 +61,18 @@ def _decode(out: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return (out.float()[..., None] - candidates).abs().argmin(dim=-1)
 
 
+def _mismatches(what: str, out, want, got) -> list[str]:
+    """[] when every decoded index is within one bf16 step of the wanted one, else one line naming
+    the first wrong (row, column, wanted, decoded)."""
+    bad = ((got - want).abs() > 1) | ~torch.isfinite(out.float())
+    if not bad.any():
+        return []
+    rows, cols = bad.nonzero(as_tuple=True)
+    first = zip(rows[:12].tolist(), cols[:12].tolist(), strict=True)
+    return [f"{what}: {int(bad.sum())} of {bad.numel()} wrong; first (row, col, wanted, got): "
+            + ", ".join(f"({r}, {c}, {int(want[r, c])}, {int(got[r, c])})" for r, c in first)]
+
+
 def test_gpu_cuda_tile_probe_mapping():
     """First, so that a wrong tile says where it is wrong: structured inputs whose outputs name the
     K row and the weight column they came from. Rows: A row t is one-hot at k = t % 256 (H = 256,
@@ -87,12 +99,7 @@ def test_gpu_cuda_tile_probe_mapping():
     torch.cuda.synchronize()
     got = _decode(out, torch.arange(H, device=dev) / 64.0)  # [S, Ir] decoded k
     want = (torch.arange(S, device=dev) % H)[:, None].expand_as(got)
-    bad = ((got - want).abs() > 1) | ~torch.isfinite(out.float())
-    if bad.any():
-        rows, cols = bad.nonzero(as_tuple=True)
-        problems.append(f"K/row mapping: {int(bad.sum())} of {bad.numel()} wrong; first (row, col, k wanted, k got): "
-                        + ", ".join(f"({r}, {c}, {int(want[r, c])}, {int(got[r, c])})"
-                                    for r, c in zip(rows[:12].tolist(), cols[:12].tolist(), strict=True)))
+    problems += _mismatches("K/row mapping (k)", out, want, got)
     # Columns.
     a = torch.zeros(S, H, device=dev)
     a[:, 0] = 1.0
@@ -104,12 +111,7 @@ def test_gpu_cuda_tile_probe_mapping():
     torch.cuda.synchronize()
     got = _decode(out, torch.arange(Ir, device=dev) / 64.0)  # [S, Ir] decoded n
     want = torch.arange(Ir, device=dev)[None, :].expand_as(got)
-    bad = ((got - want).abs() > 1) | ~torch.isfinite(out.float())
-    if bad.any():
-        rows, cols = bad.nonzero(as_tuple=True)
-        problems.append(f"column mapping: {int(bad.sum())} of {bad.numel()} wrong; first (row, col, n got): "
-                        + ", ".join(f"({r}, {c}, {int(got[r, c])})"
-                                    for r, c in zip(rows[:12].tolist(), cols[:12].tolist(), strict=True)))
+    problems += _mismatches("column mapping (n)", out, want, got)
     assert not problems, "; ".join(problems)
 
 
