@@ -20,7 +20,9 @@
 #      4,16; no direct figure: step 2 has it) against step 2's default server (--frontends default)
 #   8. a summary (summary.txt)
 # Every step runs under `timeout`; BUDGET (s, default 500) caps the whole. PROFILE=0 / COSTS=0 skip
-# steps 1 / 4; MAIN=0 skips steps 1-3 (and their server), e.g. to run step 6 alone.
+# steps 1 / 4; MAIN=0 skips steps 1-3 (and their server), e.g. to run step 6 alone. CLIENT=raw makes
+# step 2's HTTP client a raw socket (serve_load --client raw: what the server alone costs) instead of
+# http.client (the default, what a user's script runs).
 # Logs: $OUT (else build/gpu_serve): server.txt pyspy.txt serve_load.txt serve_load.json load.txt
 # split_<protocol>.txt costs.txt slots.txt http_<impl>.txt http_<impl>.json frontends_<n>.txt frontends_<n>.json summary.txt
 #
@@ -98,6 +100,7 @@ fi
 echo "== 2. bench/serve_load.py (bf16)"
 timeout -k 10 "$(cap 240)" "$PY" bench/serve_load.py --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
   --sizes 512,2048 --concurrency "${CONCURRENCY:-1,4,16}" --seconds "$CELL_S" --wire-dtype bf16 --json "$LOG/serve_load.json" \
+  --client "${CLIENT:-stock}" \
   "${SERVE_FLAGS[@]}" > "$LOG/serve_load.txt" 2>&1
 SL_RC=$?
 tail -n 20 "$LOG/serve_load.txt"

@@ -149,6 +149,82 @@ def timed_calls(once, out_bytes: int, finite, start_at: float, stop_at: float) -
     return lats
 
 
+# ---- a raw-socket HTTP client --------------------------------------------------------------------
+
+
+def _raw_once(sock: socket.socket, request: bytes, view: memoryview, stamps: list) -> bytes:
+    """One request on a raw socket: the answer's tensor bytes; (send start, sent, first answer byte,
+    answer read) appended to `stamps`."""
+    t0 = time.perf_counter()
+    sock.sendall(request)
+    t1 = time.perf_counter()
+    n = sock.recv_into(view)
+    t2 = time.perf_counter()
+    buf = view.obj
+    end = buf.find(b"\r\n\r\n", 0, n)
+    while end < 0:
+        n += sock.recv_into(view[n:])
+        end = buf.find(b"\r\n\r\n", 0, n)
+    headers = bytes(buf[:end]).decode("latin-1").lower().split("\r\n")
+    if not headers[0].startswith("http/1.1 200"):
+        raise RuntimeError(f"{headers[0]}: {bytes(buf[end:n])[:300]!r}")
+    fields = dict(h.split(": ", 1) for h in headers[1:])
+    total = end + 4 + int(fields["content-length"])
+    if total > len(buf):
+        raise RuntimeError(f"an answer of {total} bytes, more than expected")
+    while n < total:
+        n += sock.recv_into(view[n:total])
+    stamps.append((t0, t1, t2, time.perf_counter()))
+    json_len = int(fields["inference-header-content-length"])
+    return bytes(view[end + 4 + json_len:total])
+
+
+def raw_client(conn) -> None:
+    """`_client`'s protocol (jobs in; latencies and each request's stamps out): HTTP over a
+    raw socket (the whole request sent with one sendall, the answer read with recv_into into one
+    buffer), gRPC through grpc's own client (bytes in, bytes out; stamps: call start and end)."""
+    import grpc
+
+    while True:
+        job = conn.recv()
+        if job is None:
+            return
+        proto, target, path, body, header_len, out_bytes, finite, start_at, stop_at = job
+        stamps: list[tuple] = []
+        closing = []
+        try:
+            if proto == "grpc":
+                channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 1 << 30),
+                                                                 ("grpc.max_send_message_length", 1 << 30)])
+                closing.append(channel)
+                call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+
+                def once(call=call, body=body, stamps=stamps, out_bytes=out_bytes) -> bytes:  # bound: B023
+                    t0 = time.perf_counter()
+                    got = call(body, timeout=120)
+                    t3 = time.perf_counter()
+                    stamps.append((t0, t0, t3, t3))
+                    return got[-out_bytes:]
+            else:
+                host, port = target.removeprefix("http://").split(":")
+                sock = socket.create_connection((host, int(port)))
+                closing.append(sock)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/octet-stream\r\n"
+                        f"Inference-Header-Content-Length: {header_len}\r\nContent-Length: {len(body)}\r\n\r\n")
+                request, view = head.encode() + body, memoryview(bytearray(out_bytes + (1 << 16)))
+
+                def once(sock=sock, request=request, view=view, stamps=stamps) -> bytes:  # bound: B023
+                    return _raw_once(sock, request, view, stamps)
+            lats = timed_calls(once, out_bytes, finite, start_at, stop_at)
+            conn.send(("ok", lats, time.time(), stamps[1:]))  # stamps[0]: the warm-up call
+        except Exception as e:  # noqa: BLE001  reported by the parent
+            conn.send(("error", f"{type(e).__name__}: {e}", time.time(), []))
+        finally:
+            for c in closing:
+                c.close()
+
+
 class Clients:
     def __init__(self, n: int, target=None):
         """`n` client processes running `target` (default `_client`)."""
@@ -306,6 +382,9 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=5.0, help="timed seconds per cell")
     p.add_argument("--direct-steps", type=int, default=50, help="timed steps of the layer alone per step shape")
     p.add_argument("--no-direct", action="store_true", help="skip the layer alone (e.g. another process owns the GPU)")
+    p.add_argument("--client", default="stock", choices=("stock", "raw"),
+                   help="HTTP through http.client (what a user's script does) or a raw socket (one sendall, "
+                        "recv_into one buffer: what the server alone costs); gRPC is grpc's own client either way")
     p.add_argument("--json", help="write the figures here")
     args, serve_flags = p.parse_known_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -318,8 +397,9 @@ def main() -> int:
     device, why = settings.resolve_device()
     cfg = settings.layer_config(device)
     print(f"# {cfg.describe()} on {device} ({why}); backend {settings.backend}; {os.cpu_count()} CPU cores; "
-          f"wire {args.wire_dtype}; {args.seconds:g} s per cell; concurrency {conc}", flush=True)
-    clients = Clients(max(conc))  # spawned before any CUDA use in this process
+          f"wire {args.wire_dtype}; {args.client} HTTP client; {args.seconds:g} s per cell; concurrency {conc}",
+          flush=True)
+    clients = Clients(max(conc), raw_client if args.client == "raw" else None)  # before any CUDA use here
     proc = None
     results = []
     try:
