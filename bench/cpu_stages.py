@@ -5,7 +5,8 @@
 A WorkerGroup of the preset (cpu: E=16 H=256 I=512 K=4, R=4 CPU ranks, C=128, fp32), synthetic
 weights; per step size T: --steps steps on one slot of fresh balanced routing (the first 10 not
 counted), printed as the median wall time of a step (the parent's send to the last answer),
-the layer's stage sum on rank 0, its exposed communication, and each stage's median in ms.
+the layer's stage sum on rank 0, its exposed communication, and each stage's median in ms; then
+the medians of the step's phases (StepStats.phases: where the wall goes between the processes).
 
 `--share`: one rank's share of the same step in this process, no group and no communication
 (SerialLayer at R=1 with C = R*C and I = I/R, one torch thread, as a rank runs): the step's own
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from service.config import preset  # noqa: E402
+from service.metrics import STEP_PHASES  # noqa: E402
 from service.worker.group import WorkerGroup  # noqa: E402
 
 WARMUP = 10
@@ -42,13 +44,20 @@ def main() -> int:
     cfg = preset(args.preset)
     print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {cfg.describe()}, "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")
-    rows = share(cfg, [int(t) for t in args.sizes.split(",")], args.steps) if args.share else group(cfg, args)
+    phases: list[tuple] = []
+    rows = share(cfg, [int(t) for t in args.sizes.split(",")], args.steps) if args.share else group(cfg, args, phases)
     names = list(rows[0][4])
     print("| T | step wall ms | layer ms | exposed comm ms | " + " | ".join(names) + " |")
     print("|---|---|---|---|" + "---|" * len(names))
     for T, wall, layer, comm, stages in rows:
         print(f"| {T} | {wall * 1e3:.2f} | {layer * 1e3:.2f} | {comm * 1e3:.2f} | "
               + " | ".join(f"{stages.get(n, 0.0) * 1e3:.2f}" for n in names) + " |")
+    if phases:
+        print("\nA step's phases (StepStats.phases, service.metrics.STEP_PHASES), medians, ms:\n")
+        print("| T | step wall | " + " | ".join(STEP_PHASES) + " |")
+        print("|---|---|" + "---|" * len(STEP_PHASES))
+        for T, wall, med in phases:
+            print(f"| {T} | {wall * 1e3:.2f} | " + " | ".join(f"{med[p] * 1e3:.3f}" for p in STEP_PHASES) + " |")
     return 0
 
 
@@ -90,7 +99,8 @@ def share(cfg, sizes: list[int], steps: int) -> list[tuple]:
     return rows
 
 
-def group(cfg, args) -> list[tuple]:
+def group(cfg, args, phases: list[tuple]) -> list[tuple]:
+    """The stage rows; `phases` gets (T, median wall, {phase: median}) per size."""
     rows = []
     with WorkerGroup(cfg, seed=0) as g:
         for T in (int(t) for t in args.sizes.split(",")):
@@ -105,6 +115,8 @@ def group(cfg, args) -> list[tuple]:
             stats = stats[WARMUP:]
             rows.append(summary(T, [s.wall_s for s in stats], [s.stages for s in stats],
                                 [s.exposed_comm_s for s in stats]))
+            phases.append((T, statistics.median(s.wall_s for s in stats),
+                           {p: statistics.median(s.phases[p] for s in stats) for p in STEP_PHASES}))
     return rows
 
 

@@ -10,7 +10,8 @@ body read, gRPC the deserializer), the send after it (moe_response_send_seconds,
 response handed to the connection), the statistics' queue, compute_input (rows into
 the slot), compute_infer (group.run: the send to the ranks, their step, the answers) and
 compute_output (rows out of the slot), and per step the layer time on rank 0 (moe_layer_seconds)
-with its stages, and a step's wall time in the group's owner and on rank 0 (moe_step_seconds).
+with its stages, and a step's wall time in the group's owner and on rank 0 (moe_step_seconds), cut
+into its phases (moe_step_phase_seconds, in service.metrics.STEP_PHASES order; they add up to part=group).
 The client's time minus the server's is the wire and the client; compute_infer
 minus the layer is the hop to the ranks and the ranks' own host work.
 """
@@ -19,7 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from service.metrics import STEP_PHASES  # noqa: E402
 
 PER_STEP = ("moe_layer_seconds_count", "moe_stage_seconds_count", "moe_step_seconds_count")
 
@@ -34,7 +41,7 @@ def snapshot(url: str, model: str) -> dict:
         for s in fam.samples:
             if s.name.endswith(("_sum", "_count")) and fam.name in (
                     "moe_request_duration_seconds", "moe_request_receive_seconds", "moe_response_send_seconds",
-                    "moe_layer_seconds", "moe_stage_seconds", "moe_step_seconds"):
+                    "moe_layer_seconds", "moe_stage_seconds", "moe_step_seconds", "moe_step_phase_seconds"):
                 key = s.name + "|" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
                 sums[key] = sums.get(key, 0.0) + s.value
     with urllib.request.urlopen(f"{url}/v2/models/{model}/stats", timeout=10) as r:
@@ -81,6 +88,11 @@ def main() -> None:
         total = now.get(key.replace("_count", "_sum"), 0.0)
         if now[key]:
             print(f"{name} {labels}: {ms(total, now[key]):.3f} ms per step over {now[key]:.0f} steps")
+    phase = lambda p, part: now.get(f"moe_step_phase_seconds_{part}|phase={p}", 0.0)  # noqa: E731
+    phases = [(p, phase(p, "sum"), phase(p, "count")) for p in STEP_PHASES]
+    if any(c for _, _, c in phases):
+        print("step phases, ms per step: " + ", ".join(f"{p} {ms(s, c):.3f}" for p, s, c in phases)
+              + f" (sum {sum(ms(s, c) for _, s, c in phases if c):.3f})")
 
 
 if __name__ == "__main__":

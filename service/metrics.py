@@ -49,6 +49,15 @@ BACKEND_STAGES = {"serial": SERIAL_STAGES, "fused": ("tables",) + FUSED_STAGES}
 
 COMPUTE_PHASES = ("compute_input", "compute_infer", "compute_output")  # Triton's statistics names
 STEP_PARTS = ("group", "rank")  # moe_step_seconds{part}: the owner's wall of a step, rank 0's
+# moe_step_phase_seconds{phase}: a step's wall in the owner cut at host timestamps (CLOCK_MONOTONIC,
+# one clock for every process of the host), in order; they add up to part=group. Rank 0's: to_rank
+# (the owner's send to the step message read: pipe, wake-up, a step ahead in the pipe), copy_in (its
+# rows' host-to-device copies issued), launch (layer.forward: the CPU layer's whole work, a GPU
+# layer's launches), device (waiting for the GPU layer), copy_out (the answer into the slot), checks
+# (check_seq, stage times, exposed communication); then peers (rank 0's answer to the last rank's),
+# to_owner (the last answer sent to the owner holding all of them), owner (to run's return: the hand-off
+# to the step's own thread).
+STEP_PHASES = ("to_rank", "copy_in", "launch", "device", "copy_out", "checks", "peers", "to_owner", "owner")
 
 
 @dataclasses.dataclass
@@ -113,6 +122,12 @@ class Metrics:
             "the pipes, and any wait behind a step in flight), part=rank on rank 0 (step message received "
             "to answer sent: its copies, the layer, its checks).",
             ["part"], buckets=TIME_BUCKETS, registry=r)
+        self.step_phase_time = Histogram(
+            "moe_step_phase_seconds",
+            "A step's wall time in the process that owns the rank group, by phase (STEP_PHASES in "
+            "service.metrics: the pipes, rank 0's copies, launches, device wait and checks, the other ranks); "
+            "the phases add up to moe_step_seconds{part=group}.",
+            ["phase"], buckets=TIME_BUCKETS, registry=r)
         self.tokens = Counter("moe_tokens_total", "Tokens processed by the layer.", registry=r)
         self.steps = Counter("moe_steps_total", "Steps run by the rank group.", registry=r)
         self.queued_tokens = Gauge("moe_queued_tokens", "Tokens waiting in the batcher's queue.", registry=r)
@@ -132,6 +147,8 @@ class Metrics:
         self.exposed_comm.labels(backend)
         for part in STEP_PARTS:
             self.step_time.labels(part)
+        for phase in STEP_PHASES:
+            self.step_phase_time.labels(phase)
         for stage in BACKEND_STAGES[backend]:
             self.stage_time.labels(stage)
 
@@ -149,6 +166,8 @@ class Metrics:
         self.exposed_comm.labels(stats.backend).observe(stats.exposed_comm_s)
         self.step_time.labels("group").observe(stats.wall_s)
         self.step_time.labels("rank").observe(stats.rank_wall_s)
+        for phase, seconds in stats.phases.items():
+            self.step_phase_time.labels(phase).observe(seconds)
         for stage, seconds in stats.stages.items():
             self.stage_time.labels(stage).observe(seconds)
 

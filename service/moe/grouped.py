@@ -10,12 +10,13 @@ Two implementations:
   with bf16 operands: one launch, offsets stay on the device (no host sync).
 - a per-expert `torch.mm` loop everywhere else (CPU, other GPUs, fp32/fp16). It reads the
   offsets on the host, which syncs on CUDA; on the CPU that costs nothing. The serial layer
-  hands it the hits alone, packed (offsets from `real_rows`: each expert's real rows lead its run
-  in service.moe.tables), so it computes no padding row: a step's cost then follows its tokens.
+  hands it the hits alone, packed (`pack_hits`, built from the routing instead of the padded
+  layout), so it computes no padding row: a step's cost then follows its tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -52,12 +53,37 @@ def prepare_weight(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous()
 
 
-def real_rows(offsets: torch.Tensor, row_token: torch.Tensor) -> list[int]:
-    """Real (non-padding) rows of each expert, on the host: they lead each expert's run."""
-    real = torch.zeros(row_token.numel() + 1, dtype=torch.int64, device=row_token.device)
-    torch.cumsum(row_token >= 0, 0, out=real[1:])
-    off = offsets.long()
-    return (real[off[1:]] - real[off[:-1]]).tolist()
+@dataclasses.dataclass(frozen=True)
+class PackedHits:
+    """The per-expert loop's schedule: a step's real hits alone, sorted by expert (stable, so within
+    an expert by (token, k)), no padding row. M real hits, N tokens (R*C), K top-k, E experts."""
+
+    offsets: torch.Tensor  # [E+1] int64 on the host: expert e's packed rows [offsets[e], offsets[e+1])
+    tokens: torch.Tensor   # [M] int64 global token of each packed row
+    experts: torch.Tensor  # [M] int64 expert of each packed row
+    slots: torch.Tensor    # [N, K] int64 packed row of hit (g, k); -1 for padding tokens
+
+
+def pack_hits(ids: torch.Tensor, counts: torch.Tensor, E: int, C: int) -> PackedHits:
+    """ids [N, K] (N = R*C: R blocks of C tokens, the first counts[r] of block r real) -> PackedHits.
+    A handful of ops over the real hits (the padded layout of service.moe.tables costs ~25 over
+    every row of the capacity); reads counts on the host. Real ids outside [0, E) raise (the front
+    end refuses them first)."""
+    N, K = ids.shape
+    dev = ids.device
+    g = torch.arange(N, device=dev)                                                  # [N]
+    real = torch.nonzero((g % C) < counts.to(dev, torch.int64)[g // C]).squeeze(1)   # [n] real tokens
+    expert = ids[real].to(torch.int64).reshape(-1)                                   # [n*K]
+    experts, hit = torch.sort(expert, stable=True)                                   # [n*K] by expert
+    per_expert = torch.bincount(expert, minlength=E).cpu()                           # [E] (a negative id raises)
+    if per_expert.numel() > E:
+        raise ValueError(f"expert ids must lie in [0, {E}), got {int(expert.max())}")
+    offsets = torch.zeros(E + 1, dtype=torch.int64)
+    torch.cumsum(per_expert, 0, out=offsets[1:])                                     # [E+1]
+    packed = torch.empty_like(hit).scatter_(0, hit, torch.arange(hit.numel(), device=dev))  # [n*K] row of hit
+    slots = torch.full((N, K), -1, dtype=torch.int64, device=dev)                    # [N, K]
+    slots[real] = packed.view(-1, K)
+    return PackedHits(offsets=offsets, tokens=real[hit // K], experts=experts, slots=slots)
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,14 @@ import torch.distributed as dist
 from service.config import BM, META, LayerConfig
 from service.moe import routing
 from service.moe import tables as torch_tables
-from service.moe.grouped import grouped_mm, grouped_mm_loop, native_grouped_mm_reason, prepare_weight, real_rows
+from service.moe.grouped import (
+    PackedHits,
+    grouped_mm,
+    grouped_mm_loop,
+    native_grouped_mm_reason,
+    pack_hits,
+    prepare_weight,
+)
 from service.moe.hostcomm import HostComm, HostPeers
 from service.moe.timing import StageTimer
 from service.moe.weights import RankWeights
@@ -112,10 +119,12 @@ class GroupedGemms:
             from service.kernels.grouped_gemm import queue_counter
 
             self.queue = queue_counter(device)  # both GEMMs' tile queue, rewound by each launch's last program
-        else:
+        # The per-expert loop computes the hits alone (PackedHits), the others the padded layout (Tables).
+        self.loop = self.impl == "torch" and native_grouped_mm_reason(device, cfg.dtype) is not None
+        if self.impl == "torch":
             self.w13 = prepare_weight(weights.w13.to(device, cfg.dtype))  # [E, H, 2*Ir]
             self.w2 = prepare_weight(weights.w2.to(device, cfg.dtype))    # [E, Ir, H]
-            if native_grouped_mm_reason(device, cfg.dtype) is None:
+            if not self.loop:
                 self.A = torch.zeros(cfg.S, cfg.H, dtype=cfg.dtype, device=device)  # [S, H] gathered layout
             else:  # the packed hits, at most R*C*K (reused: a fresh 2 MB block costs its page faults every step)
                 hits = cfg.R * cfg.C * cfg.K
@@ -126,13 +135,20 @@ class GroupedGemms:
         self.b13 = None if weights.b13 is None else weights.b13.to(device, cfg.dtype)  # [E, 2*Ir]
         self.b2 = None if weights.b2 is None else weights.b2.to(device, cfg.dtype)    # [E, H] (rank 0)
 
+    def schedule(self, ids: torch.Tensor, counts: torch.Tensor, E: int, C: int,
+                 S: int) -> torch_tables.Tables | PackedHits:
+        """The step's schedule from its routing (ids [R*C, K], counts [R]): the padded layout's
+        tables (`build_tables`), or for the per-expert loop the hits alone (`pack_hits`)."""
+        return pack_hits(ids, counts, E, C) if self.loop else build_tables(ids, counts, E, C, S)
+
     def __call__(self, x_g: torch.Tensor, tables, timer: StageTimer) -> tuple[torch.Tensor, torch.Tensor]:
-        """Global tokens x_g [R*C, H] -> (D, slots): D's rows hold the hits' expert outputs and
-        slots [R*C, K] (int32, or int64 from the loop) addresses them (-1 for padding tokens).
+        """Global tokens x_g [R*C, H] and the step's `schedule` -> (D, slots): D's rows hold the
+        hits' expert outputs and slots [R*C, K] (int32, or int64 from the loop) addresses them (-1
+        for padding tokens).
         Marks the stages scatter and swiglu (torch only), gemm1 and gemm2. Triton and the native
         grouped GEMM compute over the gathered layout (D [S, H], tables.slots); the Triton GEMM1
         reads each row's token through row_token, the native path first copies the tokens into the
-        layout. The per-expert loop computes the hits alone, packed (D [N, H], slots renumbered)."""
+        layout. The per-expert loop computes the hits alone, packed (D [M, H], PackedHits.slots)."""
         Ir = self.w2.shape[1]
         if self.impl == "triton":
             from service.kernels.grouped_gemm import gemm1_swiglu, gemm2
@@ -145,7 +161,7 @@ class GroupedGemms:
                   row_token=tables.row_token, expert_offsets=tables.expert_offsets, queue=self.queue)
             timer.mark("gemm2")
             return self.d, tables.slots
-        if native_grouped_mm_reason(x_g.device, x_g.dtype) is not None:
+        if self.loop:
             return self._packed(x_g, tables, timer)
         A = torch.index_select(x_g, 0, tables.row_token.clamp(min=0), out=self.A)  # [S, H]
         timer.mark("scatter")
@@ -164,34 +180,24 @@ class GroupedGemms:
         timer.mark("gemm2")
         return d, tables.slots
 
-    def _packed(self, x_g: torch.Tensor, tables, timer: StageTimer) -> tuple[torch.Tensor, torch.Tensor]:
-        """The per-expert loop over the hits alone (a step's cost follows its tokens): the layout's
-        real rows, kept in layout order (so by expert), packed into N rows; one gather, one
-        activation and E matmuls per GEMM instead of E of each. Offsets are read on the host."""
+    def _packed(self, x_g: torch.Tensor, hits: PackedHits, timer: StageTimer) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-expert loop over the hits alone (a step's cost follows its tokens): one gather,
+        one activation and E matmuls per GEMM over the M packed rows (`pack_hits`, by expert)."""
         Ir = self.w2.shape[1]
-        hits = torch.tensor(real_rows(tables.expert_offsets, tables.row_token))  # [E] hits per expert
-        offsets = torch.zeros(hits.numel() + 1, dtype=torch.int64)
-        torch.cumsum(hits, 0, out=offsets[1:])                      # [E+1] packed offsets
-        real = tables.row_token >= 0                                 # [S]
-        tokens = tables.row_token[real]                              # [N] the hits' tokens
-        A = torch.index_select(x_g, 0, tokens, out=self.A[:tokens.numel()])  # [N, H]
+        M = hits.tokens.numel()
+        A = torch.index_select(x_g, 0, hits.tokens, out=self.A[:M])  # [M, H]
         timer.mark("scatter")
-        N = tokens.numel()
-        h = grouped_mm_loop(A, self.w13, offsets, out=self.h[:N])   # [N, 2*Ir]
-        if self.b13 is not None or self.b2 is not None:
-            row_expert = torch.repeat_interleave(hits).to(x_g.device)  # [N] expert of each packed row
+        h = grouped_mm_loop(A, self.w13, hits.offsets, out=self.h[:M])  # [M, 2*Ir]
         if self.b13 is not None:
-            h += self.b13[row_expert]
+            h += self.b13[hits.experts]
         timer.mark("gemm1")
-        act = self.act.apply(h[:, :Ir], h[:, Ir:])                  # [N, Ir]
+        act = self.act.apply(h[:, :Ir], h[:, Ir:])                      # [M, Ir]
         timer.mark("swiglu")
-        d = grouped_mm_loop(act, self.w2, offsets, out=self.d[:N])  # [N, H]
+        d = grouped_mm_loop(act, self.w2, hits.offsets, out=self.d[:M])  # [M, H]
         if self.b2 is not None:
-            d += self.b2[row_expert]
+            d += self.b2[hits.experts]
         timer.mark("gemm2")
-        packed = torch.cumsum(real, 0) - 1                           # [S] packed row of each real row
-        slots = packed[tables.slots.long().clamp(min=0)]             # [R*C, K] int64
-        return d, slots.masked_fill_(tables.slots < 0, -1)
+        return d, hits.slots
 
 
 def build_tables(ids: torch.Tensor, counts: torch.Tensor, E: int, C: int, S: int) -> torch_tables.Tables:
@@ -362,7 +368,7 @@ class SerialLayer:
             self._rows = max(1, int(counts.max()))
 
         # 2. schedule tables, identical on every rank.
-        tables = build_tables(ids_g, counts, cfg.E, C, cfg.S)
+        tables = self.gemms.schedule(ids_g, counts, cfg.E, C, cfg.S)
         mark("tables")
 
         # 3. tokens: all-gather (rows past n are stale: padding tokens, which no row reads).
@@ -394,7 +400,7 @@ class SerialLayer:
         self.w_g[:T].copy_(w)
         self._count[0] = T
         timer.mark("all_gather")
-        tables = build_tables(self.ids_g, self._count, cfg.E, N, cfg.S)   # the step as one block of N
+        tables = self.gemms.schedule(self.ids_g, self._count, cfg.E, N, cfg.S)  # the step as one block of N
         timer.mark("tables")
         d, slots = self.gemms(x, tables, timer)                           # row tokens < T index x
         self._combine(d, slots, self.w_g, self.host.partials(seq)[self.rank], 1, T)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
+import itertools
 import logging
 import multiprocessing as mp
 import os
@@ -38,9 +39,10 @@ import torch
 
 from service.config import LayerConfig
 from service.errors import BackendUnavailable, GroupUnavailable, InvalidInput, WorkerError
+from service.metrics import STEP_PHASES
 from service.moe.hostcomm import HostPeers
 from service.moe.layer import BACKENDS
-from service.worker.rank import RankOptions, rank_main
+from service.worker.rank import RankOptions, now, rank_main
 from service.worker.shm import Slot, SlotPool, create_slots, remove_slots, remove_stale_slots, unlink_slots
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,14 @@ class StepStats:
     exposed_comm_s: float          # communication not hidden by compute (see the backend)
     wall_s: float = 0.0            # parent's view: send to last answer
     rank_wall_s: float = 0.0       # rank 0's view: step message received to answer sent
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # STEP_PHASES -> seconds; sum = wall_s
+
+
+def step_phases(sent: float, stamps: list[tuple[float, ...]], collected: float, returned: float) -> dict[str, float]:
+    """A step's wall cut at its timestamps (service.metrics.STEP_PHASES): the owner's send, rank 0's
+    six stamps (service.worker.rank), the last rank's answer, the owner holding every answer, run's return."""
+    cuts = (sent, *stamps[0], max(s[-1] for s in stamps), collected, returned)
+    return {phase: b - a for phase, (a, b) in zip(STEP_PHASES, itertools.pairwise(cuts), strict=True)}
 
 
 def cpu_host_peers(ctx, cfg: LayerConfig, device: str, timeout_s: float) -> HostPeers | None:
@@ -101,7 +111,7 @@ class WorkerGroup:
         self._send_lock = threading.Lock()     # seq order: steps are sent in the order of their seq
         self._answered = threading.Condition()  # guards _reading, _answers, _in_flight
         self._reading = False                   # a thread is reading the ranks' next answer
-        self._answers: dict[int, list] = {}     # seq -> the ranks' answers, until its thread takes them
+        self._answers: dict[int, tuple[list, float]] = {}  # seq -> the ranks' answers and when read, until taken
         self._in_flight = 0                     # steps sent and not yet taken by their thread
         self._store: torch.distributed.TCPStore | None = None  # the ranks' rendezvous, while started
         self._failure: WorkerError | None = None
@@ -278,23 +288,26 @@ class WorkerGroup:
                 raise self._failure or GroupUnavailable("the rank group is not running")
             self.seq += 1
             seq = self.seq
-            t0 = time.perf_counter()
+            sent = now()
             self._send(("step", seq, slot.index, T))
             with self._answered:
                 self._in_flight += 1
-        answers = self._await(seq)
-        wall = time.perf_counter() - t0
+        answers, collected = self._await(seq)
+        returned = now()
+        wall = returned - sent
         if seq > 1:  # the first step (the warm-up) pays one-time costs: compiles, first touches
             self._step_walls.append(wall)
         stats = answers[0][1]
+        stamps = [a[1]["stamps"] for a in answers]
         return StepStats(seq=seq, tokens=T, backend=self.backend, layer_s=stats["layer_s"],
                          stages=stats["stages"], exposed_comm_s=stats["exposed_comm_s"], wall_s=wall,
-                         rank_wall_s=stats["wall_s"])
+                         rank_wall_s=stamps[0][-1] - stamps[0][0],
+                         phases=step_phases(sent, stamps, collected, returned))
 
-    def _await(self, seq: int) -> list:
-        """The ranks' answers to step `seq`. One waiting thread at a time reads the next answer
-        (ranks answer in seq order), files it under its seq and wakes the others: an answer read
-        by another step's thread is picked up by its owner at once."""
+    def _await(self, seq: int) -> tuple[list, float]:
+        """The ranks' answers to step `seq` and when they were all read. One waiting thread at a time
+        reads the next answer (ranks answer in seq order), files it under its seq and wakes the
+        others: an answer read by another step's thread is picked up by its owner at once."""
         while True:
             with self._answered:
                 while seq not in self._answers and self._reading and self._failure is None:
@@ -310,6 +323,7 @@ class WorkerGroup:
             answers = None
             try:
                 answers = self._collect("done", self.step_deadline_s(), f"step {seq}")
+                collected = now()
                 seqs = {a[0] for a in answers}
                 if len(seqs) != 1:  # the ranks' own check makes this unreachable unless the protocol breaks
                     raise WorkerError(f"ranks answered seqs {sorted(seqs)} for one step")
@@ -321,7 +335,7 @@ class WorkerGroup:
                 with self._answered:
                     self._reading = False
                     if self._failure is None and answers is not None:
-                        self._answers[answers[0][0]] = answers
+                        self._answers[answers[0][0]] = (answers, collected)
                     self._answered.notify_all()
 
     def _collect(self, kind: str, timeout: float, what: str) -> list:

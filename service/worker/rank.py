@@ -4,7 +4,9 @@ Control messages on the rank's pipe (parent -> rank): ("step", seq, slot_index, 
 ("ping", seq) and ("stop",). Answers (rank -> parent): ("ready", rank, info), ("done", rank,
 seq, stats), ("pong", rank, seq, None), ("refused", rank, message) for a backend asked for that
 cannot run here, and ("error", rank, traceback_text). Tensors never cross the pipe: they live in
-the slots.
+the slots. A step's stats carry the rank's host timestamps (`stamps`: step message read, copy-in
+issued, layer launched, device done, answer in the slot, answer sent), which the group turns into
+StepStats.phases.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from service.moe.hostcomm import HostPeers
 from service.moe.routing import rank_range  # the split of a step's rows (the group and tests use it from here)
 
 LOOPBACK_IFNAME = "lo"  # Linux's loopback interface
+# A step's timestamps (StepStats.phases): CLOCK_MONOTONIC, one clock for every process of the host,
+# so the group compares them with its own.
+now = time.monotonic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,9 +133,15 @@ def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
             torch.empty(cfg.C, cfg.K, dtype=torch.float32, device=device))  # [C, K]
     conn.send(("ready", rank, {"pid": os.getpid(), "device": str(device), "backend": layer.name}))
 
+    cuda = device.type == "cuda"
+    if cuda:
+        stream = torch.cuda.current_stream(device)
+        copied_in = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        layer_done = torch.cuda.Event()
     last_seq = 0
     while True:
         msg = conn.recv()
+        received = now()
         if msg[0] == "stop":
             log.info("stopping after seq %d", last_seq)
             return
@@ -144,20 +155,30 @@ def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
         slot = slots[slot_index]
         start, n = rank_range(T, cfg.R, rank)
         rows = slice(start, start + n)
-        wall0 = time.perf_counter()
         x, ids, w = slot.x[rows], slot.ids[rows], slot.w[rows]
         if opts.host is not None:  # CPU ranks of one host: the layer reads every rank's rows from the slot
             x, ids, w = slot.x[:T], slot.ids[:T], slot.w[:T]
-        elif device.type == "cuda":  # DMA from the pinned slot, in stream order before the step
+        elif cuda:  # DMA from the pinned slot, in stream order before the step
+            copied_in[0].record()
             x, ids, w = (buf[:n].copy_(src, non_blocking=True) for buf, src in zip(inputs, (x, ids, w), strict=True))
+            copied_in[1].record()
+        issued = now()
         out = layer.forward(x, ids, w, seq, timer)
-        if device.type == "cuda":  # cast on the device (half the bytes to move), DMA into the slot
+        launched = now()
+        if cuda:  # cast on the device (half the bytes to move), DMA into the slot
+            layer_done.record()
             slot.out[rows].copy_(out_dev[:n].copy_(out), non_blocking=True)
-            torch.cuda.current_stream(device).synchronize()  # the stage times are final after this
+            layer_done.synchronize()
+            device_done = now()
+            stream.synchronize()  # the stage times are final after this
         else:
             slot.out[rows].copy_(out)
+            device_done = launched
+        copied_out = now()
         layer.check_seq(seq)
         stages = timer.seconds()
+        if cuda:  # the rows' copies ran before the layer's own timer started: they count as its copy_in
+            stages["copy_in"] = stages.get("copy_in", 0.0) + copied_in[0].elapsed_time(copied_in[1]) / 1e3
         stats = {"stages": stages, "layer_s": sum(stages.values()), "exposed_comm_s": layer.exposed_comm_s(),
-                 "wall_s": time.perf_counter() - wall0, "tokens": n}
+                 "tokens": n, "stamps": (received, issued, launched, device_done, copied_out, now())}
         conn.send(("done", rank, seq, stats))

@@ -10,29 +10,47 @@ from service.moe.tables import build_tables
 from tests.helpers import routing
 
 
+def test_packed_hits_are_the_real_hits_by_expert():
+    """pack_hits: every real hit once, in expert order (within an expert by (token, k), as the padded
+    layout orders them), padding tokens' hits left out (-1), empty experts with empty runs; R=3 blocks
+    of odd C with their own counts, one block empty, and a single-token step."""
+    E, K, C = 6, 2, 37
+    gen = torch.Generator().manual_seed(5)
+    for counts in ([C - 4, 0, 11], [1]):
+        R = len(counts)
+        ids, _ = routing(R * C, E, K, "empty_expert", gen)   # some experts get no token
+        ids = ids.int()
+        hits = grouped.pack_hits(ids, torch.tensor(counts), E, C)
+        real = [g for g in range(R * C) if g % C < counts[g // C]]
+        want = sorted(((int(ids[g, k]), g, k) for g in real for k in range(K)))  # (expert, token, k)
+        assert hits.tokens.tolist() == [g for _, g, _ in want]
+        assert hits.experts.tolist() == [e for e, _, _ in want]
+        for row, (_, g, k) in enumerate(want):
+            assert int(hits.slots[g, k]) == row
+        assert bool((hits.slots[[g for g in range(R * C) if g not in set(real)]] == -1).all())
+        per_expert = [sum(e == x for x, _, _ in want) for e in range(E)]
+        assert hits.offsets.tolist() == [sum(per_expert[:e]) for e in range(E + 1)] and 0 in per_expert
+        # The same order as the padded layout's real rows (service.moe.tables).
+        S = -(-(R * C * K + E * 127) // 128) * 128
+        t = build_tables(ids, torch.tensor(counts), E, C, S)
+        assert hits.tokens.tolist() == t.row_token[t.row_token >= 0].tolist()
+
+
 def test_loop_computes_real_rows_only(monkeypatch):
+    """grouped_mm_loop over packed hits: every hit once, no padding row, no empty expert."""
     E, K, C, H, N = 6, 2, 37, 24, 40
     gen = torch.Generator().manual_seed(5)
     ids, _ = routing(C, E, K, "empty_expert", gen)          # some experts get no token
-    S = -(-(C * K + E * 127) // 128) * 128
-    t = build_tables(ids.int(), torch.tensor([C - 4]), E, C, S)  # 4 padding tokens at the end
-    rows = grouped.real_rows(t.expert_offsets, t.row_token)
-    off = t.expert_offsets.tolist()
-    for e in range(E):  # real rows lead the run, padding rows follow
-        run = t.row_token[off[e]:off[e + 1]]
-        assert rows[e] == int((run >= 0).sum()) and bool((run[:rows[e]] >= 0).all())
+    hits = grouped.pack_hits(ids.int(), torch.tensor([C - 4]), E, C)  # 4 padding tokens at the end
+    packed = hits.offsets.tolist()
+    rows = [packed[e + 1] - packed[e] for e in range(E)]
     assert sum(rows) == (C - 4) * K and 0 in rows
-
-    # The packed hits (as SerialLayer's loop lays them out): expert e's rows at packed[e]..packed[e+1].
-    packed = [0]
-    for n in rows:
-        packed.append(packed[-1] + n)
     a = torch.randn(packed[-1], H, generator=gen)
     b = torch.randn(E, H, N, generator=gen)
     computed = []
     mm = torch.mm
     monkeypatch.setattr(torch, "mm", lambda x, y, out: (computed.append(x.shape[0]), mm(x, y, out=out))[1])
-    out = grouped.grouped_mm_loop(a, b, torch.tensor(packed))
+    out = grouped.grouped_mm_loop(a, b, hits.offsets)
     assert out.shape == (packed[-1], N)
     assert computed == [n for n in rows if n]  # every hit once, no padding row, no empty expert
     for e in range(E):
@@ -64,3 +82,18 @@ def test_serial_packed_loop_matches_the_reference_with_biases():
         out = layer.forward(x, ids.int(), w, seq)
         ref = moe_reference(x, ids, w, gate, up, down, act=cfg.act, biases=biases)
         assert rel_err(out, ref) <= TOL[torch.float32], (T, rel_err(out, ref))
+
+
+def test_packed_hits_refuse_ids_outside_the_experts():
+    """A real token's id outside [0, E) fails the step (the front end refuses it first); a padding
+    token's id is never read."""
+    import pytest
+
+    E, C = 4, 5
+    ids = torch.randint(0, E, (C, 2), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
+    ids[C - 1] = 1_000  # padding token (count C - 1): ignored
+    assert grouped.pack_hits(ids, torch.tensor([C - 1]), E, C).tokens.numel() == (C - 1) * 2
+    for bad in (E, -1):
+        ids[0, 1] = bad
+        with pytest.raises((ValueError, RuntimeError)):
+            grouped.pack_hits(ids, torch.tensor([C - 1]), E, C)
