@@ -1,6 +1,7 @@
 """Per-stage time of the CPU rank group's step (rank 0's view), the group started as the server does.
 
     python bench/cpu_stages.py [--sizes 8,512] [--steps 60] [--preset cpu] [--share]
+        [--device cuda --backend auto]     # the same on a GPU (bench/gpu_rank_split.sh)
 
 A WorkerGroup of the preset (cpu: E=16 H=256 I=512 K=4, R=4 CPU ranks, C=128, fp32), synthetic
 weights; per step size T: --steps steps on one slot of fresh balanced routing (the first 10 not
@@ -40,8 +41,12 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--preset", default="cpu")
     p.add_argument("--share", action="store_true", help="one rank's share in this process (no group)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="the group's device (not with --share)")
+    p.add_argument("--backend", default="serial", choices=("auto", "serial", "fused"), help="the group's backend")
     args = p.parse_args()
     cfg = preset(args.preset)
+    if args.device == "cuda":  # one rank per GPU, as the server caps it
+        cfg = cfg.replace(R=min(cfg.R, torch.cuda.device_count()))
     print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {cfg.describe()}, "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")
     phases: list[tuple] = []
@@ -102,7 +107,7 @@ def share(cfg, sizes: list[int], steps: int) -> list[tuple]:
 def group(cfg, args, phases: list[tuple]) -> list[tuple]:
     """The stage rows; `phases` gets (T, median wall, {phase: median}) per size."""
     rows = []
-    with WorkerGroup(cfg, seed=0) as g:
+    with WorkerGroup(cfg, seed=0, device=args.device, backend=args.backend) as g:
         for T in (int(t) for t in args.sizes.split(",")):
             gen = torch.Generator().manual_seed(T)
             slot = g.acquire_slot()

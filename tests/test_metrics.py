@@ -109,3 +109,30 @@ def test_step_wall_times_by_part():
     assert value("moe_step_seconds_count", {"part": "group"}) == 2.0
     assert value("moe_step_seconds_sum", {"part": "group"}) == pytest.approx(0.007)
     assert value("moe_step_seconds_sum", {"part": "rank"}) == pytest.approx(0.0045)
+
+
+def test_step_phases_are_exported_in_order():
+    """moe_step_phase_seconds{phase}: zero series of every phase once the backend is known, one
+    observation per phase and step, whatever order a StepStats lists them in."""
+    from service.metrics import STEP_PHASES
+    from service.worker.group import StepStats, step_phases
+
+    metrics = Metrics()
+    value = metrics.registry.get_sample_value
+    assert value("moe_step_phase_seconds_count", {"phase": "to_rank"}) is None
+    metrics.use_backend("serial")
+    assert [value("moe_step_phase_seconds_count", {"phase": p}) for p in STEP_PHASES] == [0.0] * len(STEP_PHASES)
+    # The owner's send at 10.0, two ranks' six stamps, every answer read at 10.0105, run returns at 10.011.
+    stamps = [(10.0002, 10.0003, 10.0080, 10.0090, 10.0091, 10.0092), (10.0004, 10.0, 10.0, 10.0, 10.0, 10.0101)]
+    phases = step_phases(10.0, stamps, 10.0105, 10.011)
+    assert list(phases) == list(STEP_PHASES)
+    want = (0.0002, 0.0001, 0.0077, 0.0010, 0.0001, 0.0001, 0.0009, 0.0004, 0.0005)
+    assert list(phases.values()) == pytest.approx(want, abs=1e-9)
+    assert sum(phases.values()) == pytest.approx(0.011)
+    for _ in range(2):
+        metrics.observe_step(StepStats(seq=1, tokens=8, backend="serial", layer_s=0.007, stages={"gemm1": 0.007},
+                                       exposed_comm_s=0.0, wall_s=0.011, rank_wall_s=0.0092 - 0.0002,
+                                       phases=dict(reversed(list(phases.items())))))
+    for p, seconds in zip(STEP_PHASES, want, strict=True):
+        assert value("moe_step_phase_seconds_count", {"phase": p}) == 2.0
+        assert value("moe_step_phase_seconds_sum", {"phase": p}) == pytest.approx(2 * seconds, abs=1e-9)

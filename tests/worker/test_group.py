@@ -79,6 +79,37 @@ def test_sequence_numbers_advance_and_buffers_are_reused(group):
     assert {s.path for s in g._slots} == slots_before
 
 
+def test_a_steps_phases_add_up_to_its_wall(group):
+    """StepStats.phases (rank 0's host timestamps and the owner's, one clock): every phase, none
+    negative, in sum the group's wall; the rank's own phases its wall; the CPU layer's stages lie
+    inside its launch phase (forward computes there); T=1 and a full step; the answer still right."""
+    from service.metrics import STEP_PHASES
+
+    g, ref_weights = group
+    cfg = g.cfg
+    gen = torch.Generator().manual_seed(31)
+    for T in (1, cfg.tokens_per_step):
+        x = torch.randn(T, cfg.H, generator=gen)
+        ids, w = routing(T, cfg.E, cfg.K, "skewed", gen)
+        slot = g.acquire_slot()
+        try:
+            slot.x[:T].copy_(x)
+            slot.ids[:T].copy_(ids)
+            slot.w[:T].copy_(w)
+            stats = g.run(slot, T)
+            out = slot.out[:T].float()
+        finally:
+            g.release(slot)
+        assert rel_err(out, moe_reference(x, ids, w, *ref_weights)) <= tolerance(cfg.dtype, torch.float32)
+        assert list(stats.phases) == list(STEP_PHASES)
+        assert min(stats.phases.values()) >= 0.0, stats.phases
+        assert sum(stats.phases.values()) == pytest.approx(stats.wall_s, rel=1e-9, abs=1e-9)
+        rank_part = ("copy_in", "launch", "device", "copy_out", "checks")
+        assert sum(stats.phases[p] for p in rank_part) == pytest.approx(stats.rank_wall_s, rel=1e-9, abs=1e-9)
+        assert 0.0 < stats.layer_s <= stats.phases["launch"] < stats.wall_s
+        assert stats.phases["device"] == 0.0  # no device to wait for on the CPU
+
+
 def test_bad_batches_are_rejected_before_reaching_a_rank(group):
     g, _ = group
     cfg = g.cfg
