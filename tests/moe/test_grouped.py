@@ -22,7 +22,7 @@ def test_packed_hits_are_the_real_hits_by_expert():
         ids = ids.int()
         hits = grouped.pack_hits(ids, torch.tensor(counts), E, C)
         real = [g for g in range(R * C) if g % C < counts[g // C]]
-        want = sorted(((int(ids[g, k]), g, k) for g in real for k in range(K)))  # (expert, token, k)
+        want = sorted((int(ids[g, k]), g, k) for g in real for k in range(K))  # (expert, token, k)
         assert hits.tokens.tolist() == [g for _, g, _ in want]
         assert hits.experts.tolist() == [e for e, _, _ in want]
         for row, (_, g, k) in enumerate(want):
