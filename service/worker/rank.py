@@ -121,11 +121,11 @@ def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
     if device.type == "cuda":
         for slot in slots:
             pin_slot(slot)
-        out_dev = torch.empty(cfg.C, cfg.H, dtype=cfg.dtype, device=device)  # [C, H] the answer in the slot's dtype
     timer = StageTimer(device)
     # This rank's rows of a step, on its device, allocated once at capacity: the layer's own input
     # buffers where it has them (the fused layer's step graph stages them), else buffers of our own
     # (on the CPU the slot views are used directly).
+    inputs = None
     if device.type == "cuda":
         inputs = layer.inputs or (
             torch.empty(cfg.C, cfg.H, dtype=cfg.dtype, device=device),    # [C, H]
@@ -133,8 +133,20 @@ def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
             torch.empty(cfg.C, cfg.K, dtype=torch.float32, device=device))  # [C, K]
     conn.send(("ready", rank, {"pid": os.getpid(), "device": str(device), "backend": layer.name}))
 
-    cuda = device.type == "cuda"
+    # Steps run in inference mode: no autograd bookkeeping per op (a CPU rank's T=8 step: -10 %,
+    # bench/NOTES.md issue 11e); every tensor a step makes lives and dies inside this loop.
+    with torch.inference_mode():
+        _steps(rank, cfg, opts, conn, log, layer, slots, timer, inputs)
+
+
+def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Logger, layer, slots, timer,
+           inputs) -> None:
+    """The rank's loop: control messages until ("stop",); on CUDA `inputs` are the device buffers
+    its rows are copied into."""
+    cuda = inputs is not None
     if cuda:
+        device = inputs[0].device
+        out_dev = torch.empty(cfg.C, cfg.H, dtype=cfg.dtype, device=device)  # [C, H] the answer in the slot's dtype
         stream = torch.cuda.current_stream(device)
         copied_in = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         layer_done = torch.cuda.Event()
