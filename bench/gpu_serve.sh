@@ -4,10 +4,14 @@
 # GPU, C=512, backend auto = fused), then:
 #   1. py-spy of the front end and its rank under load (v2 binary + gRPC, T=512, bf16, 4 clients):
 #      collapsed stacks in pyspy.txt (summarised with bench/pyspy_summary.py)
-#   1b. bench/latency_split.py around a concurrency-1 load per protocol (T=512): the server's own
-#      books (arrival to answer, the statistics' phases, layer, stages, moe_step_seconds); SPLIT=0 skips
+#   0. when GROUP=1: the rank group alone, no front end (bench/cpu_stages.py --device cuda, T=512 and
+#      8): stage and step-phase medians (StepStats.phases) in group.txt
+#   1b. bench/latency_split.py around a load per protocol (T=512) at each concurrency of SPLIT_CONC
+#      (default "1"; e.g. "1 4"): the server's own books (arrival to answer, the statistics' phases,
+#      layer, stages, moe_step_seconds and its phases moe_step_phase_seconds); SPLIT=0 skips
 #   2. bench/serve_load.py against it: v2 binary and gRPC, bf16 on the wire, T=512 and 2048,
-#      concurrency 1, 4, 16; the layer alone at the same step shapes in the same run (after the load)
+#      concurrency 1, 4, 16; the layer alone at the same step shapes in the same run (after the load);
+#      LOAD=0 skips
 #   3. bench/multigpu.py load: the issue's own protocol (fp32, 4 threads of one client process),
 #      when MULTIGPU_LOAD=1
 #   4. bench/frontend_costs.py: the host-side stages of one request, each alone (T=512, 2048)
@@ -24,7 +28,7 @@
 # step 2's HTTP client a raw socket (serve_load --client raw: what the server alone costs) instead of
 # http.client (the default, what a user's script runs).
 # Logs: $OUT (else build/gpu_serve): server.txt pyspy.txt serve_load.txt serve_load.json load.txt
-# split_<protocol>.txt costs.txt slots.txt http_<impl>.txt http_<impl>.json frontends_<n>.txt frontends_<n>.json summary.txt
+# split_<protocol>_c<concurrency>.txt group.txt costs.txt slots.txt http_<impl>.txt http_<impl>.json frontends_<n>.txt frontends_<n>.json summary.txt
 #
 # The call (carry [".wt11", ".whl"]; the wheels listed in bench/multigpu.sh plus py-spy):
 #   cd .wt11 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -32,6 +36,8 @@
 #     bash bench/gpu_serve.sh
 # h11 against httptools alone (step 6, both servers in one call; the .whl list includes httptools):
 #   the same, ending in `MAIN=0 COSTS=0 HTTP_IMPLS="h11 httptools" bash bench/gpu_serve.sh`
+# A step's split between the owner of the rank group and rank 0 (issue 11e, ~3 min, 7 files back):
+#   the same, ending in `BUDGET=200 PROFILE=0 COSTS=0 LOAD=0 GROUP=1 SPLIT_CONC="1 4" bash bench/gpu_serve.sh`
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
@@ -51,6 +57,13 @@ git_commit=$(cat COMMIT 2>/dev/null || echo unknown)
 echo "commit $git_commit; torch $($PY -c 'import torch; print(torch.__version__)'); $(nproc) CPU cores" | tee -a "$LOG/summary.txt"
 
 SL_RC=skipped LOAD_RC=skipped
+# ---- 0. the rank group alone ----------------------------------------------------------------------
+if [[ "${GROUP:-0}" == 1 ]]; then
+  echo "== 0. the rank group alone: bench/cpu_stages.py on the GPU (T=512 and 8, 200 steps, one at a time)"
+  timeout -k 5 "$(cap 90)" "$PY" bench/cpu_stages.py --preset seed --device cuda --backend auto --sizes 512,8 \
+    --steps 200 > "$LOG/group.txt" 2>&1
+  echo "rc=$?"; grep -E "^#|^\||^A step|Error" "$LOG/group.txt"
+fi
 if [[ "${MAIN:-1}" == 1 ]]; then
 # ---- the server ---------------------------------------------------------------------------------
 setsid "$PY" -m service --host 127.0.0.1 --http-port 18000 --grpc-port 18001 "${SERVE_FLAGS[@]}" > "$LOG/server.txt" 2>&1 &
@@ -85,18 +98,24 @@ echo "py-spy rc=$?"; tail -n 3 "$LOG/pyspy_log.txt"
 wait "$LOADPID"; echo "profile load rc=$?"; grep -E "^\|" "$LOG/pyspy_load.txt" | head -n 6
 fi
 
-# ---- 1b. a concurrency-1 request's time from the server's own books -----------------------------
+# ---- 1b. a request's time from the server's own books -------------------------------------------
 if [[ "${SPLIT:-1}" == 1 ]]; then
-echo "== 1b. bench/latency_split.py around a concurrency-1 load (T=512, bf16)"
+read -ra SPLIT_CONCS <<< "${SPLIT_CONC:-1}"
+for conc in "${SPLIT_CONCS[@]}"; do
 for proto in v2_binary grpc; do
-  "$PY" bench/latency_split.py --url http://127.0.0.1:18000 --save "$LOG/split_before_$proto.json" > /dev/null
+  echo "== 1b. bench/latency_split.py around a concurrency-$conc load ($proto, T=512, bf16)"
+  (( $(left) > 15 )) || { echo "skipped: budget spent"; continue; }
+  "$PY" bench/latency_split.py --url http://127.0.0.1:18000 --save "/tmp/split_before_${proto}_c$conc.json" > /dev/null
   timeout -k 5 "$(cap 40)" "$PY" bench/serve_load.py --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
-    --protocols "$proto" --sizes 512 --concurrency 1 --seconds "$CELL_S" --no-direct "${SERVE_FLAGS[@]}" 2>&1 | grep -E "^\|"
-  "$PY" bench/latency_split.py --url http://127.0.0.1:18000 --before "$LOG/split_before_$proto.json" | tee "$LOG/split_$proto.txt"
+    --protocols "$proto" --sizes 512 --concurrency "$conc" --seconds "$CELL_S" --no-direct "${SERVE_FLAGS[@]}" 2>&1 | grep -E "^\|"
+  "$PY" bench/latency_split.py --url http://127.0.0.1:18000 --before "/tmp/split_before_${proto}_c$conc.json" \
+    | tee "$LOG/split_${proto}_c$conc.txt"
+done
 done
 fi
 
 # ---- 2. bench/serve_load.py ---------------------------------------------------------------------
+if [[ "${LOAD:-1}" == 1 ]]; then
 echo "== 2. bench/serve_load.py (bf16)"
 timeout -k 10 "$(cap 240)" "$PY" bench/serve_load.py --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
   --sizes 512,2048 --concurrency "${CONCURRENCY:-1,4,16}" --seconds "$CELL_S" --wire-dtype bf16 --json "$LOG/serve_load.json" \
@@ -104,6 +123,7 @@ timeout -k 10 "$(cap 240)" "$PY" bench/serve_load.py --url http://127.0.0.1:1800
   "${SERVE_FLAGS[@]}" > "$LOG/serve_load.txt" 2>&1
 SL_RC=$?
 tail -n 20 "$LOG/serve_load.txt"
+fi
 
 # ---- 3. the issue's protocol --------------------------------------------------------------------
 echo "== 3. bench/multigpu.py load (fp32, 4 clients)"
@@ -163,6 +183,8 @@ done
   echo
   echo "== summary: $(( $(date +%s) - START )) s; serve_load rc=$SL_RC, multigpu load rc=$LOAD_RC"
   grep -E "^\||busy" "$LOG/serve_load.txt" 2>/dev/null
+  grep -E "^\||^A step" "$LOG/group.txt" 2>/dev/null
+  for f in "$LOG"/split_*.txt; do [[ -e $f ]] && echo "${f##*/}:" && grep -E "arrival|compute_infer|part=|step phases" "$f"; done
   grep -E "^\||steps, mean" "$LOG/load.txt" 2>/dev/null
   grep -E "^\|" "$LOG/costs.txt" 2>/dev/null
   [[ -n "${SLOTS2:-}" ]] && echo "slots $SLOTS2:" && grep -E "^\|" "$LOG/slots.txt" 2>/dev/null
