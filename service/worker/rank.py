@@ -190,6 +190,7 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
         layer.check_seq(seq)
         stages = timer.seconds()
         if cuda:  # the rows' copies ran before the layer's own timer started: they count as its copy_in
+            # (the fused layer's first stage; a serial layer on CUDA reports the stage this way alone)
             stages["copy_in"] = stages.get("copy_in", 0.0) + copied_in[0].elapsed_time(copied_in[1]) / 1e3
         stats = {"stages": stages, "layer_s": sum(stages.values()), "exposed_comm_s": layer.exposed_comm_s(),
                  "tokens": n, "stamps": (received, issued, launched, device_done, copied_out, now())}
