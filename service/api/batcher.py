@@ -34,6 +34,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -44,6 +45,9 @@ from service.errors import DeadlineExceeded, GroupUnavailable, InvalidInput, Ove
 from service.metrics import Metrics
 
 log = logging.getLogger(__name__)
+
+
+_REJECT_LOCK = threading.Lock()  # guards a request's bad-row mark, set by step threads
 
 
 @dataclasses.dataclass(eq=False)
@@ -62,8 +66,10 @@ class _Job:
     # seconds of the steps its rows ran in, by phase: copy in, layer, copy out
     compute: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0, 0.0])
     dropped: bool = False
-    # set by a step thread when the request's rows fail their check in the slot; the loop fails it
+    # set by a step thread when the request's rows fail their check in the slot (never cleared: its
+    # pieces may be checked by several step threads at once); the loop fails it
     invalid: InvalidInput | None = None
+    invalid_row: int = -1
 
     @property
     def T(self) -> int:
@@ -72,6 +78,12 @@ class _Job:
     def fail(self, exc: BaseException) -> None:
         if not self.future.done():
             self.future.set_exception(exc)
+
+    def reject(self, row: int, err: InvalidInput) -> None:
+        """Mark the request invalid (a step thread), naming its first bad row over all its pieces."""
+        with _REJECT_LOCK:
+            if self.invalid is None or row < self.invalid_row:
+                self.invalid, self.invalid_row = err, row
 
 
 @dataclasses.dataclass
@@ -336,7 +348,11 @@ class Batcher:
                     slot.x[at].copy_(job.x[rows])
                     slot.ids[at].copy_(job.ids[rows])
                     slot.w[at].copy_(job.w[rows])
-                    job.invalid = rows_error(slot.x[at], job.x[rows], p.start)
+                    bad = rows_error(slot.x[at], job.x[rows], p.start)
+                    if bad is not None:
+                        job.reject(*bad)
+                # (another step's thread may have marked it meanwhile: the mark only ever goes on, so a
+                # request with a bad row is never answered, and no bad row reaches a rank)
                 if job.invalid is not None:  # rows the layer computes harmlessly, answered to nobody
                     slot.x[at].zero_()
                     slot.ids[at].zero_()

@@ -88,7 +88,7 @@ def all_finite(t: torch.Tensor) -> bool:
     return t.numel() == 0 or all(math.isfinite(float(v)) for v in torch.aminmax(t))
 
 
-def rows_error(rows: torch.Tensor, sent: torch.Tensor, first: int = 0) -> InvalidInput | None:
+def rows_error(rows: torch.Tensor, sent: torch.Tensor, first: int = 0) -> tuple[int, InvalidInput] | None:
     """The check of hidden_states' values, made on `rows` [n, H] as the step's slot holds them (the
     one copy in, converted from `sent`, the request's rows `first`.. as they came): None when every
     element is finite. The screen is one sum of the rows: a NaN or an infinity anywhere makes it
@@ -96,14 +96,14 @@ def rows_error(rows: torch.Tensor, sent: torch.Tensor, first: int = 0) -> Invali
     of the sum itself) is decided exactly. A value that the slot's narrower dtype cannot hold became
     an infinity in the copy, so the same check covers the range of the narrowing cast (rounding
     decides as it does on the ranks). ~2.5x cheaper than one aminmax of bf16 rows (bench/NOTES.md,
-    issue 11d); the error names the first bad row of the request."""
+    issue 11d). Else (the request's row, the error naming it): its first bad row, whichever the reason."""
     if math.isfinite(float(rows.sum())) or all_finite(rows):
         return None
-    overflow = all_finite(sent)
-    row = first + int((~torch.isfinite(rows if overflow else sent)).any(dim=1).nonzero()[0])
-    if overflow:
-        return InvalidInput(f"hidden_states has values outside the range of {_name(rows.dtype)} (row {row})")
-    return InvalidInput(f"hidden_states contains NaN or infinity (row {row})")
+    bad = int((~torch.isfinite(rows)).any(dim=1).nonzero()[0])  # NaN, infinity or out of range there
+    row = first + bad
+    if all_finite(sent[bad]):
+        return row, InvalidInput(f"hidden_states has values outside the range of {_name(rows.dtype)} (row {row})")
+    return row, InvalidInput(f"hidden_states contains NaN or infinity (row {row})")
 
 
 def validate(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, spec: ModelSpec

@@ -69,6 +69,7 @@ class ConnectionBounds:
         self._idle_since = self.loop.time()
         self._idle_timer: asyncio.TimerHandle | None = None
         self._first_byte: float | None = None  # of the request whose headers are being read
+        self._arrived = 0.0  # when the bytes being read arrived
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
@@ -82,12 +83,23 @@ class ConnectionBounds:
         self._arm()
 
     def data_received(self, data: bytes) -> None:
-        if not self.busy and self._first_byte is None:  # the first bytes of a request
-            self._first_byte = time.perf_counter()
+        self._arrived = time.perf_counter()
+        if self._first_byte is None and not self.busy and (self.cycle is None or not self.cycle.more_body):
+            # the first bytes of a request (not the tail of a body answered before it was read: a
+            # stamp from that would wait for the next request and count the idle gap as its own)
+            self._first_byte = self._arrived
         super().data_received(data)  # type: ignore[misc]
         if self._first_byte is not None and self.busy:  # its headers are in: the request has a scope
             self.cycle.scope.setdefault(FIRST_BYTE, self._first_byte)
             self._first_byte = None
+
+    def on_message_begin(self) -> None:
+        """httptools' parser callback: a request begins in the bytes being read, so this is its first
+        byte's time, exactly (also for pipelined requests and after a body answered early, where
+        data_received's stamp above is missing); self.scope is the new request's. h11 has no such
+        callback: there that stamp stands."""
+        super().on_message_begin()  # type: ignore[misc]
+        self.scope[FIRST_BYTE] = self._arrived  # type: ignore[attr-defined]
 
     @property
     def busy(self) -> bool:

@@ -163,6 +163,46 @@ def test_bad_rows_fail_alone_and_batch_mates_equal_solo_runs(slot_dtype):
         assert rel_err(out.float(), solo.float()) <= TOL[x.dtype], i
 
 
+def test_a_bad_piece_checked_while_a_good_piece_of_the_same_request_is_never_answered(monkeypatch):
+    """Request J is split over two steps in flight at once; the thread of the step holding its bad
+    piece checks it while the other step's thread is still checking J's good piece. The mark must
+    stay: J gets its 400 naming the bad row (an overwritten mark answered it 200, with rows the
+    layer computed from zeros or never copied out)."""
+    import service.api.batcher as batcher_mod
+
+    real = batcher_mod.rows_error
+    bad_checked = threading.Event()
+
+    def rows_error(rows, sent, first=0):
+        if first == 0 and sent.shape[0] == 2:  # J's good first piece: finish after the bad one
+            assert bad_checked.wait(5)
+            result = real(rows, sent, first)
+            time.sleep(0.01)
+            return result
+        result = real(rows, sent, first)
+        if first == 2:  # J's bad second piece
+            bad_checked.set()
+        return result
+
+    monkeypatch.setattr(batcher_mod, "rows_error", rows_error)
+    group = FakeGroup(CFG, step_s=0.05)
+
+    async def main():
+        b = await started(group, delay_s=0.01)
+        mate, J = batch(6, 1), batch(6, 2)  # mate: rows 0..5 of step A; J: 0..1 in A, 2..5 in B
+        J[0][3, 0] = float("nan")
+        res = await asyncio.gather(b.submit(*mate, timeout_s=10), b.submit(*J, timeout_s=10),
+                                   return_exceptions=True)
+        await b.close()
+        return mate, res
+
+    mate, (mate_out, j_out) = run(main())
+    assert sorted(group.steps) == [4, 8], group.steps  # (B may run first: A waits for its check)
+    assert isinstance(j_out, InvalidInput) and "row 3" in str(j_out), j_out
+    assert rel_err(mate_out, group.ref(*mate)) < TOL[torch.float32]
+    assert group.nonfinite_steps == 0
+
+
 def test_the_answer_lands_in_the_callers_buffer():
     """submit(out=...) writes the answer there (the response's own bytes: one copy out of the slot)
     and returns it; a buffer of another shape or dtype is refused before anything is queued."""

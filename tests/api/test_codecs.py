@@ -55,7 +55,8 @@ def test_all_finite_finds_every_non_finite_pattern_anywhere(dtype):
             bad.view(int_dtype).view(-1)[i] = bits
             assert not codecs.all_finite(bad), (hex(bits), i)
             err = codecs.rows_error(bad, bad, first=10)
-            assert err is not None and f"NaN or infinity (row {10 + i // 67})" in str(err), (hex(bits), i, err)
+            assert err is not None and err[0] == 10 + i // 67, (hex(bits), i, err)
+            assert f"NaN or infinity (row {10 + i // 67})" in str(err[1]), (hex(bits), i, err)
     big = torch.tensor([[torch.finfo(dtype).max, -torch.finfo(dtype).max]], dtype=dtype)
     assert codecs.all_finite(big)
     assert codecs.rows_error(big.repeat(1, 3)[:, :4].abs(), big) is None  # the sum overflows: decided exactly
@@ -67,7 +68,14 @@ def test_rows_error_names_a_narrowing_overflow():
     sent = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
     sent[2, 3] = -70000.0  # finite in fp32, beyond float16's 65504
     err = codecs.rows_error(sent.half(), sent, first=7)
-    assert err is not None and "outside the range of float16 (row 9)" in str(err)
+    assert err is not None and err[0] == 9 and "outside the range of float16 (row 9)" in str(err[1])
+    sent[3, 0] = float("nan")  # a later NaN: the first bad row is named, whatever its reason
+    err = codecs.rows_error(sent.half(), sent, first=7)
+    assert err is not None and err[0] == 9 and "outside the range of float16 (row 9)" in str(err[1])
+    sent[1, 1] = float("inf")
+    err = codecs.rows_error(sent.half(), sent, first=7)
+    assert err is not None and err[0] == 8 and "NaN or infinity (row 8)" in str(err[1])
+    sent[1, 1], sent[3, 0] = 0.0, 0.0
     sent[2, 3] = -65504.0
     assert codecs.rows_error(sent.half(), sent) is None and codecs.rows_error(sent.bfloat16(), sent) is None
     wide = torch.tensor([[3e38, -3e38]]).bfloat16()

@@ -18,14 +18,21 @@ import numpy as np
 import pytest
 import uvicorn
 
-from service.api.connections import DIRECT_BODY_MIN, bounded_protocol
+from service.api.connections import DIRECT_BODY_MIN, FIRST_BYTE, bounded_protocol
 
 MAX_BODY = 8 << 20
 EVENTS: list[str] = []  # what the app saw: "disconnect" when a body ended with the client gone
 
 
 async def app(scope, receive, send) -> None:
-    """POST /echo: the body's length, messages and digest. POST /refuse: 413 without reading."""
+    """POST /echo: the body's length, messages and digest. POST /refuse: 413 without reading.
+    GET /age: seconds since the request's first byte as the connection stamped it."""
+    if scope["path"] == "/age":
+        age = f"{time.perf_counter() - scope[FIRST_BYTE]:.3f}".encode() if FIRST_BYTE in scope else b"none"
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(age)).encode())]})
+        await send({"type": "http.response.body", "body": age})
+        return
     if scope["path"] == "/refuse":
         await send({"type": "http.response.start", "status": 413, "headers": [(b"content-length", b"4")]})
         await send({"type": "http.response.body", "body": b"nope"})
@@ -191,3 +198,20 @@ def test_read_body_hands_a_one_message_body_over_as_it_came():
     scope = {"type": "http", "method": "POST", "headers": [(b"content-length", b"300000")]}
     chunks = asyncio.run(read_body(Request(scope, receive), limit=MAX_BODY, timeout_s=5))
     assert len(chunks) == 1 and chunks[0] is view
+
+
+def test_the_tail_of_a_body_answered_early_is_not_the_next_requests_first_byte(port):
+    """A small body refused before it was read: its tail arrives after the answer and the connection
+    stays open; the next request's books start at its own first byte, not at that tail (the idle gap
+    counted as the next request's receive before)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+        data = body(1000, 8)
+        whole = request(data, path="/refuse")
+        s.sendall(whole[:-990])
+        [(status, _)] = answers(s, 1)
+        assert status == 413
+        s.sendall(whole[-990:])  # the rest of the refused body
+        time.sleep(0.6)
+        s.sendall(b"GET /age HTTP/1.1\r\nHost: x\r\n\r\n")  # one packet
+        [(status, age)] = answers(s, 1)
+        assert status == 200 and age != b"none" and float(age) < 0.3, age

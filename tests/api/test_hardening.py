@@ -137,6 +137,16 @@ def test_grpc_contents_beyond_the_declared_shape_cost_nothing(server):
     answers_correctly(server)
 
 
+def unread_heads(port: int) -> int:
+    """Established connections to `port` whose bytes the server has not read yet (Recv-Q > 0 on the
+    server's side, `ss -tn`, iproute2)."""
+    import subprocess
+
+    out = subprocess.run(["ss", "-tnH", "state", "established", f"( sport = :{port} )"],
+                         capture_output=True, text=True, check=True).stdout
+    return sum(1 for line in out.splitlines() if int(line.split()[0]) > 0)
+
+
 def _closed_within(sock: socket.socket, seconds: float) -> bool:
     """True if the peer closes `sock` within `seconds` (recv sees EOF or a reset)."""
     sock.settimeout(seconds)
@@ -217,7 +227,13 @@ def test_at_the_cap_with_every_connection_busy_the_new_one_is_closed(http_server
             s.sendall(b"POST /moe/forward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       b"X-Request-Timeout: 20\r\nContent-Length: 100000\r\n\r\n{")
             busy.append(s)
-            time.sleep(0.02)  # the server parses the head before the next one connects
+        # The server has read (and so parsed) every head before the newcomer connects: a head still
+        # in a socket's receive queue would make that connection look idle, and it would be the one
+        # closed (a fixed pause per connection raced a loaded machine).
+        deadline = time.monotonic() + 20
+        while unread_heads(http_server.http_port):
+            assert time.monotonic() < deadline, "the server did not read the heads"
+            time.sleep(0.02)
         newcomer = socket.create_connection(("127.0.0.1", http_server.http_port))
         with newcomer:
             assert _closed_within(newcomer, 2), "a connection past the cap stayed open"
