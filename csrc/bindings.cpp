@@ -136,13 +136,16 @@ void build_tables_out_op(const Tensor& ids, const Tensor& counts, int64_t E, int
 #ifdef MOE_SM90_TILE
 // ---- moe::gemm1_swiglu_sm90 -------------------------------------------------------------------
 
-void check_tile_tensor(const Tensor& t, const char* name, const Tensor& like, c10::ScalarType type) {
+// `vectors`: the kernel reads it 16 bytes at a time (cp.async, TMA, its stores), so it must start
+// 16-byte aligned; the tables it reads one int at a time need not (a slice of one is fine).
+void check_tile_tensor(const Tensor& t, const char* name, const Tensor& like, c10::ScalarType type,
+                       bool vectors = false) {
   MOE_CHECK(t.defined(), "moe::gemm1_swiglu_sm90: ", name, " is an undefined tensor");
   MOE_CHECK(t.device() == like.device(), "moe::gemm1_swiglu_sm90: ", name, " is on ", t.device(), ", a on ",
             like.device());
   MOE_CHECK(t.scalar_type() == type, "moe::gemm1_swiglu_sm90: ", name, " must be ", type, ", got ", t.scalar_type());
   MOE_CHECK(t.is_contiguous(), "moe::gemm1_swiglu_sm90: ", name, " must be contiguous");
-  MOE_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "moe::gemm1_swiglu_sm90: ", name,
+  MOE_CHECK(!vectors || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "moe::gemm1_swiglu_sm90: ", name,
             " must start 16-byte aligned");
 }
 
@@ -158,9 +161,9 @@ void gemm1_swiglu_sm90(const Tensor& a, const Tensor& w13, const Tensor& block_e
   const char* shape_error = sm90::gemm1_shape_error(H, Ir, E, S, a.size(0));
   MOE_CHECK(shape_error == nullptr, "moe::gemm1_swiglu_sm90: ", shape_error == nullptr ? "" : shape_error, " (H=", H,
             ", Ir=", Ir, ", E=", E, ", S=", S, ", N=", a.size(0), ")");
-  check_tile_tensor(a, "a", a, at::kBFloat16);
-  check_tile_tensor(w13, "w13", a, at::kBFloat16);
-  check_tile_tensor(out, "out", a, at::kBFloat16);
+  check_tile_tensor(a, "a", a, at::kBFloat16, true);
+  check_tile_tensor(w13, "w13", a, at::kBFloat16, true);
+  check_tile_tensor(out, "out", a, at::kBFloat16, true);
   check_tile_tensor(block_expert, "block_expert", a, at::kInt);
   check_tile_tensor(queue, "queue", a, at::kInt);
   MOE_CHECK(block_expert.numel() == S / sm90::kTileRows, "moe::gemm1_swiglu_sm90: block_expert must have S/128 = ",

@@ -48,6 +48,8 @@ def build(verbose: bool = False, arch: str | None = None) -> Path:
     start = time.perf_counter()
     tile = _build_tile(cpp_extension, BUILD_DIR, _arch_versions(), verbose)  # an object file, or None
     defines = ["-DMOE_SM90_TILE"] if tile else []
+    if tile:  # ninja's link step does not depend on an object passed as an ldflag: relink every time
+        LIBRARY_PATH.unlink(missing_ok=True)
     if cpp_extension.is_ninja_available():
         cpp_extension.load(
             name=LIBRARY_NAME,

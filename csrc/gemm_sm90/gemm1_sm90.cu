@@ -46,7 +46,10 @@ constexpr int kConsumerWarps = 8;
 constexpr int kFullArrivals = kProducerThreads + 1;           // every producer thread + the TMA issue
 constexpr int kDone = -1;                                     // tile number that ends the stream
 
-static_assert(kLag < kStages, "a lagged arrive must come before the producer waits on that stage again");
+// The producer's wait for stage it needs stage it - kStages released, which the consumers do only
+// after taking stage it - kStages + 1, whose rows the producer signals kLag steps late: so
+// kLag <= kStages - 2 (kLag = kStages - 1 deadlocks; found in review).
+static_assert(kLag <= kStages - 2, "a lagged arrive must come before the producer waits on that stage again");
 static_assert(kStageBytes % 1024 == 0, "stages must keep the 1024-byte alignment of the 128B swizzle");
 
 struct Control {
@@ -170,6 +173,7 @@ __device__ void producer(const Gemm1Args& p, const CUtensorMap* w_map, uint8_t* 
       if (t == 0) {  // the last CTA to take its last number rewinds the queue for the next launch
         __threadfence();  // this CTA's last grab before its count
         if (atomicAdd(p.queue + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+          __threadfence();  // every CTA's count is seen before the rewind (acquire side)
           atomicExch(p.queue, 0);
           atomicExch(p.queue + 1, 0);
         }
@@ -371,12 +375,17 @@ int gemm1_launch(const Gemm1Args& args, void* stream) {
                               box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (res != CUDA_SUCCESS) return kEncodeFailed;
-  static bool attribute_set = false;  // the first launch in the process sets the opt-in shared memory
-  if (!attribute_set) {
+  // The opt-in shared memory is an attribute of the function in each device's context: the first
+  // launch on each device sets it (normally a warm-up, before any graph capture).
+  constexpr int kMaxDevices = 64;
+  static bool attribute_set[kMaxDevices] = {};
+  int device = 0;
+  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return static_cast<int>(err);
+  if (device < 0 || device >= kMaxDevices || !attribute_set[device]) {
     const cudaError_t err =
         cudaFuncSetAttribute(gemm1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes));
     if (err != cudaSuccess) return static_cast<int>(err);
-    attribute_set = true;
+    if (device >= 0 && device < kMaxDevices) attribute_set[device] = true;
   }
   gemm1_kernel<<<args.num_programs, kThreads, kSmemBytes, static_cast<cudaStream_t>(stream)>>>(args, map);
   return static_cast<int>(cudaGetLastError());
