@@ -40,9 +40,12 @@ TOKEN_BUCKETS = tuple(float(2 ** i) for i in range(0, 17))  # 1 .. 65536 tokens
 PROTOCOLS = ("http_json", "http_safetensors", "v2_json", "v2_binary", "grpc")
 # Stage labels of each backend (service.moe.serial, service.moe.fused); "fused" is the whole
 # captured graph, the fused names after it are its launches when it runs without the graph.
-SERIAL_STAGES = ("tables", "all_gather", "scatter", "gemm1", "swiglu", "gemm2", "combine", "reduce_scatter")
+# copy_in: the rank's host-to-device copies of its rows (a CUDA rank adds them to either backend's
+# stages; a CPU rank reads the slot itself, so its serial copy_in series stays at zero).
+SERIAL_STAGES = ("copy_in", "tables", "all_gather", "scatter", "gemm1", "swiglu", "gemm2", "combine",
+                 "reduce_scatter")
 FUSED_STAGES = ("copy_in", "fused", "stage", "exchange", "kernel1", "kernel2", "reduce")
-STAGES = SERIAL_STAGES + FUSED_STAGES
+STAGES = tuple(dict.fromkeys(SERIAL_STAGES + FUSED_STAGES))  # each once, in order
 # What each backend reports: the fused one also times its tables when it runs without the graph.
 BACKEND_STAGES = {"serial": SERIAL_STAGES, "fused": ("tables",) + FUSED_STAGES}
 
@@ -53,7 +56,8 @@ STEP_PARTS = ("group", "rank")  # moe_step_seconds{part}: the owner's wall of a 
 # one clock for every process of the host), in order; they add up to part=group. Rank 0's: to_rank
 # (the owner's send to the step message read: pipe, wake-up, a step ahead in the pipe), copy_in (its
 # rows' host-to-device copies issued), launch (layer.forward: the CPU layer's whole work, a GPU
-# layer's launches), device (waiting for the GPU layer), copy_out (the answer into the slot), checks
+# layer's launches; on CPU ranks of one host also rank 0's wait for its peers at the shared
+# barrier), device (waiting for the GPU layer), copy_out (the answer into the slot), checks
 # (check_seq, stage times, exposed communication); then peers (rank 0's answer to the last rank's),
 # to_owner (the last answer sent to the owner holding all of them), owner (to run's return: the hand-off
 # to the step's own thread).
@@ -120,7 +124,7 @@ class Metrics:
             "moe_step_seconds",
             "Wall time of one step: part=group in the process that owns the rank group (sent to answered: "
             "the pipes, and any wait behind a step in flight), part=rank on rank 0 (step message received "
-            "to answer sent: its copies, the layer, its checks).",
+            "to answer ready to send: its copies, the layer, its checks).",
             ["part"], buckets=TIME_BUCKETS, registry=r)
         self.step_phase_time = Histogram(
             "moe_step_phase_seconds",

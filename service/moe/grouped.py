@@ -67,17 +67,19 @@ class PackedHits:
 def pack_hits(ids: torch.Tensor, counts: torch.Tensor, E: int, C: int) -> PackedHits:
     """ids [N, K] (N = R*C: R blocks of C tokens, the first counts[r] of block r real) -> PackedHits.
     A handful of ops over the real hits (the padded layout of service.moe.tables costs ~25 over
-    every row of the capacity); reads counts on the host. Real ids outside [0, E) raise (the front
-    end refuses them first)."""
+    every row of the capacity); reads the per-expert counts and the id range on the host. Real ids
+    outside [0, E) raise (the front end refuses them first)."""
     N, K = ids.shape
     dev = ids.device
     g = torch.arange(N, device=dev)                                                  # [N]
     real = torch.nonzero((g % C) < counts.to(dev, torch.int64)[g // C]).squeeze(1)   # [n] real tokens
     expert = ids[real].to(torch.int64).reshape(-1)                                   # [n*K]
     experts, hit = torch.sort(expert, stable=True)                                   # [n*K] by expert
-    per_expert = torch.bincount(expert, minlength=E).cpu()                           # [E] (a negative id raises)
-    if per_expert.numel() > E:
-        raise ValueError(f"expert ids must lie in [0, {E}), got {int(expert.max())}")
+    if experts.numel():  # before bincount, which would allocate max(id) + 1 counters first
+        lo, hi = experts[[0, -1]].tolist()
+        if lo < 0 or hi >= E:
+            raise ValueError(f"expert ids must lie in [0, {E}), got {lo if lo < 0 else hi}")
+    per_expert = torch.bincount(expert, minlength=E).cpu()                           # [E]
     offsets = torch.zeros(E + 1, dtype=torch.int64)
     torch.cumsum(per_expert, 0, out=offsets[1:])                                     # [E+1]
     packed = torch.empty_like(hit).scatter_(0, hit, torch.arange(hit.numel(), device=dev))  # [n*K] row of hit

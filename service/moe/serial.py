@@ -5,8 +5,9 @@ every expert, W13 [E, H, 2*Ir] (gate columns, then up columns) and W2 [E, Ir, H]
 
     1. all-gather routing (n_r, seq, ids, weights)       -> ids_g, w_g [R*C, K]
     2. schedule tables (service.moe.tables)              -> slots, offsets, ...
+       (the per-expert loop: the real hits alone, by expert, grouped.pack_hits)
     3. all-gather tokens                                  -> x_g [R*C, H]
-    4. grouped GEMM1, SwiGLU, grouped GEMM2               -> D [S, H]
+    4. grouped GEMM1, SwiGLU, grouped GEMM2               -> D [S, H] (the loop: D [M, H], M hits)
        (row s of GEMM1's input is x_g[row_token[s]]: the Triton GEMM gathers the rows as it
        loads them; the torch path first copies them into A [S, H], stage "scatter")
     5. top-k combine in fp32: partial[g] = sum_k w_g[g,k] * D[slots[g,k]]   [R*C, H]
@@ -92,7 +93,8 @@ def triton_gemms_reason(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 class GroupedGemms:
-    """GEMM1 + SwiGLU and GEMM2 over the gathered layout, one implementation per rank."""
+    """GEMM1 + SwiGLU and GEMM2 over the gathered layout (the per-expert loop: over the packed
+    hits), one implementation per rank."""
 
     def __init__(self, cfg: LayerConfig, weights: RankWeights, device: torch.device, impl: str = "auto"):
         reason = triton_gemms_reason(device, cfg.dtype)

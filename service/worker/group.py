@@ -68,7 +68,7 @@ class StepStats:
     stages: dict[str, float]       # stage -> seconds
     exposed_comm_s: float          # communication not hidden by compute (see the backend)
     wall_s: float = 0.0            # parent's view: send to last answer
-    rank_wall_s: float = 0.0       # rank 0's view: step message received to answer sent
+    rank_wall_s: float = 0.0       # rank 0's view: step message received to answer ready to send
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # STEP_PHASES -> seconds; sum = wall_s
 
 

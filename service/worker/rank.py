@@ -5,8 +5,8 @@ Control messages on the rank's pipe (parent -> rank): ("step", seq, slot_index, 
 seq, stats), ("pong", rank, seq, None), ("refused", rank, message) for a backend asked for that
 cannot run here, and ("error", rank, traceback_text). Tensors never cross the pipe: they live in
 the slots. A step's stats carry the rank's host timestamps (`stamps`: step message read, copy-in
-issued, layer launched, device done, answer in the slot, answer sent), which the group turns into
-StepStats.phases.
+issued, layer launched, device done, answer in the slot, answer ready to send: its pickling and
+write fall in the next phase), which the group turns into StepStats.phases.
 """
 
 from __future__ import annotations
