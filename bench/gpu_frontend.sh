@@ -10,7 +10,7 @@
 #   (between 1 and 2: py-spy of this tree's stand-in front end under load, raw stacks in pyspy.txt)
 # BASE (default: the checkout above this tree, i.e. main as the device tool sent it). csrc/ is not
 # built (the fused layer then uses the torch schedule builder, logged): the same for both trees.
-# Order: 1 (FL=0 skips), 2, 3, the timeline (TIMELINE=0 skips), py-spy (PYSPY=0 skips), each only
+# Order: 1 (FL=0 skips), 2, 3 (SERVED=0 skips both), the timeline (TIMELINE=0 skips), py-spy (PYSPY=0 skips), each only
 # while the budget lasts. Every step under `timeout`; BUDGET (s, default 270) caps the whole;
 # CELL_S seconds per cell. Step 1's cells: FL_TREES (frontend_load's --trees, e.g. the gRPC floor's
 # variants `floor,floor@sync,floor@server=all@client=all`), FL_PROTOCOLS, FL_SIZES, FL_REPS, and
@@ -54,6 +54,7 @@ fi
 
 for which in base this; do
   if [[ $which == base ]]; then dir=$BASE; extra=(--no-direct); else dir=$HERE; extra=(); fi
+  [[ "${SERVED:-1}" == 1 ]] || continue
   (( $(left) > 50 )) || { echo "== $which skipped: budget spent"; continue; }
   echo "== the served path from $which ($dir)"
   (cd "$dir" && PYTHONPATH=$dir:$SITE timeout -k 10 "$(cap 110)" "$PY" bench/serve_load.py --sizes 512,2048 \
