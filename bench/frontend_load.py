@@ -2,7 +2,7 @@
 
     python bench/frontend_load.py [--protocols v2_binary,grpc] [--sizes 512,2048] [--concurrency 1,4]
         [--step-ms 1.4] [--seconds 3] [--client raw|stock] [--timeline] [--server-flags "..."]
-        [--trees floor,BASE,.,.@uvloop] [--reps 2]
+        [--trees floor,floor@sync,floor@server=V@client=V,BASE,.,.@uvloop] [--reps 2]
 
 A `service.server.Server` (HTTP on uvicorn, gRPC on grpc.aio, the batcher, shared-memory slots:
 everything the front end runs) is started in its own process (`frontend_load.py serve ...`) on the
@@ -17,7 +17,10 @@ server's front end does (a CPU server pins one).
 
 `--trees` starts one server per entry and alternates every cell between them (`--reps` rounds):
 a checkout's root (its `service` is imported: before/after in one run), `PATH@uvloop` (that server
-on uvloop's loop), or `floor`: bench/frontend_floor.py, the same exchange with no front end.
+on uvloop's loop), or `floor`: bench/frontend_floor.py, the same exchange with no front end
+(`floor@sync`: its gRPC on a synchronous grpc.server; `floor@server=V`: with frontend_floor's
+transport variant V). `@client=V` after any entry gives the bench's gRPC client variant V's
+channel arguments (what a user's client could set), e.g. `floor,floor@server=all@client=all`.
 
 `--timeline` (concurrency 1 only): the server records timestamps of each request (HTTP: first
 byte read, headers, body complete, decoded, submitted, step start, rows in the slot, group.run
@@ -44,6 +47,7 @@ import types
 
 import serve_load
 import torch
+from frontend_floor import TRANSPORT
 from standin_serve import StandInGroup, StandInServer
 
 from service.api import batcher as batcher_mod
@@ -209,26 +213,44 @@ def timeline_table(records: list[dict], stamps: list[tuple], proto: str) -> list
 # ---- main ---------------------------------------------------------------------------------------
 
 
+def parse_tree(tree: str | None) -> tuple[str, dict[str, str]]:
+    """A `--trees` entry: PATH[@MOD]...: the path and its modifiers (`uvloop`: the server's loop;
+    `sync`: floor only, gRPC on a synchronous grpc.server; `server=V`: floor only, the server's
+    gRPC transport variant V of frontend_floor.TRANSPORT; `client=V`: the bench client's channel
+    arguments, the same variants)."""
+    path, *mods = (tree or "").split("@")
+    parsed = dict(m.partition("=")[::2] for m in mods)
+    unknown = set(parsed) - {"uvloop", "sync", "server", "client"}
+    if unknown or (path != "floor" and {"sync", "server"} & set(parsed)):
+        raise SystemExit(f"--trees: unknown or misplaced modifiers in {tree!r}")
+    for key in ("server", "client"):
+        if key in parsed and parsed[key] not in TRANSPORT:
+            raise SystemExit(f"--trees: {key}={parsed[key]} is not one of {sorted(TRANSPORT)}")
+    return path, parsed
+
+
 def tree_name(tree: str | None) -> str:
     if tree is None:
         return "this tree"
-    path, _, loop = tree.partition("@")
+    path, _, mods = tree.partition("@")
     name = "floor" if path == "floor" else "this tree" if os.path.samefile(path, ".") else \
         os.path.basename(os.path.normpath(path))
-    return f"{name} ({loop})" if loop else name
+    return f"{name} ({mods.replace('@', ', ')})" if mods else name
 
 
 def start(args, timeline_path: str | None, tree: str | None = None):
     """The server process, importing `service` from `tree` (a checkout's root; `@uvloop` after it:
     on uvloop's event loop) when given."""
     http_port, grpc_port = serve_load._free_port(), serve_load._free_port()
-    tree, _, loop = (tree or "").partition("@")
+    tree, mods = parse_tree(tree)
     if tree == "floor":
         cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "frontend_floor.py"),
-               "--http-port", str(http_port), "--grpc-port", str(grpc_port)]
+               "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+               "--grpc-server", "sync" if "sync" in mods else "aio", "--transport", mods.get("server", "stock")]
     else:
         cmd = [sys.executable, __file__, "serve", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-               "--step-ms", str(args.step_ms), "--server-flags", args.server_flags, "--loop", loop or "asyncio"]
+               "--step-ms", str(args.step_ms), "--server-flags", args.server_flags,
+               "--loop", "uvloop" if "uvloop" in mods else "asyncio"]
     if timeline_path:
         cmd += ["--timeline", timeline_path]
     log_path = os.path.join(tempfile.gettempdir(), f"frontend-load-{os.getpid()}-{http_port}.log")
@@ -242,7 +264,7 @@ def start(args, timeline_path: str | None, tree: str | None = None):
             proc.kill()
             raise RuntimeError(f"the server did not start; see {log_path}")
         time.sleep(0.2)
-    return proc, url, f"127.0.0.1:{grpc_port}", log_path
+    return proc, url, (f"127.0.0.1:{grpc_port}", TRANSPORT[mods.get("client", "stock")]), log_path
 
 
 def stop(proc) -> None:

@@ -10,9 +10,11 @@
 #   (between 1 and 2: py-spy of this tree's stand-in front end under load, raw stacks in pyspy.txt)
 # BASE (default: the checkout above this tree, i.e. main as the device tool sent it). csrc/ is not
 # built (the fused layer then uses the torch schedule builder, logged): the same for both trees.
-# Order: 1 (FL=0 skips), 2, 3, the timeline (TIMELINE=0 skips), py-spy (PYSPY=0 skips), each only
+# Order: 1 (FL=0 skips), 2, 3 (SERVED=0 skips both), the timeline (TIMELINE=0 skips), py-spy (PYSPY=0 skips), each only
 # while the budget lasts. Every step under `timeout`; BUDGET (s, default 270) caps the whole;
-# CELL_S seconds per cell.
+# CELL_S seconds per cell. Step 1's cells: FL_TREES (frontend_load's --trees, e.g. the gRPC floor's
+# variants `floor,floor@sync,floor@server=all@client=all`), FL_PROTOCOLS, FL_SIZES, FL_REPS, and
+# FL_S its time limit (s, default 80).
 # Logs in $OUT (else build/gpu_frontend): fl.txt timeline.txt pyspy.txt base.txt this.txt summary.txt
 #
 # The call (carry [".wt11a", ".whl"]; uvloop's cp312 wheel copied into .wt11a/whl/ beforehand):
@@ -44,13 +46,15 @@ if [[ "${FL:-1}" == 1 ]]; then
 echo "== 1. the stand-in front end: floor, base, this tree"
 TREES="floor,$BASE,$HERE"
 PYTHONPATH=$SITE "$PY" -c "import uvloop" 2>/dev/null && TREES="$TREES,$HERE@uvloop"
-PYTHONPATH=$HERE:$SITE timeout -k 5 "$(cap 80)" "$PY" bench/frontend_load.py --trees "$TREES" \
-  --sizes 512 --concurrency 1,4 --seconds "$CELL_S" > "$LOG/fl.txt" 2>&1
+PYTHONPATH=$HERE:$SITE timeout -k 5 "$(cap "${FL_S:-80}")" "$PY" bench/frontend_load.py --trees "${FL_TREES:-$TREES}" \
+  --protocols "${FL_PROTOCOLS:-v2_binary,grpc}" --sizes "${FL_SIZES:-512}" --concurrency 1,4 \
+  --seconds "$CELL_S" --reps "${FL_REPS:-1}" > "$LOG/fl.txt" 2>&1
 echo "rc=$?"; grep -E "^\|" "$LOG/fl.txt"
 fi
 
 for which in base this; do
   if [[ $which == base ]]; then dir=$BASE; extra=(--no-direct); else dir=$HERE; extra=(); fi
+  [[ "${SERVED:-1}" == 1 ]] || continue
   (( $(left) > 50 )) || { echo "== $which skipped: budget spent"; continue; }
   echo "== the served path from $which ($dir)"
   (cd "$dir" && PYTHONPATH=$dir:$SITE timeout -k 10 "$(cap 110)" "$PY" bench/serve_load.py --sizes 512,2048 \

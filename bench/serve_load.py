@@ -83,13 +83,21 @@ def grpc_body(model: str, tensors) -> bytes:
 # ---- client processes ---------------------------------------------------------------------------
 
 
+def grpc_channel(target):
+    """The bench client's channel: `target` is "host:port", or (host:port, extra channel options) when
+    a benchmark sets what a user's client could (bench/frontend_load.py's `@client=VARIANT`)."""
+    import grpc
+
+    address, extra = (target, ()) if isinstance(target, str) else target
+    return grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 1 << 30),
+                                                   ("grpc.max_send_message_length", 1 << 30), *extra])
+
+
 def _client(conn) -> None:
     """A client process: jobs (proto, target, path, body, header_len, out_bytes, finite, start_at,
     stop_at) in, latencies out; one connection per job, opened and warmed up before start_at.
     `finite` = (numpy dtype of the bits, mask, exponent all ones) checks the first answer's values."""
     import http.client
-
-    import grpc
 
     while True:
         job = conn.recv()
@@ -97,8 +105,7 @@ def _client(conn) -> None:
             return
         proto, target, path, body, header_len, out_bytes, finite, start_at, stop_at = job
         if proto == "grpc":
-            channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 1 << 30),
-                                                             ("grpc.max_send_message_length", 1 << 30)])
+            channel = grpc_channel(target)
             call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")  # bytes in, bytes out
 
             def once(call=call, body=body, out_bytes=out_bytes) -> bytes:  # bound: B023
@@ -183,8 +190,6 @@ def raw_client(conn) -> None:
     """`_client`'s protocol (jobs in; latencies and each request's stamps out): HTTP over a
     raw socket (the whole request sent with one sendall, the answer read with recv_into into one
     buffer), gRPC through grpc's own client (bytes in, bytes out; stamps: call start and end)."""
-    import grpc
-
     while True:
         job = conn.recv()
         if job is None:
@@ -194,8 +199,7 @@ def raw_client(conn) -> None:
         closing = []
         try:
             if proto == "grpc":
-                channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 1 << 30),
-                                                                 ("grpc.max_send_message_length", 1 << 30)])
+                channel = grpc_channel(target)
                 closing.append(channel)
                 call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
 

@@ -204,6 +204,10 @@ class GrpcServer:
             # Peers that vanished without a FIN are found by keepalive pings.
             ("grpc.keepalive_time_ms", KEEPALIVE_MS),
             ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            # No transport options: grpc 1.85 already offers 4 MiB frames and a 4 MiB initial
+            # window; max_frame_size, lookahead_bytes, write_buffer_size, the TCP read chunk sizes
+            # and bdp_probe made no 4-16 MiB message cheaper (bench/NOTES.md, issue 11g). Its cost
+            # is the copies: grpc's Python layer copies a received message twice, a sent one once.
         ]
         self.server = grpc.aio.server(options=options, interceptors=[LenientParsing()],
                                       maximum_concurrent_rpcs=s.max_connections * MAX_STREAMS)
