@@ -584,23 +584,32 @@ def test_killed_rank_fails_fast_then_recovers(server, http):
     restarts = value(scrape(http)["moe_worker_restarts"], "moe_worker_restarts_total")
     pids = server.rank_pids()
     assert len(pids) == CFG.R, pids
-    # Thirteen steps (under the 4 MiB body limit); the kill comes once the first is done, so the
-    # request is surely in flight (a fixed sleep raced a faster front end).
-    x, ids, w = inputs(13 * STEP, seed=21, dtype=torch.bfloat16)
+    # Four requests of thirteen steps each (each under the 4 MiB body limit), on their own
+    # connections: the kill comes once the first step is done, with ~50 steps to go, so some are
+    # surely in flight (one request raced a faster step and a slower scrape through the front ends).
+    cases = [inputs(13 * STEP, seed=21 + i, dtype=torch.bfloat16) for i in range(4)]
     steps = value(scrape(http)["moe_steps"], "moe_steps_total")
 
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        inflight = pool.submit(post_safetensors, http, x, ids, w)
+    def one(case):
+        with httpx.Client(base_url=str(http.base_url), timeout=60) as c:
+            return post_safetensors(c, *case)
+
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        inflight = [pool.submit(one, case) for case in cases]
         deadline = time.monotonic() + 30
         while value(scrape(http)["moe_steps"], "moe_steps_total") == steps:
-            assert time.monotonic() < deadline and not inflight.done(), "the request never ran a step"
+            assert time.monotonic() < deadline and not all(f.done() for f in inflight), "no request ran a step"
             time.sleep(0.005)
         os.kill(pids[1], signal.SIGKILL)
         t0 = time.monotonic()
-        r = inflight.result(timeout=30)
-    assert r.status_code == 503, r.text
-    assert r.headers.get("Retry-After")
+        answers = [f.result(timeout=30) for f in inflight]
     assert time.monotonic() - t0 < 10
+    assert any(r.status_code == 503 for r in answers), [r.status_code for r in answers]
+    for case, r in zip(cases, answers, strict=True):  # each: its correct answer, or 503 to retry
+        if r.status_code == 200:
+            check(safetensors.torch.load(r.content)["output"], *case)
+        else:
+            assert r.status_code == 503 and r.headers.get("Retry-After"), r.text
 
     small = inputs(5, seed=22)
     r = post_safetensors(http, *small)
