@@ -56,7 +56,7 @@ log = logging.getLogger("moe-serve.fleet")
 FRONTEND_START_TIMEOUT_S = 120.0  # a front end imports torch, FastAPI and grpc, binds, answers
 FRONTEND_STOP_GRACE_S = 5.0       # past the drain, how long a front end may take to exit
 COLLECT_TIMEOUT_S = 2.0           # a front end's answer to "collect" (a scrape waits this at most)
-ATTACH_TIMEOUT_S = 10.0           # attach() waits this long for every listening front end to serve
+ATTACH_TIMEOUT_S = 3.0            # wait_attached() waits this long for every front end to serve
 RESTART_BACKOFF_S = 1.0           # a dead front end is restarted after this, doubling up to MAX_BACKOFF_S
 # Supervision, of the rank group (service.server) and of the front ends alike:
 WATCH_INTERVAL_S = 0.5            # how often idle processes are checked
@@ -143,6 +143,7 @@ class _Member:
         self.threads: list[threading.Thread] = []
         self.started = time.monotonic()
         self.listening = False  # bound its ports (after it was told the group's state)
+        self.listened = threading.Event()  # set with listening, by the member's reader
         self.attached = 0       # the last generation it confirmed serving ("attached", gen)
 
 
@@ -166,6 +167,7 @@ class Fleet:
         self._pending: dict[int, Future] = {}  # collect id -> its answer
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="moe-fleet")  # scrapes asked by front ends
         self._failures: dict[int, int] = {}
+        self._spawning = threading.Lock()      # held while a front end is being started
 
     # ---- life cycle ------------------------------------------------------------------------
 
@@ -180,6 +182,10 @@ class Fleet:
         threading.Thread(target=self._watch, name="moe-fleet-watch", daemon=True).start()
 
     def _spawn(self, i: int) -> None:
+        with self._spawning:  # stop() waits for a start in progress (it would miss its process)
+            self._spawn_one(i)
+
+    def _spawn_one(self, i: int) -> None:
         from service.replica import replica_main
 
         ctx = mp.get_context("spawn")
@@ -194,19 +200,27 @@ class Fleet:
             b.close()
         deadline = time.monotonic() + FRONTEND_START_TIMEOUT_S
         member = _Member(i, proc, Channel(ctl_here), [a for a, _ in pairs])
-        if self._expect(member, "started", deadline):  # imported, reading its control channel
+        if self._expect_started(member, deadline):  # imported, reading its control channel
+            # From here on it may send anything (a scrape asked by a client of its gRPC port, bound
+            # before its HTTP one, can come before "listening"): one reader takes every message.
+            reader = threading.Thread(target=self._read, args=(member,), daemon=True, name=f"moe-fe{i}-ctl")
+            reader.start()
+            member.threads.append(reader)
             with self._lock:  # held across the send: detach() (and so the group's close) cannot come in between
                 self._members[i] = member
                 self._send_state(member)
             # It binds its listeners now that it knows the group's state: it never listens unattached
             # while the group is up (it would answer 503 beside front ends that serve).
-            if self._expect(member, "listening", deadline):
-                member.listening = True
+            while not member.listened.wait(WATCH_INTERVAL_S / 5):
+                if not proc.is_alive() or time.monotonic() > deadline:
+                    break
         if not member.listening:
             with self._lock:
                 self._members.pop(i, None)
             proc.kill()
             proc.join(5)
+            for t in member.threads:  # the reader ends at the closed channel's EOF
+                t.join(5)
             for conn in (ctl_here, *member.steps):
                 conn.close()
             if self._stopping:
@@ -217,14 +231,15 @@ class Fleet:
                                  name=f"moe-fe{i}-slot{j}")
             t.start()
             member.threads.append(t)
-        reader = threading.Thread(target=self._read, args=(member,), daemon=True, name=f"moe-fe{i}-ctl")
-        reader.start()
-        member.threads.append(reader)
         log.info("front end %d listening (pid %d)", i, proc.pid)
 
     def stop(self) -> None:
         """Stop every front end (drained already, or not): ask, then kill what is left."""
         self.drain()
+        # A start in progress ends soon: its front end, registered after drain() looked, is sent
+        # ("drain",) with its state (_send_state) and exits, listening or not.
+        if self._spawning.acquire(timeout=FRONTEND_STOP_GRACE_S + 5):
+            self._spawning.release()
         with self._lock:
             members = list(self._members.values())
         deadline = time.monotonic() + FRONTEND_STOP_GRACE_S
@@ -287,9 +302,11 @@ class Fleet:
 
     def attach(self, group, gen: int) -> SlotShare:
         """Serve every front end with `group` (started, warmed up) as generation `gen`; front end 0's
-        share of its slots. Returns once every listening front end serves it (or after
-        ATTACH_TIMEOUT_S, logged), so that the owner turns ready only when they all are: a client
-        told "ready" by one process is not answered 503 by another. Blocking: call it in a thread."""
+        share of its slots. Returns once every front end serves it (each confirms with ("attached",
+        gen); one that does not within ATTACH_TIMEOUT_S is logged and serves when it does), so the
+        owner turns ready last: a client told "ready" by the owner is not answered 503 by another
+        process (the other way round, the owner answers 503 for the milliseconds of this wait).
+        Blocking: call it in a thread."""
         with self._lock:
             self._group, self._gen = group, gen
             members = list(self._members.values())
@@ -298,8 +315,8 @@ class Fleet:
         deadline = time.monotonic() + ATTACH_TIMEOUT_S
         with self._acks:
             while True:
-                late = [m for m in members if m.listening and m.attached < gen and m.proc.is_alive()
-                        and self._members.get(m.index) is m]
+                late = [m for m in members if m.attached < gen and m.proc.is_alive()
+                        and self._members.get(m.index) is m]  # (listening or not: each reads its channel)
                 left = deadline - time.monotonic()
                 if not late or left <= 0 or self._stopping:
                     break
@@ -315,27 +332,26 @@ class Fleet:
 
     def _send_state(self, m: _Member) -> None:
         """The group's state to a front end that has just started (under the lock)."""
-        if self._group is not None:
+        if self._stopping:  # stop() began while it started (drain() may not have seen it)
+            m.ctl.send(("detach", "the server is shutting down"))
+            m.ctl.send(("drain",))
+        elif self._group is not None:
             self._send_attach(m, self._group, self._gen)
         else:
             m.ctl.send(("detach", self._why))
 
     @staticmethod
-    def _expect(m: _Member, kind: str, deadline: float) -> bool:
-        """Wait for front end m's message `kind` until `deadline`; False if it exits, fails or is late.
-        (Only `kind` or "attached" can come: before it listens it is asked nothing else.)"""
+    def _expect_started(m: _Member, deadline: float) -> bool:
+        """Wait for front end m's ("started", pid) (its first message) until `deadline`; False if it
+        exits, fails or is late."""
         conn = m.ctl.conn
-        while True:
-            if conn not in wait([conn, m.proc.sentinel], timeout=max(0.0, deadline - time.monotonic())):
-                return False
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):
-                return False
-            if msg and msg[0] == "attached":  # its confirmation of the state sent at its start
-                m.attached = max(m.attached, msg[1])
-                continue
-            return bool(msg) and msg[0] == kind
+        if conn not in wait([conn, m.proc.sentinel], timeout=max(0.0, deadline - time.monotonic())):
+            return False
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return False
+        return bool(msg) and msg[0] == "started"
 
     def detach(self, why: str) -> None:
         with self._lock:
@@ -381,7 +397,10 @@ class Fleet:
                 msg = m.ctl.conn.recv()
             except (EOFError, OSError):
                 return
-            if msg[0] == "attached":
+            if msg[0] == "listening":
+                m.listening = True
+                m.listened.set()
+            elif msg[0] == "attached":
                 with self._acks:
                     m.attached = max(m.attached, msg[1])
                     self._acks.notify_all()

@@ -114,7 +114,8 @@ class Replica:
         known, stop = asyncio.ensure_future(self._known.wait()), asyncio.ensure_future(self._stop.wait())
         await asyncio.wait([known, stop], return_when=asyncio.FIRST_COMPLETED)
         known.cancel()
-        if self._stop.is_set() and not self._known.is_set():  # drained or orphaned before listening
+        await asyncio.sleep(0)  # a drain read with the state is applied now
+        if self._stop.is_set():  # drained or orphaned before listening: never bind
             stop.cancel()
             return self.exit_code
         if not await self.endpoint.start(http_port, grpc_port, reuse_port=True):

@@ -105,6 +105,7 @@ class Endpoint:
         self.grpc_port = self._grpc.port
         grpc_server = self._grpc
         self.fe.on_ready_change.append(lambda ready: loop.create_task(grpc_server.set_serving(ready)))
+        await grpc_server.set_serving(self.fe.ready)  # a change during start() came before the hook
         protocol = functools.partial(bounded_protocol(s.http_impl, s.max_request_bytes),
                                      idle_timeout_s=s.idle_timeout_s, max_connections=s.max_connections)
         config = uvicorn.Config(create_app(self.fe), host=s.host, port=http_port, log_config=None,
@@ -204,6 +205,7 @@ class Server:
         self._stopping = False
         self._stop: asyncio.Event | None = None
         self._wake: asyncio.Event | None = None
+        self._failed = None  # the group a step failed on (kept: _watch's wake-up event is cleared)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def _new_group(self):
@@ -296,6 +298,7 @@ class Server:
     def _on_step_failure(self, group, exc: BaseException) -> None:
         if group is not None and group in (self.group, self._attached):
             log.error("a step failed: %s", exc)
+            self._failed = group
             self._wake.set()
 
     async def _supervise(self) -> None:
@@ -365,6 +368,8 @@ class Server:
         """Return when the group fails (a step failed, a rank process is gone or, while idle, a
         rank does not answer the heartbeat) or on stop."""
         while not self._stopping:
+            if self._failed is group:  # (a step of another front end may fail before this loop runs)
+                return
             if not group.poll():
                 log.error("a rank process of the group has exited")
                 return
@@ -372,6 +377,8 @@ class Server:
                 await asyncio.to_thread(group.heartbeat)
             except (WorkerError, GroupUnavailable) as exc:
                 log.error("the rank group failed its heartbeat: %s", exc)
+                return
+            if self._failed is group:
                 return
             self._wake.clear()
             with contextlib.suppress(TimeoutError):

@@ -125,3 +125,82 @@ def test_the_owner_turns_ready_only_once_every_front_end_serves_the_group():
     assert returned.wait(5)
     for fd in fds:
         os.close(fd)
+
+
+def test_a_front_end_asked_for_statistics_while_it_starts_still_starts():
+    """A monitoring client polls gRPC ModelStatistics on the ports while front end 1 starts: its
+    gRPC port is bound before its HTTP one, so its ("scrape", id) can reach the owner before its
+    ("listening", pid). The owner must take that scrape and still see the start through (it used to
+    call it a failed start, kill a healthy front end and, on a first start, exit)."""
+    import socket
+
+    import grpc
+
+    from service.api.proto import grpc_predict_v2_pb2 as pb
+    from service.api.proto import grpc_predict_v2_pb2_grpc as pb_grpc
+    from service.config import Settings
+    from service.fleet import Fleet
+    from service.metrics import Metrics, Snapshot
+    from tests.api.common import CFG
+    from tests.serverproc import free_port
+
+    http_port, grpc_port = free_port(), free_port()
+    settings = Settings(host="127.0.0.1", slots=1, http_port=http_port, grpc_port=grpc_port)
+    metrics = Metrics()
+    fleet = Fleet(settings, CFG, "cpu", 2, own_snapshot=lambda: Snapshot(list(metrics.registry.collect())),
+                  on_failure=lambda *a: None)
+    stop, answered = threading.Event(), []
+
+    def poll():
+        while not stop.is_set():
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", grpc_port)) != 0:
+                    time.sleep(0.0005)
+                    continue
+            with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+                try:
+                    pb_grpc.GRPCInferenceServiceStub(channel).ModelStatistics(pb.ModelStatisticsRequest(), timeout=5)
+                    answered.append(1)
+                except grpc.RpcError:
+                    pass
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        fleet.start(http_port, grpc_port)  # MoEError if the owner gave up on it
+        assert fleet._members[1].listening
+        deadline = time.monotonic() + 10
+        while not answered:
+            assert time.monotonic() < deadline, "no statistics answered by the front end"
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        poller.join(10)
+        fleet.stop()
+    assert not fleet._members[1].proc.is_alive()
+
+
+def test_a_stop_while_a_front_end_starts_leaves_no_process_behind():
+    """SIGTERM (Fleet.stop) while a front end is being (re)started: it is registered only after its
+    ("started", pid), after drain() looked; it must still be told to drain and exit, and stop()
+    must wait for that start (before: it bound the server's ports after the stop and the owner's
+    exit hung joining it)."""
+    from service.config import Settings
+    from service.fleet import Fleet
+    from tests.api.common import CFG
+    from tests.serverproc import free_port
+
+    ports = free_port(), free_port()
+    settings = Settings(host="127.0.0.1", slots=1, http_port=ports[0], grpc_port=ports[1])
+    fleet = Fleet(settings, CFG, "cpu", 2, own_snapshot=lambda: None, on_failure=lambda *a: None)
+    fleet.http_port, fleet.grpc_port = ports
+    spawner = threading.Thread(target=fleet._spawn, args=(1,), daemon=True)  # as _watch's restart does
+    spawner.start()
+    time.sleep(0.5)  # the front end is importing
+    fleet.stop()
+    spawner.join(30)
+    assert not spawner.is_alive(), "the start did not end"
+    deadline = time.monotonic() + 15
+    while [p for p in mp.active_children() if p.name == "moe-frontend1"]:
+        assert time.monotonic() < deadline, "the front end outlived the stop"
+        time.sleep(0.1)
