@@ -56,7 +56,7 @@ log = logging.getLogger("moe-serve.fleet")
 FRONTEND_START_TIMEOUT_S = 120.0  # a front end imports torch, FastAPI and grpc, binds, answers
 FRONTEND_STOP_GRACE_S = 5.0       # past the drain, how long a front end may take to exit
 COLLECT_TIMEOUT_S = 2.0           # a front end's answer to "collect" (a scrape waits this at most)
-ATTACH_TIMEOUT_S = 3.0            # wait_attached() waits this long for every front end to serve
+ATTACH_TIMEOUT_S = 3.0            # attach() waits this long for every front end to serve
 RESTART_BACKOFF_S = 1.0           # a dead front end is restarted after this, doubling up to MAX_BACKOFF_S
 # Supervision, of the rank group (service.server) and of the front ends alike:
 WATCH_INTERVAL_S = 0.5            # how often idle processes are checked
@@ -183,7 +183,8 @@ class Fleet:
 
     def _spawn(self, i: int) -> None:
         with self._spawning:  # stop() waits for a start in progress (it would miss its process)
-            self._spawn_one(i)
+            if not self._stopping:  # (stop() may have come since the caller looked)
+                self._spawn_one(i)
 
     def _spawn_one(self, i: int) -> None:
         from service.replica import replica_main
@@ -332,9 +333,8 @@ class Fleet:
 
     def _send_state(self, m: _Member) -> None:
         """The group's state to a front end that has just started (under the lock)."""
-        if self._stopping:  # stop() began while it started (drain() may not have seen it)
-            m.ctl.send(("detach", "the server is shutting down"))
-            m.ctl.send(("drain",))
+        if self._stopping:  # stop() began while it started (drain() may not have seen it): the
+            m.ctl.send(("drain",))  # drain alone, so it never learns a state and never binds
         elif self._group is not None:
             self._send_attach(m, self._group, self._gen)
         else:

@@ -114,7 +114,6 @@ class Replica:
         known, stop = asyncio.ensure_future(self._known.wait()), asyncio.ensure_future(self._stop.wait())
         await asyncio.wait([known, stop], return_when=asyncio.FIRST_COMPLETED)
         known.cancel()
-        await asyncio.sleep(0)  # a drain read with the state is applied now
         if self._stop.is_set():  # drained or orphaned before listening: never bind
             stop.cancel()
             return self.exit_code

@@ -298,7 +298,7 @@ class Server:
     def _on_step_failure(self, group, exc: BaseException) -> None:
         if group is not None and group in (self.group, self._attached):
             log.error("a step failed: %s", exc)
-            self._failed = group
+            self._failed = self.group  # (front end 0's steps report its SlotShare of the group)
             self._wake.set()
 
     async def _supervise(self) -> None:

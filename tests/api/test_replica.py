@@ -92,14 +92,17 @@ def test_a_front_end_drained_before_it_listens_exits_without_listening():
     assert code == [0] and not owner.poll(0.2)  # no "listening"
 
 
-def test_the_owner_turns_ready_only_once_every_front_end_serves_the_group():
-    """Fleet.attach returns (and the owner then turns ready) only after each listening front end has
-    confirmed ("attached", gen): a client told "ready" by one process is never answered 503 by another."""
+def test_the_owner_turns_ready_only_once_every_front_end_serves_the_group(monkeypatch):
+    """Fleet.attach returns (and the owner then turns ready) only after each front end has confirmed
+    ("attached", gen): a client told "ready" by the owner is never answered 503 by another process."""
     import os
 
+    from service import fleet as fleet_mod
     from service.config import Settings
     from service.fleet import Channel, Fleet, _Member
     from tests.api.common import CFG
+
+    monkeypatch.setattr(fleet_mod, "ATTACH_TIMEOUT_S", 30.0)  # a loaded machine's stall is not a timeout
 
     fleet = Fleet(Settings(slots=1), CFG, "cpu", 2, own_snapshot=lambda: None, on_failure=lambda *a: None)
     owner, fe = mp.Pipe()
@@ -204,3 +207,28 @@ def test_a_stop_while_a_front_end_starts_leaves_no_process_behind():
     while [p for p in mp.active_children() if p.name == "moe-frontend1"]:
         assert time.monotonic() < deadline, "the front end outlived the stop"
         time.sleep(0.1)
+
+
+def test_a_failed_step_of_front_end_0_restarts_the_group_even_before_the_first_heartbeat():
+    """With several front ends, front end 0's batcher reports a failed step with its SlotShare of
+    the group; the supervisor must take it as the group's failure, also when it came before its
+    watch loop cleared its wake-up (the failure was lost, and the failed group kept serving)."""
+    import asyncio
+
+    from service.fleet import SlotShare
+    from service.server import Server
+
+    group = types.SimpleNamespace(alive=True, slots=[], poll=lambda: True, heartbeat=lambda: None)
+    server = Server.__new__(Server)  # only the supervision's state
+    server.group, server._attached, server._failed, server._stopping = group, SlotShare(group, []), None, False
+
+    async def main() -> bool:
+        server._wake = asyncio.Event()
+        server._on_step_failure(server._attached, RuntimeError("rank 0 raised"))
+        try:
+            await asyncio.wait_for(server._watch(group), 3)  # returns: the group failed
+            return True
+        except TimeoutError:
+            return False  # it kept watching a group whose step failed
+
+    assert asyncio.run(main()), "the failed step was not taken as the group's failure"
