@@ -142,9 +142,12 @@ class _Member:
         self.index, self.proc, self.ctl, self.steps = index, proc, ctl, steps
         self.threads: list[threading.Thread] = []
         self.started = time.monotonic()
-        self.listening = False  # bound its ports (after it was told the group's state)
-        self.listened = threading.Event()  # set with listening, by the member's reader
+        self.listened = threading.Event()  # it bound its ports (after it was told the group's state)
         self.attached = 0       # the last generation it confirmed serving ("attached", gen)
+
+    @property
+    def listening(self) -> bool:
+        return self.listened.is_set()
 
 
 class Fleet:
@@ -398,7 +401,6 @@ class Fleet:
             except (EOFError, OSError):
                 return
             if msg[0] == "listening":
-                m.listening = True
                 m.listened.set()
             elif msg[0] == "attached":
                 with self._acks:

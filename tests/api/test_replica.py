@@ -108,7 +108,7 @@ def test_the_owner_turns_ready_only_once_every_front_end_serves_the_group(monkey
     owner, fe = mp.Pipe()
     proc = types.SimpleNamespace(is_alive=lambda: True, pid=0)
     member = _Member(1, proc, Channel(owner), [])
-    member.listening = True
+    member.listened.set()
     fleet._members[1] = member
     threading.Thread(target=fleet._read, args=(member,), daemon=True).start()
     fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(2)]
