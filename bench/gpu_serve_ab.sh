@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The default server of two (or more) checkouts on one GPU host, alternated in one call: is a change
+# in served throughput the code's or the machine's? (bench/NOTES.md, "Issue 11h".)
+# Each round starts `python -m service` (defaults: seed preset, R=1 on one GPU, C=512, fused, the
+# default front ends) from each root of TREES in turn (its own `service`, its csrc built once) and
+# loads it with this checkout's bench/serve_load.py (bf16 on the wire, --no-direct); the root named
+# by PYSPY_TREE is also profiled once: py-spy of every process under a concurrency-16 load.
+# Usage (device machine, repository root, web wheels installed under /tmp/site):
+#   TREES=". .base" ROUNDS=2 CELL_S=3 CONCURRENCY=4,16 [PYSPY_TREE=.] OUT=$OUT bash bench/gpu_serve_ab.sh
+# A root other than "." is a copy of another commit's tree inside this checkout (carried), e.g.
+#   git archive <commit> | (mkdir -p .base && tar -x -C .base)
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.." || exit 1
+ROOT=$PWD
+PY=${PYTHON:-python3}
+LOG=${OUT:-build/gpu_serve_ab}
+BUDGET=${BUDGET:-400}
+CELL_S=${CELL_S:-3}
+read -ra TREE_LIST <<< "${TREES:-.}"
+mkdir -p "$LOG" && LOG=$(cd "$LOG" && pwd)  # absolute: the servers run in their trees
+START=$(date +%s)
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+cap() { local want=$1 l; l=$(left); (( l < want )) && want=$l; (( want < 1 )) && want=1; echo "$want"; }
+PYSPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+SITE=${SITE:-/tmp/site}
+
+for tree in "${TREE_LIST[@]}"; do
+  (cd "$tree" && PYTHONPATH="$ROOT/$tree:$SITE" "$PY" csrc/build.py > "$LOG/build_${tree//[.\/]/_}.txt" 2>&1)
+  echo "built $tree: rc=$?"
+done
+
+SERVER=
+stop_server() {
+  [[ -n "$SERVER" ]] || return
+  kill -TERM "$SERVER" 2>/dev/null
+  for _ in $(seq 60); do kill -0 "$SERVER" 2>/dev/null || break; sleep 0.5; done
+  kill -KILL -- "-$SERVER" 2>/dev/null
+  SERVER=
+}
+trap stop_server EXIT
+
+profiled=0
+for round in $(seq "${ROUNDS:-1}"); do
+  for tree in "${TREE_LIST[@]}"; do
+    name=${tree//[.\/]/_}
+    (( $(left) > 60 )) || { echo "round $round $tree: skipped, budget spent"; continue; }
+    (cd "$tree" && PYTHONPATH="$ROOT/$tree:$SITE" exec setsid "$PY" -m service --host 127.0.0.1 --http-port 18000 \
+      --grpc-port 18001 > "$LOG/server_${name}_$round.txt" 2>&1) &
+    SERVER=$!
+    ready=0
+    for _ in $(seq "$(cap 150)"); do
+      if curl -sf -o /dev/null http://127.0.0.1:18000/v2/health/ready; then ready=1; break; fi
+      kill -0 "$SERVER" 2>/dev/null || break
+      sleep 1
+    done
+    echo "== round $round, tree $tree ($(cat "$tree/COMMIT" 2>/dev/null || echo "?")): ready=$ready after $(( $(date +%s) - START )) s"
+    grep -E "front-end process|Traceback|ERROR" "$LOG/server_${name}_$round.txt" | head -n 4
+    if (( ready )); then
+      sleep 2  # the other front ends confirm the group (older trees bind before they know it)
+      timeout -k 10 "$(cap 120)" "$PY" bench/serve_load.py --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
+        --sizes "${SIZES:-512}" --concurrency "${CONCURRENCY:-4,16}" --seconds "$CELL_S" --wire-dtype bf16 --no-direct \
+        --json "$LOG/load_${name}_$round.json" > "$LOG/load_${name}_$round.txt" 2>&1
+      echo "load rc=$?"; grep -E "^\|" "$LOG/load_${name}_$round.txt"
+      if [[ "${PYSPY_TREE:-}" == "$tree" ]] && (( ! profiled )) && (( $(left) > 30 )); then
+        profiled=1
+        timeout -k 5 30 "$PY" bench/serve_load.py --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
+          --protocols v2_binary --sizes 512 --concurrency 16 --seconds 12 --wire-dtype bf16 --no-direct \
+          > "$LOG/pyspy_load_$name.txt" 2>&1 &
+        loadpid=$!
+        sleep 4
+        timeout -k 5 20 "$PYSPY" record --pid "$SERVER" --subprocesses --rate 200 --duration 5 --format raw \
+          --output "$LOG/pyspy_$name.txt" --nonblocking > "$LOG/pyspy_log_$name.txt" 2>&1
+        echo "py-spy rc=$?"
+        top -b -n 1 -w 200 | head -n 40 > "$LOG/top_$name.txt"  # still under the load
+        wait "$loadpid"; grep -E "^\|" "$LOG/pyspy_load_$name.txt"
+      fi
+    fi
+    stop_server
+  done
+done
+trap - EXIT
+echo "== summary: $(( $(date +%s) - START )) s"
+for f in "$LOG"/load_*.txt; do echo "${f##*/}:"; grep -E "^\| (v2|grpc)" "$f"; done
