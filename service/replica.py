@@ -223,7 +223,7 @@ def replica_main(index: int, settings: Settings, cfg: LayerConfig, device: str, 
                         format=f"%(asctime)s frontend{index} %(levelname)s %(name)s: %(message)s")
     logfilter.install()
     ensure_file_limit(settings.max_connections)
-    set_frontend_threads(device, frontends)
+    set_frontend_threads()
     replica = Replica(index, settings, cfg, ctl, steps)
     sys.exit(asyncio.run(replica.serve(http_port, grpc_port)))
 

@@ -189,7 +189,7 @@ class Server:
         log.info("batching: %d tokens per step (R*C), delay %.2f ms, queue %d tokens, deadline %.1f s; "
                  "%d front-end process(es) of %d slots each", cfg.tokens_per_step, settings.batch_delay_ms,
                  settings.queue_tokens, settings.request_timeout_s, self.frontends, settings.slots)
-        set_frontend_threads(self.device, self.frontends)
+        set_frontend_threads()
         self.group_factory = group_factory or self._new_group
         self.endpoint = Endpoint(settings, cfg, settings.slots, on_failure=self._on_step_failure)
         self.metrics, self.batcher, self.fe = self.endpoint.metrics, self.endpoint.batcher, self.endpoint.fe

@@ -8,8 +8,10 @@ import time
 import types
 
 import pytest
+import torch
 
 from service.errors import GroupUnavailable
+from service.fleet import set_frontend_threads
 from service.replica import RemoteGroup
 
 
@@ -232,3 +234,16 @@ def test_a_failed_step_of_front_end_0_restarts_the_group_even_before_the_first_h
             return False  # it kept watching a group whose step failed
 
     assert asyncio.run(main()), "the failed step was not taken as the group's failure"
+
+
+def test_a_front_end_runs_one_torch_thread_whatever_the_host():
+    """Several step threads per front end copy and check rows at once; with more than one torch
+    thread each gets a spinning OpenMP team (issue 11h: 4 front ends of 4 threads on an H200 host
+    served under half the tokens/s of 4 front ends of 1)."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        set_frontend_threads()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
