@@ -26,7 +26,8 @@
 # Every step runs under `timeout`; BUDGET (s, default 500) caps the whole. PROFILE=0 / COSTS=0 skip
 # steps 1 / 4; MAIN=0 skips steps 1-3 (and their server), e.g. to run step 6 alone. CLIENT=raw makes
 # step 2's HTTP client a raw socket (serve_load --client raw: what the server alone costs) instead of
-# http.client (the default, what a user's script runs).
+# http.client (the default, what a user's script runs); CLIENT="stock raw" loads the same server with
+# each in turn (the second's files get a _raw suffix). SIZES (default 512,2048) sets step 2's sizes.
 # Logs: $OUT (else build/gpu_serve): server.txt pyspy.txt serve_load.txt serve_load.json load.txt
 # split_<protocol>_c<concurrency>.txt group.txt costs.txt slots.txt http_<impl>.txt http_<impl>.json frontends_<n>.txt frontends_<n>.json summary.txt
 #
@@ -116,13 +117,17 @@ fi
 
 # ---- 2. bench/serve_load.py ---------------------------------------------------------------------
 if [[ "${LOAD:-1}" == 1 ]]; then
-echo "== 2. bench/serve_load.py (bf16)"
+read -ra CLIENT_LIST <<< "${CLIENT:-stock}"
+for client in "${CLIENT_LIST[@]}"; do
+echo "== 2. bench/serve_load.py (bf16, $client HTTP client)"
+suffix=$([[ "$client" == "${CLIENT_LIST[0]}" ]] || echo "_$client")
 timeout -k 10 "$(cap 240)" "$PY" bench/serve_load.py --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
-  --sizes 512,2048 --concurrency "${CONCURRENCY:-1,4,16}" --seconds "$CELL_S" --wire-dtype bf16 --json "$LOG/serve_load.json" \
-  --client "${CLIENT:-stock}" \
-  "${SERVE_FLAGS[@]}" > "$LOG/serve_load.txt" 2>&1
+  --sizes "${SIZES:-512,2048}" --concurrency "${CONCURRENCY:-1,4,16}" --seconds "$CELL_S" --wire-dtype bf16 \
+  --json "$LOG/serve_load$suffix.json" --client "$client" \
+  "${SERVE_FLAGS[@]}" > "$LOG/serve_load$suffix.txt" 2>&1
 SL_RC=$?
-tail -n 20 "$LOG/serve_load.txt"
+tail -n 20 "$LOG/serve_load$suffix.txt"
+done
 fi
 
 # ---- 3. the issue's protocol --------------------------------------------------------------------
@@ -182,7 +187,7 @@ done
 {
   echo
   echo "== summary: $(( $(date +%s) - START )) s; serve_load rc=$SL_RC, multigpu load rc=$LOAD_RC"
-  grep -E "^\||busy" "$LOG/serve_load.txt" 2>/dev/null
+  for f in "$LOG"/serve_load*.txt; do [[ -e $f ]] && echo "${f##*/}:" && grep -E "^#|^\||busy" "$f"; done
   grep -E "^\||^A step" "$LOG/group.txt" 2>/dev/null
   for f in "$LOG"/split_*.txt; do [[ -e $f ]] && echo "${f##*/}:" && grep -E "arrival|compute_infer|part=|step phases" "$f"; done
   grep -E "^\||steps, mean" "$LOG/load.txt" 2>/dev/null
