@@ -87,6 +87,7 @@ from service.moe.fused_plan import (
     fused_unavailable_reason,  # noqa: F401 (callers pick the backend through this module)
     local_unavailable_reason,
 )
+from service.moe.layer import HostWords, StepState
 from service.moe.timing import StageTimer
 from service.moe.weights import RankWeights
 
@@ -179,9 +180,8 @@ class FusedLayer:
             dist.barrier(group=group)  # every region is zero before anyone signals into it
         self.bufs = RankBuffers(cfg, rank, region, ptrs)
         self.args = self.bufs.args(self.w13, self.w2, self.b13, self.b2)
-        self._ctl_host = torch.zeros(4, dtype=torch.int32, pin_memory=True)
-        self._ctl_np = self._ctl_host.numpy()
-        self._ctl_copied = torch.cuda.Event()
+        self._ctl = HostWords(self.bufs.ctl)
+        self._own_state: StepState | None = None  # check_seq/exposed_comm_s without a state: their snapshot
         self.step = 0  # the flags' sequence number: counts every step, the warm-up included
         self._tables = None
         self._graph = None
@@ -210,15 +210,13 @@ class FusedLayer:
     # -- one step --------------------------------------------------------------------------------
     def _device_step(self, timer: StageTimer | None, plan: fk.Plan | None = None) -> None:
         self._tables = device_step(self.args, plan or self.plan, self.bufs, timer.mark if timer else (lambda _: None))
+        self.bufs.seqs.copy_(self.bufs.routing_g[:, 1:3])  # beside stats and error: `snapshot` is one copy
 
     def _run(self, x, ids, w, seq: int, timer: StageTimer | None, plan: fk.Plan | None = None) -> torch.Tensor:
         n = x.shape[0]
         self.step += 1
         self.bufs.take_inputs(x, ids, w)
-        self._ctl_copied.synchronize()  # the previous step's copy has read the pinned words
-        self._ctl_np[:] = (_seq32(self.step), n, *routing.seq_words(seq))  # no torch op per word
-        self.bufs.ctl.copy_(self._ctl_host, non_blocking=True)
-        self._ctl_copied.record()
+        self._ctl.send((_seq32(self.step), n, *routing.seq_words(seq)))
         if timer:
             timer.mark("copy_in")
         if self._graph is not None:
@@ -248,29 +246,47 @@ class FusedLayer:
         return self._run(x, ids, w, seq, timer)
 
     # -- after a step ----------------------------------------------------------------------------
-    def _raise_on_error(self, what: str) -> None:
+    def new_state(self) -> StepState:
+        """A step's timer and its snapshot words: RankBuffers.state's layout, in pinned memory."""
+        return StepState(StageTimer(self.device), torch.zeros_like(self.bufs.state, device="cpu", pin_memory=True))
+
+    def snapshot(self, state: StepState) -> None:
+        """The step's stats, error flag and seq words (RankBuffers.state) -> state.words: one copy."""
+        state.words.copy_(self.bufs.state, non_blocking=True)
+
+    def _words(self, state: StepState | None) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """A step's snapshot (the last step's, read now with a sync, without `state`) as stats [4]
+        int64 ns, the error word and the ranks' seq words [R, 2]."""
+        from service.moe.fused_buffers import STATE_ERROR, STATE_SEQS
+
+        if state is None:
+            state = self._own_state = self._own_state or self.new_state()
+            self.snapshot(state)
+            torch.cuda.current_stream(self.device).synchronize()
+        w = state.words
+        return w[:STATE_ERROR].view(torch.int64), int(w[STATE_ERROR]), w[STATE_SEQS:].view(self.cfg.R, 2)
+
+    def _raise_on_error(self, what: str, state: StepState | None = None) -> None:
         from service.kernels.fused_kernels import describe_error
 
-        code = int(self.bufs.error.item())
+        code = self._words(state)[1]
         if code:
             raise FusedTimeout(f"rank {self.rank}, {what}: {describe_error(code)}")
 
-    def check_seq(self, seq: int) -> None:
-        """After a step (the output was read, so no extra sync): the kernels' error flag, then every
-        rank must have run the same batch."""
-        self._raise_on_error(f"step seq {seq}")
-        routing.check_seq(self.bufs.routing_g, seq, self.rank)
+    def check_seq(self, seq: int, state: StepState | None = None) -> None:
+        """After a step: the kernels' error flag, then every rank must have run the same batch
+        (from the step's snapshot: host reads alone)."""
+        _, code, seqs = self._words(state)
+        if code:
+            self._raise_on_error(f"step seq {seq}", state)
+        routing.check_seq_words(seqs, seq, self.rank)
 
-    def exposed_comm_s(self) -> float:
-        """This step's exposed communication in seconds (definition in the module docstring)."""
-        ns = self.bufs.stats.tolist()
-        plan = self.plan
-        k1 = ns[1] / max(1, plan.num_programs - plan.num_comm1)
-        k2 = ns[2] / max(1, plan.num_compute2)
-        return (ns[0] + k1 + k2 + ns[3]) * 1e-9
+    def exposed_comm_s(self, state: StepState | None = None) -> float:
+        """The step's exposed communication in seconds (definition in the module docstring)."""
+        return sum(self.exposure_breakdown_s(state).values())
 
-    def exposure_breakdown_s(self) -> dict[str, float]:
-        ns = self.bufs.stats.tolist()
+    def exposure_breakdown_s(self, state: StepState | None = None) -> dict[str, float]:
+        ns = self._words(state)[0].tolist()
         plan = self.plan
         return {"barrier": ns[0] * 1e-9, "gates": ns[1] * 1e-9 / max(1, plan.num_programs - plan.num_comm1),
                 "tail": ns[2] * 1e-9 / max(1, plan.num_compute2), "reduce_wait": ns[3] * 1e-9}

@@ -20,6 +20,10 @@ from service.kernels.fused_kernels import StepArgs
 from service.moe import routing
 
 ALIGN = 256  # bytes between the parts of a region
+# Word offsets in RankBuffers.state: stats [4] int64 at 0, the error flag, every rank's seq words
+# (8-byte aligned: a view of them as int64 is possible).
+STATE_ERROR = 8
+STATE_SEQS = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +112,12 @@ class RankBuffers:
         self.disp = z(3)                               # job dispenser, kernel 1's and kernel 2's tile queues
         self.pushed = z(R)                             # jobs pushed per owner this step
         self.ctl = z(4)                                # seq, n, batch seq low, batch seq high
-        self.error = z(1)
-        self.stats = z(4, dtype=torch.int64)           # ns, see fused_kernels
+        # The step's small state in one buffer, so that one copy takes it to the host after a step
+        # (FusedLayer.snapshot): stats, the error flag, every rank's batch seq words.
+        self.state = z(STATE_SEQS + 2 * R)             # [STATE_SEQS + 2R] int32
+        self.stats = self.state[:STATE_ERROR].view(torch.int64)  # [4] int64 ns, see fused_kernels
+        self.error = self.state[STATE_ERROR:STATE_ERROR + 1]     # [1]
+        self.seqs = self.state[STATE_SEQS:].view(R, 2)           # [R, 2] routing_g[:, 1:3], copied in the step
 
     def args(self, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None = None,
              b2: torch.Tensor | None = None) -> StepArgs:

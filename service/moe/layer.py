@@ -3,11 +3,19 @@
 Dimension letters: C capacity per rank, H hidden, K top-k, n rows of this rank's step (n <= C).
 
     layer = make_layer(cfg, weights, rank=r, device=dev, backend="auto")
+    state = layer.new_state()                     # once per step in flight, reused
     x, ids, w = (buf[:n].copy_(rows) ...) for buf in layer.inputs   # or the rows themselves if None
-    out = layer.forward(x, ids, w, seq, timer)   # [n, H] fp32 on the device, valid until the next step
-    ... read out ...
-    layer.check_seq(seq)                          # raises if the step failed or the ranks disagree
-    layer.exposed_comm_s()                        # the step's communication not hidden by compute
+    out = layer.forward(x, ids, w, seq, state.timer)  # [n, H] fp32 on the device, valid until the next step
+    layer.snapshot(state)                         # the step's small device state -> state.words (async)
+    ... read out; wait for the step (an event recorded after the snapshot) ...
+    layer.check_seq(seq, state)                   # raises if the step failed or the ranks disagree
+    layer.exposed_comm_s(state)                   # the step's communication not hidden by compute
+
+Without `state` check_seq and exposed_comm_s take a snapshot of the last step themselves and wait
+for it (tests, benchmarks: one step at a time). With a state the reads after a step are host reads
+of state.words and state.timer alone, so a caller may have enqueued the next step already: the
+next forward overwrites the layer's device buffers, never a step's state (service.worker.rank runs
+two steps in flight on CUDA that way).
 
 With `host` (CPU ranks of one host, service.moe.hostcomm) every rank passes the whole step's rows
 instead, x [T, H], ids [T, K], w [T, K] (the slot's), and gets its own rank_range rows back.
@@ -17,6 +25,7 @@ Both backends (service.moe.serial, service.moe.fused) implement `Layer`; the ran
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Protocol
 
@@ -29,6 +38,39 @@ from service.moe.timing import StageTimer
 from service.moe.weights import RankWeights
 
 BACKENDS = ("auto", "serial", "fused")
+
+
+@dataclasses.dataclass
+class StepState:
+    """What one step leaves to be read after it: its stage timer and the host words its snapshot
+    lands in (int32, pinned on CUDA; the layout is the backend's). One per step in flight."""
+
+    timer: StageTimer
+    words: torch.Tensor
+
+
+class HostWords:
+    """Control words for the device: `depth` pinned host buffers used in turn, each copied to `dst`
+    (int32 [n] on the device) in stream order without blocking. A buffer is rewritten only after its
+    previous copy read it, so with up to `depth` steps in flight `send` never waits."""
+
+    def __init__(self, dst: torch.Tensor, depth: int = 2):
+        self.dst = dst
+        cuda = dst.device.type == "cuda"
+        self._host = [torch.zeros_like(dst, device="cpu", pin_memory=cuda) for _ in range(depth)]
+        self._np = [h.numpy() for h in self._host]  # written without a torch op per word
+        self._copied = [torch.cuda.Event() if cuda else None for _ in range(depth)]
+        self._next = 0
+
+    def send(self, words) -> None:
+        i = self._next
+        self._next = (i + 1) % len(self._host)
+        if self._copied[i] is not None:
+            self._copied[i].synchronize()  # this buffer's previous copy has read it
+        self._np[i][:] = words
+        self.dst.copy_(self._host[i], non_blocking=self._copied[i] is not None)
+        if self._copied[i] is not None:
+            self._copied[i].record()
 
 
 class Layer(Protocol):
@@ -45,12 +87,22 @@ class Layer(Protocol):
         """x [n, H], ids [n, K] int32, w [n, K] fp32 -> this rank's output [n, H] fp32 (a view of a
         buffer the next step overwrites). Work may still be running on the device on return."""
 
-    def check_seq(self, seq: int) -> None:
-        """After the output was read: raise if the step failed (a bounded wait expired) or if the
-        ranks did not all run step `seq` (service.moe.routing.SequenceMismatch)."""
+    def new_state(self) -> StepState:
+        """A fresh StepState for this layer (its timer on the layer's device, its snapshot words)."""
 
-    def exposed_comm_s(self) -> float:
-        """The last step's exposed communication in seconds (each backend defines how it measures)."""
+    def snapshot(self, state: StepState) -> None:
+        """Right after `forward`, in stream order: the step's small device state (error flag, every
+        rank's seq, the backend's statistics) into state.words, one non-blocking copy. The words are
+        valid once the work enqueued so far is done."""
+
+    def check_seq(self, seq: int, state: StepState | None = None) -> None:
+        """After the step (its snapshot done): raise if it failed (a bounded wait expired) or if the
+        ranks did not all run step `seq` (service.moe.routing.SequenceMismatch). Without `state`:
+        from a snapshot of the last step taken now (a sync)."""
+
+    def exposed_comm_s(self, state: StepState | None = None) -> float:
+        """The step's exposed communication in seconds (each backend defines how it measures);
+        without `state` the last step's, as check_seq."""
 
 
 def make_layer(cfg: LayerConfig, weights: RankWeights, *, rank: int, device: torch.device,

@@ -63,7 +63,13 @@ def unpack(blocks: torch.Tensor, C: int, K: int) -> tuple[torch.Tensor, torch.Te
 
 def check_seq(blocks: torch.Tensor, seq: int, rank: int) -> None:
     """Every rank's block must carry `seq` (read after the step: on a GPU it adds no sync)."""
-    g = blocks[:, 1:3].cpu().long()  # [R, 2]
+    check_seq_words(blocks[:, 1:3].cpu(), seq, rank)
+
+
+def check_seq_words(words: torch.Tensor, seq: int, rank: int) -> None:
+    """Every rank must have run `seq`: words [R, 2] int32 on the host, each rank's seq words
+    (`seq_words`, the blocks' words 1 and 2)."""
+    g = words.long()  # [R, 2]
     check_seqs((g[:, 0] | (g[:, 1] << 31)).tolist(), seq, rank)
 
 

@@ -69,6 +69,7 @@ from service.moe.grouped import (
     prepare_weight,
 )
 from service.moe.hostcomm import HostComm, HostPeers
+from service.moe.layer import HostWords, StepState
 from service.moe.timing import StageTimer
 from service.moe.weights import RankWeights
 
@@ -263,8 +264,7 @@ class SerialLayer:
         self.ctl = torch.zeros(META, dtype=torch.int32, **kw)         # [META]
         self._row = torch.arange(C, **kw)                             # [C] local row index
         cuda = device.type == "cuda"
-        self._ctl_host = torch.zeros(META, dtype=torch.int32, pin_memory=cuda)
-        self._ctl_copied = torch.cuda.Event() if cuda else None
+        self._ctl = HostWords(self.ctl)
         self._out = self.out
         if graph:
             if not cuda or (R > 1 and not self.nccl):
@@ -341,17 +341,12 @@ class SerialLayer:
 
     def _set_inputs(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, seq: int) -> None:
         """The step's rows into `inputs` (nothing to copy for views of them) and its META words
-        into `ctl` (one copy from pinned memory on a GPU, after the previous step's copy read it)."""
+        into `ctl` (one copy from pinned memory on a GPU, service.moe.layer.HostWords)."""
         n = x.shape[0]
         for buf, src in ((self.x_in, x), (self.ids_in, ids), (self.w_in, w)):
             if src.data_ptr() != buf.data_ptr():
                 buf[:n].copy_(src)
-        if self._ctl_copied is not None:
-            self._ctl_copied.synchronize()
-        self._ctl_host.copy_(torch.tensor(routing.meta_words(n, seq), dtype=torch.int32))
-        self.ctl.copy_(self._ctl_host, non_blocking=True)
-        if self._ctl_copied is not None:
-            self._ctl_copied.record()
+        self._ctl.send(routing.meta_words(n, seq))
 
     def _device_step(self, timer: StageTimer | None) -> None:
         """Steps 1-6 on the device from `inputs` and `ctl`: no host value is read (on NCCL or
@@ -442,15 +437,40 @@ class SerialLayer:
         part.masked_fill_(slots[:, :, :1] < 0, 0.0)
         return out
 
-    def check_seq(self, seq: int) -> None:
-        """After a step: every rank must have run the same batch (read once the step is done,
-        so on a GPU it costs no extra sync)."""
-        if self.host is not None:
-            routing.check_seqs(self._seqs, seq, self.rank)
-        else:
-            routing.check_seq(self.routing_g, seq, self.rank)
+    # -- after a step ----------------------------------------------------------------------------
+    def new_state(self) -> StepState:
+        """A step's timer and its snapshot words: every rank's seq, [R] int64 with `host`, else the
+        routing blocks' seq words [R, 2] int32 (pinned on CUDA)."""
+        R, cuda = self.cfg.R, self.device.type == "cuda"
+        words = torch.zeros(R, dtype=torch.int64) if self.host is not None else \
+            torch.zeros(R, 2, dtype=torch.int32, pin_memory=cuda)
+        return StepState(StageTimer(self.device), words)
 
-    def exposed_comm_s(self) -> float:
-        """The last step's time in collectives (nothing overlaps them in this backend)."""
-        stages = self._timer.seconds() if self._timer else {}
+    def snapshot(self, state: StepState) -> None:
+        """The step's seq words -> state.words (one copy; the stage times are state.timer's)."""
+        if self.host is not None:
+            state.words.copy_(torch.tensor(self._seqs))
+        else:
+            state.words.copy_(self.routing_g[:, 1:3], non_blocking=True)
+
+    def _state(self, state: StepState | None) -> StepState:
+        if state is None:  # the last step's, read now (a sync)
+            state = StepState(self._timer or StageTimer(self.device), self.new_state().words)
+            self.snapshot(state)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+        return state
+
+    def check_seq(self, seq: int, state: StepState | None = None) -> None:
+        """After a step: every rank must have run the same batch (from the step's snapshot)."""
+        words = self._state(state).words
+        if self.host is not None:
+            routing.check_seqs(words.tolist(), seq, self.rank)
+        else:
+            routing.check_seq_words(words, seq, self.rank)
+
+    def exposed_comm_s(self, state: StepState | None = None) -> float:
+        """The step's time in collectives (nothing overlaps them in this backend)."""
+        timer = state.timer if state is not None else self._timer
+        stages = timer.seconds() if timer else {}
         return sum(stages.get(s, 0.0) for s in COLLECTIVE_STAGES)

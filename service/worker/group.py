@@ -91,7 +91,7 @@ class WorkerGroup:
     def __init__(self, cfg: LayerConfig, *, device: str = "cpu", weights: str | None = None,
                  weights_prefix: str = "", seed: int = 0, backend: str = "serial", slots: int = 2,
                  step_timeout_s: float = 60.0, start_timeout_s: float = 300.0,
-                 log_level: str | None = None):
+                 log_level: str | None = None, lookahead: int = 2):
         if backend not in BACKENDS:
             raise InvalidInput(f"backend must be auto, serial or fused, got {backend!r}")
         self.requested_backend = backend  # the ranks decide (and log why); see service.worker.rank
@@ -100,7 +100,11 @@ class WorkerGroup:
         self.backend = "serial"  # what the ranks run, known once they are up
         self.step_timeout_s, self.start_timeout_s = step_timeout_s, start_timeout_s
         self.log_level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        if lookahead not in (1, 2):
+            raise InvalidInput(f"lookahead must be 1 or 2, got {lookahead!r}")
         self.num_slots = slots
+        self.requested_lookahead = lookahead  # CUDA ranks' steps in flight; `lookahead` is what they run
+        self.lookahead = 1
         self.seq = 0
         self.alive = False
         self.pids: list[int] = []
@@ -152,7 +156,8 @@ class WorkerGroup:
                            store_port=port, slot_paths=tuple(s.path for s in self._slots),
                            weights=self.weights, weights_prefix=self.weights_prefix, seed=self.seed,
                            backend=self.requested_backend, timeout_s=self.start_timeout_s, threads=threads,
-                           log_level=self.log_level, host=cpu_host_peers(ctx, cfg, self.device, self.start_timeout_s))
+                           log_level=self.log_level, lookahead=self.requested_lookahead,
+                           host=cpu_host_peers(ctx, cfg, self.device, self.start_timeout_s))
         for rank in range(cfg.R):
             parent_end, child_end = ctx.Pipe()
             proc = ctx.Process(target=rank_main, args=(rank, opts, child_end), daemon=True,
@@ -175,6 +180,7 @@ class WorkerGroup:
         unlink_slots(self._slots)
         self.pids = [info["pid"] for info in infos]
         self.backend = infos[0]["backend"]
+        self.lookahead = infos[0]["lookahead"]
         self.alive = True
         log.info("rank group ready in %.1f s: %s", time.monotonic() - t0,
                  ", ".join(f"rank{r} pid {i['pid']} {i['device']}" for r, i in enumerate(infos)))

@@ -11,6 +11,7 @@ write fall in the next phase), which the group turns into StepStats.phases.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -24,6 +25,7 @@ import torch
 from service.config import LayerConfig
 from service.errors import BackendUnavailable
 from service.moe.hostcomm import HostPeers
+from service.moe.layer import Layer, StepState
 from service.moe.routing import rank_range  # the split of a step's rows (the group and tests use it from here)
 
 LOOPBACK_IFNAME = "lo"  # Linux's loopback interface
@@ -47,6 +49,7 @@ class RankOptions:
     threads: int = 1            # CPU threads per rank
     host: HostPeers | None = None  # CPU ranks, R > 1: the serial layer's shared-memory collectives
     log_level: str = "INFO"
+    lookahead: int = 2          # CUDA ranks: steps in flight at most (1: one at a time; CPU ranks always 1)
 
 
 def pin_slot(slot) -> None:
@@ -85,7 +88,6 @@ def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
     import torch.distributed as dist
 
     from service.moe.layer import make_layer
-    from service.moe.timing import StageTimer
     from service.moe.weights import load_rank_weights, synthetic_rank_weights
     from service.worker.shm import Slot
 
@@ -121,7 +123,6 @@ def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
     if device.type == "cuda":
         for slot in slots:
             pin_slot(slot)
-    timer = StageTimer(device)
     # This rank's rows of a step, on its device, allocated once at capacity: the layer's own input
     # buffers where it has them (the fused layer's step graph stages them), else buffers of our own
     # (on the CPU the slot views are used directly).
@@ -131,67 +132,125 @@ def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
             torch.empty(cfg.C, cfg.H, dtype=cfg.dtype, device=device),    # [C, H]
             torch.empty(cfg.C, cfg.K, dtype=torch.int32, device=device),  # [C, K]
             torch.empty(cfg.C, cfg.K, dtype=torch.float32, device=device))  # [C, K]
-    conn.send(("ready", rank, {"pid": os.getpid(), "device": str(device), "backend": layer.name}))
+    conn.send(("ready", rank, {"pid": os.getpid(), "device": str(device), "backend": layer.name,
+                               "lookahead": opts.lookahead if device.type == "cuda" else 1}))
 
     # Steps run in inference mode: no autograd bookkeeping per op (a CPU rank's T=8 step: -10 %,
     # bench/NOTES.md issue 11e); every tensor a step makes lives and dies inside this loop.
     with torch.inference_mode():
-        _steps(rank, cfg, opts, conn, log, layer, slots, timer, inputs)
+        _steps(rank, cfg, opts, conn, log, layer, slots, inputs)
 
 
-def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Logger, layer, slots, timer,
+@dataclasses.dataclass
+class _Lane:
+    """What a step in flight reuses, one per step the rank may hold in flight: its timer and
+    snapshot (a StepState), and on CUDA the events around its rows' copy-in, after its layer and
+    after its answer's copy into the slot."""
+
+    state: StepState
+    copied_in: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    layer_done: torch.cuda.Event | None = None
+    done: torch.cuda.Event | None = None
+
+
+@dataclasses.dataclass
+class _Step:
+    """A step enqueued and not yet answered."""
+
+    seq: int
+    n: int
+    out: torch.Tensor | None  # CPU: the layer's output, copied into the slot when finished; CUDA: None (enqueued)
+    slot_out: torch.Tensor    # [n, H] the slot's rows for this rank's answer
+    lane: _Lane
+    stamps: list[float]       # message read, copy-in issued, layer launched (then finish() adds three)
+
+
+def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Logger, layer: Layer, slots,
            inputs) -> None:
     """The rank's loop: control messages until ("stop",); on CUDA `inputs` are the device buffers
-    its rows are copied into."""
+    its rows are copied into.
+
+    On CUDA up to opts.lookahead steps are in flight: once step n is enqueued (copy-in, layer,
+    snapshot, the answer's cast and copy into the slot, an event), a step message already waiting
+    in the pipe is read and step n+1 enqueued behind it before the rank waits for n, so the device
+    never waits for the host work between two steps. One stream orders them: n+1's copy-in into
+    the layer's input buffers comes after n's layer read them, n's answer leaves out_dev and the
+    layer's output before n+1 overwrites them. Steps are finished (checks from their own snapshot,
+    answer sent) in seq order; a failed check of step n raises here, so n+1 is never answered.
+    ("ping", seq) and ("stop",) first finish what is in flight. CPU layers are synchronous: one
+    step at a time."""
     cuda = inputs is not None
+    depth = opts.lookahead if cuda else 1
+    out_dev = None
     if cuda:
         device = inputs[0].device
         out_dev = torch.empty(cfg.C, cfg.H, dtype=cfg.dtype, device=device)  # [C, H] the answer in the slot's dtype
-        stream = torch.cuda.current_stream(device)
-        copied_in = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        layer_done = torch.cuda.Event()
+        lanes = [_Lane(layer.new_state(), (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)),
+                       torch.cuda.Event(), torch.cuda.Event()) for _ in range(depth)]
+    else:
+        lanes = [_Lane(layer.new_state())]
+    in_flight: collections.deque[_Step] = collections.deque()
     last_seq = 0
+
+    def finish() -> None:
+        step = in_flight.popleft()
+        lane = step.lane
+        if step.out is None:  # CUDA: the answer's copy into the slot is enqueued
+            assert lane.layer_done is not None and lane.done is not None
+            lane.layer_done.synchronize()
+            device_done = now()
+            lane.done.synchronize()  # the answer is in the slot, the snapshot on the host, the stage times final
+        else:
+            device_done = step.stamps[-1]  # the CPU layer's work was all in forward (launch)
+            step.slot_out.copy_(step.out)
+        copied_out = now()
+        layer.check_seq(step.seq, lane.state)
+        stages = lane.state.timer.seconds()
+        if lane.copied_in is not None:  # the rows' copies ran before the layer's own timer started: they
+            # count as its copy_in (the fused layer's first stage; a serial layer on CUDA reports it this way alone)
+            stages["copy_in"] = stages.get("copy_in", 0.0) + lane.copied_in[0].elapsed_time(lane.copied_in[1]) / 1e3
+        stats = {"stages": stages, "layer_s": sum(stages.values()), "exposed_comm_s": layer.exposed_comm_s(lane.state),
+                 "tokens": step.n, "stamps": (*step.stamps, device_done, copied_out, now())}
+        conn.send(("done", rank, step.seq, stats))
+
     while True:
+        if in_flight and (len(in_flight) == depth or not conn.poll(0)):
+            finish()  # nothing waiting (or no lane free): the oldest step's answer first
+            continue
         msg = conn.recv()
         received = now()
-        if msg[0] == "stop":
-            log.info("stopping after seq %d", last_seq)
-            return
-        if msg[0] == "ping":
+        if msg[0] in ("stop", "ping"):  # their answers keep their place after the steps before them
+            while in_flight:
+                finish()
+            if msg[0] == "stop":
+                log.info("stopping after seq %d", last_seq)
+                return
             conn.send(("pong", rank, last_seq, None))
             continue
         _, seq, slot_index, T = msg
         if seq != last_seq + 1:
             raise RuntimeError(f"rank {rank} expected seq {last_seq + 1}, got {seq}")
         last_seq = seq
+        lane = lanes[seq % depth]  # steps finish in seq order, so this lane's previous step is finished
         slot = slots[slot_index]
         start, n = rank_range(T, cfg.R, rank)
         rows = slice(start, start + n)
         x, ids, w = slot.x[rows], slot.ids[rows], slot.w[rows]
         if opts.host is not None:  # CPU ranks of one host: the layer reads every rank's rows from the slot
             x, ids, w = slot.x[:T], slot.ids[:T], slot.w[:T]
-        elif cuda:  # DMA from the pinned slot, in stream order before the step
-            copied_in[0].record()
+        elif lane.copied_in is not None:  # CUDA: DMA from the pinned slot, in stream order before the step
+            assert inputs is not None
+            lane.copied_in[0].record()
             x, ids, w = (buf[:n].copy_(src, non_blocking=True) for buf, src in zip(inputs, (x, ids, w), strict=True))
-            copied_in[1].record()
+            lane.copied_in[1].record()
         issued = now()
-        out = layer.forward(x, ids, w, seq, timer)
-        launched = now()
-        if cuda:  # cast on the device (half the bytes to move), DMA into the slot
-            layer_done.record()
-            slot.out[rows].copy_(out_dev[:n].copy_(out), non_blocking=True)
-            layer_done.synchronize()
-            device_done = now()
-            stream.synchronize()  # the stage times are final after this
-        else:
-            slot.out[rows].copy_(out)
-            device_done = launched
-        copied_out = now()
-        layer.check_seq(seq)
-        stages = timer.seconds()
-        if cuda:  # the rows' copies ran before the layer's own timer started: they count as its copy_in
-            # (the fused layer's first stage; a serial layer on CUDA reports the stage this way alone)
-            stages["copy_in"] = stages.get("copy_in", 0.0) + copied_in[0].elapsed_time(copied_in[1]) / 1e3
-        stats = {"stages": stages, "layer_s": sum(stages.values()), "exposed_comm_s": layer.exposed_comm_s(),
-                 "tokens": n, "stamps": (received, issued, launched, device_done, copied_out, now())}
-        conn.send(("done", rank, seq, stats))
+        result = layer.forward(x, ids, w, seq, lane.state.timer)
+        layer.snapshot(lane.state)
+        out: torch.Tensor | None = result
+        if out_dev is not None and lane.layer_done is not None and lane.done is not None:
+            # CUDA: cast on the device (half the bytes to move), DMA into the slot
+            lane.layer_done.record()
+            slot.out[rows].copy_(out_dev[:n].copy_(result), non_blocking=True)
+            lane.done.record()
+            out = None
+        in_flight.append(_Step(seq, n, out, slot.out[rows], lane, [received, issued, now()]))

@@ -1,0 +1,169 @@
+"""The rank's step loop (service.worker.rank._steps) with lookahead, on the CPU: a fake layer whose
+"device" buffers are CPU tensors and CUDA events that complete at once, so the loop takes its CUDA
+path (steps in flight, per-step state, the answer's copy enqueued right after the layer). Checked:
+the order of enqueues and finishes, answers in seq order and right, ping and stop after what is in
+flight, a failing check of step n answering nothing after n, each step checked from its own state."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import types
+
+import pytest
+import torch
+
+from service.config import LayerConfig
+from service.moe import routing
+from service.moe.layer import StepState
+from service.moe.timing import StageTimer
+from service.worker import rank as rank_mod
+from service.worker.rank import RankOptions
+
+CFG = LayerConfig(E=4, H=24, I=16, K=2, R=1, C=37, dtype=torch.bfloat16)
+CPU = torch.device("cpu")
+
+
+class InstantEvent:
+    """torch.cuda.Event's surface, for a device whose work is done when it is enqueued."""
+
+    def __init__(self, enable_timing: bool = False):
+        self.recorded = False
+
+    def record(self) -> None:
+        self.recorded = True
+
+    def synchronize(self) -> None:
+        assert self.recorded, "waited for an event that was never recorded"
+
+    def elapsed_time(self, other: InstantEvent) -> float:
+        assert self.recorded and other.recorded
+        return 0.0
+
+
+class FakeLayer:
+    """A Layer whose step writes x * seq into one output buffer and seq into one "device" word,
+    both overwritten by the next step (as the real layers' buffers are)."""
+
+    name = "fake"
+
+    def __init__(self, fail_seq: int | None = None):
+        self.calls: list[tuple[str, int]] = []
+        self.fail_seq = fail_seq
+        self.device_seq = torch.zeros(1, dtype=torch.int64)           # the step's state on the "device"
+        self.out = torch.empty(CFG.C, CFG.H)                           # [C, H] fp32
+        self.inputs = (torch.empty(CFG.C, CFG.H, dtype=CFG.dtype),     # [C, H]
+                       torch.empty(CFG.C, CFG.K, dtype=torch.int32),   # [C, K]
+                       torch.empty(CFG.C, CFG.K))                      # [C, K]
+
+    def new_state(self) -> StepState:
+        return StepState(StageTimer(CPU), torch.zeros(1, dtype=torch.int64))
+
+    def forward(self, x, ids, w, seq, timer=None):
+        assert x.data_ptr() == self.inputs[0].data_ptr(), "the rank copies its rows into layer.inputs"
+        timer.start()
+        self.calls.append(("forward", seq))
+        self.device_seq[0] = seq
+        n = x.shape[0]
+        torch.mul(x.float(), seq, out=self.out[:n])
+        timer.mark("fake")
+        return self.out[:n]
+
+    def snapshot(self, state: StepState) -> None:
+        state.words.copy_(self.device_seq)
+
+    def check_seq(self, seq, state=None):
+        self.calls.append(("check", seq))
+        if seq == self.fail_seq:
+            raise routing.SequenceMismatch(f"step {seq} failed its check")
+        routing.check_seqs(state.words.tolist(), seq, 0)  # this step's own snapshot, not the last step's
+
+    def exposed_comm_s(self, state=None):
+        return 0.0
+
+
+def make_slots(gen: torch.Generator, n: int):
+    N = CFG.tokens_per_step
+    return [types.SimpleNamespace(
+        index=i, x=torch.randn(N, CFG.H, generator=gen).to(CFG.dtype),
+        ids=torch.randint(0, CFG.E, (N, CFG.K), generator=gen, dtype=torch.int32),
+        w=torch.rand(N, CFG.K, generator=gen), out=torch.full((N, CFG.H), float("nan"), dtype=CFG.dtype))
+        for i in range(n)]
+
+
+def run_loop(monkeypatch, messages, lookahead: int, layer: FakeLayer, slots):
+    """Queue `messages` on the rank's pipe, run the loop to its end; (answers read back, raised)."""
+    monkeypatch.setattr(torch.cuda, "Event", InstantEvent)
+    parent, child = mp.Pipe()
+    for msg in messages:
+        parent.send(msg)
+    opts = RankOptions(cfg=CFG, device="cuda", store_host="", store_port=0, slot_paths=(), lookahead=lookahead)
+    raised = None
+    try:
+        rank_mod._steps(0, CFG, opts, child, logging.getLogger("test"), layer, slots, layer.inputs)
+    except Exception as err:  # noqa: BLE001 - the test inspects it
+        raised = err
+    answers = []
+    while parent.poll(0):
+        answers.append(parent.recv())
+    return answers, raised
+
+
+STEPS_T = (1, 37, 20, 9)  # T per step: one token, the capacity, odd sizes
+
+
+def steps(first: int = 1):
+    return [("step", first + i, i, T) for i, T in enumerate(STEPS_T)]
+
+
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_steps_answer_in_order_with_the_right_rows(monkeypatch, lookahead):
+    gen = torch.Generator().manual_seed(11)
+    slots = make_slots(gen, len(STEPS_T))
+    layer = FakeLayer()
+    answers, raised = run_loop(monkeypatch, [*steps(), ("stop",)], lookahead, layer, slots)
+    assert raised is None
+    assert [(a[0], a[2]) for a in answers] == [("done", s) for s in range(1, len(STEPS_T) + 1)]
+    for (_, seq, i, T), answer in zip(steps(), answers, strict=True):
+        stats = answer[3]
+        assert stats["tokens"] == T and set(stats["stages"]) == {"fake", "copy_in"}
+        stamps = stats["stamps"]
+        assert len(stamps) == 6 and list(stamps) == sorted(stamps)  # cut points of the step's phases, in order
+        want = (slots[i].x[:T].float() * seq).to(CFG.dtype)  # computed before the next step overwrote layer.out
+        assert torch.equal(slots[i].out[:T], want), f"step {seq}'s answer"
+        assert slots[i].out[T:].isnan().all(), "rows past T untouched"
+    if lookahead == 2:  # every step after the first was enqueued before the one ahead of it finished
+        assert layer.calls == [("forward", 1), ("forward", 2), ("check", 1), ("forward", 3), ("check", 2),
+                               ("forward", 4), ("check", 3), ("check", 4)]
+    else:
+        assert layer.calls == [c for s in range(1, 5) for c in (("forward", s), ("check", s))]
+
+
+def test_ping_and_stop_answer_after_the_steps_in_flight(monkeypatch):
+    gen = torch.Generator().manual_seed(12)
+    slots = make_slots(gen, len(STEPS_T))
+    layer = FakeLayer()
+    s = steps()
+    answers, raised = run_loop(monkeypatch, [s[0], s[1], ("ping", 2), s[2], s[3], ("stop",)], 2, layer, slots)
+    assert raised is None
+    assert [(a[0], a[2]) for a in answers] == [("done", 1), ("done", 2), ("pong", 2), ("done", 3), ("done", 4)]
+    # stop arrived with step 4 in flight (3 finished only when 4 was enqueued): 4 was finished and answered first
+    assert layer.calls[-3:] == [("forward", 4), ("check", 3), ("check", 4)]
+
+
+def test_a_failing_check_answers_nothing_after_its_step(monkeypatch):
+    gen = torch.Generator().manual_seed(13)
+    slots = make_slots(gen, len(STEPS_T))
+    layer = FakeLayer(fail_seq=2)
+    answers, raised = run_loop(monkeypatch, [*steps(), ("stop",)], 2, layer, slots)
+    assert isinstance(raised, routing.SequenceMismatch)
+    assert [(a[0], a[2]) for a in answers] == [("done", 1)]  # step 3 was enqueued, never answered
+    assert ("forward", 3) in layer.calls and ("check", 3) not in layer.calls
+
+
+def test_a_step_out_of_sequence_is_refused(monkeypatch):
+    gen = torch.Generator().manual_seed(14)
+    layer = FakeLayer()
+    answers, raised = run_loop(monkeypatch, [("step", 1, 0, 5), ("step", 3, 1, 5)], 2, layer, make_slots(gen, 2))
+    assert isinstance(raised, RuntimeError) and "expected seq 2, got 3" in str(raised)
+    assert answers == []  # step 1 was in flight; the rank fails before answering anything
