@@ -70,6 +70,7 @@ class StepStats:
     wall_s: float = 0.0            # parent's view: send to last answer
     rank_wall_s: float = 0.0       # rank 0's view: step message received to answer ready to send
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # STEP_PHASES -> seconds; sum = wall_s
+    behind: bool = False           # rank 0 enqueued it while the step before was in flight (rank lookahead)
 
 
 def step_phases(sent: float, stamps: list[tuple[float, ...]], collected: float, returned: float) -> dict[str, float]:
@@ -308,7 +309,7 @@ class WorkerGroup:
         return StepStats(seq=seq, tokens=T, backend=self.backend, layer_s=stats["layer_s"],
                          stages=stats["stages"], exposed_comm_s=stats["exposed_comm_s"], wall_s=wall,
                          rank_wall_s=stamps[0][-1] - stamps[0][0],
-                         phases=step_phases(sent, stamps, collected, returned))
+                         phases=step_phases(sent, stamps, collected, returned), behind=stats["behind"])
 
     def _await(self, seq: int) -> tuple[list, float]:
         """The ranks' answers to step `seq` and when they were all read. One waiting thread at a time

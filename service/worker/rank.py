@@ -7,6 +7,9 @@ cannot run here, and ("error", rank, traceback_text). Tensors never cross the pi
 the slots. A step's stats carry the rank's host timestamps (`stamps`: step message read, copy-in
 issued, layer launched, device done, answer in the slot, answer ready to send: its pickling and
 write fall in the next phase), which the group turns into StepStats.phases.
+
+A CUDA rank holds up to `RankOptions.lookahead` steps in flight (`_steps`): answers still come in
+seq order, and a ping or stop is answered after the steps before it.
 """
 
 from __future__ import annotations
@@ -163,6 +166,7 @@ class _Step:
     slot_out: torch.Tensor    # [n, H] the slot's rows for this rank's answer
     lane: _Lane
     stamps: list[float]       # message read, copy-in issued, layer launched (then finish() adds three)
+    behind: bool              # enqueued while the step before it was still in flight
 
 
 def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Logger, layer: Layer, slots,
@@ -210,7 +214,7 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
             # count as its copy_in (the fused layer's first stage; a serial layer on CUDA reports it this way alone)
             stages["copy_in"] = stages.get("copy_in", 0.0) + lane.copied_in[0].elapsed_time(lane.copied_in[1]) / 1e3
         stats = {"stages": stages, "layer_s": sum(stages.values()), "exposed_comm_s": layer.exposed_comm_s(lane.state),
-                 "tokens": step.n, "stamps": (*step.stamps, device_done, copied_out, now())}
+                 "tokens": step.n, "behind": step.behind, "stamps": (*step.stamps, device_done, copied_out, now())}
         conn.send(("done", rank, step.seq, stats))
 
     while True:
@@ -253,4 +257,4 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
             slot.out[rows].copy_(out_dev[:n].copy_(result), non_blocking=True)
             lane.done.record()
             out = None
-        in_flight.append(_Step(seq, n, out, slot.out[rows], lane, [received, issued, now()]))
+        in_flight.append(_Step(seq, n, out, slot.out[rows], lane, [received, issued, now()], bool(in_flight)))

@@ -132,6 +132,7 @@ def test_steps_answer_in_order_with_the_right_rows(monkeypatch, lookahead):
         want = (slots[i].x[:T].float() * seq).to(CFG.dtype)  # computed before the next step overwrote layer.out
         assert torch.equal(slots[i].out[:T], want), f"step {seq}'s answer"
         assert slots[i].out[T:].isnan().all(), "rows past T untouched"
+    assert [a[3]["behind"] for a in answers] == [False] + [lookahead == 2] * (len(STEPS_T) - 1)
     if lookahead == 2:  # every step after the first was enqueued before the one ahead of it finished
         assert layer.calls == [("forward", 1), ("forward", 2), ("check", 1), ("forward", 3), ("check", 2),
                                ("forward", 4), ("check", 3), ("check", 4)]

@@ -1,0 +1,102 @@
+"""The rank's lookahead on a GPU (R=1): with two steps in flight the group's answers equal those
+of one step at a time and the fp32 reference, for the fused and the serial backend. Several
+callers run back-to-back steps on their own slots with different T (T=1, odd T, the capacity),
+fresh random rows every step, the slot's answer rows poisoned before each step."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from service.config import LayerConfig
+from service.moe.reference import full_weights, moe_reference
+from service.worker.group import WorkerGroup
+from tests.helpers import rel_err, routing, tolerance
+
+pytestmark = pytest.mark.gpu
+
+CFG = LayerConfig(E=16, H=512, I=384, K=4, R=1, C=256, dtype=torch.bfloat16)
+SEED = 2
+CALLERS = 3
+# Per caller, its steps' T in order: every caller mixes sizes, so steps in flight differ in T.
+SIZES = ((1, 255, 256, 97, 3, 256), (256, 1, 131, 256, 1, 7), (77, 256, 2, 255, 1, 200))
+KINDS = ("balanced", "skewed", "empty_expert")
+
+
+def inputs(caller: int):
+    """Every step's rows of one caller, fixed by seeds (the same for every group)."""
+    gen = torch.Generator().manual_seed(100 + caller)
+    steps = []
+    for i, T in enumerate(SIZES[caller]):
+        x = torch.randn(T, CFG.H, generator=gen).to(CFG.dtype)
+        ids, w = routing(T, CFG.E, CFG.K, KINDS[(caller + i) % len(KINDS)], gen)
+        steps.append((x, ids.to(torch.int32), w))
+    return steps
+
+
+def run_callers(group: WorkerGroup):
+    """CALLERS threads, each on its own slot, their steps back to back -> ({caller: answers}, stats)."""
+    answers: dict[int, list[torch.Tensor]] = {}
+    stats: list = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(CALLERS)
+
+    def caller(c: int) -> None:
+        try:
+            slot = group.acquire_slot(timeout=60)
+            start.wait()
+            mine = []
+            for x, ids, w in inputs(c):
+                T = x.shape[0]
+                slot.x[:T].copy_(x)
+                slot.ids[:T].copy_(ids)
+                slot.w[:T].copy_(w)
+                slot.out.fill_(float("nan"))  # a row the step does not write stays NaN
+                stats.append(group.run(slot, T))
+                mine.append(slot.out[:T].clone())
+                assert slot.out[T:].isnan().all(), "a step wrote rows past its T"
+            answers[c] = mine
+            group.release(slot)
+        except BaseException as err:  # noqa: BLE001 - reported by the test
+            errors.append(err)
+
+    threads = [threading.Thread(target=caller, args=(c,)) for c in range(CALLERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    return answers, stats
+
+
+@pytest.mark.parametrize("backend", ["fused", "serial"])
+def test_lookahead_answers_equal_one_step_at_a_time_and_the_reference(backend):
+    weights = [t.cuda() for t in full_weights(CFG, SEED)]
+    results = {}
+    for lookahead in (1, 2):
+        with WorkerGroup(CFG, device="cuda", seed=SEED, backend=backend, slots=CALLERS + 1, lookahead=lookahead,
+                         start_timeout_s=600) as group:
+            assert group.backend == backend and group.lookahead == lookahead
+            results[lookahead] = run_callers(group)
+            assert group.seq == sum(len(s) for s in SIZES)
+    tol = tolerance(CFG.dtype, CFG.dtype)
+    for c in range(CALLERS):
+        for i, (x, ids, w) in enumerate(inputs(c)):
+            ref = moe_reference(x.cuda().float(), ids.cuda().long(), w.cuda(), *weights).cpu()
+            one, two = results[1][0][c][i], results[2][0][c][i]
+            assert torch.isfinite(two).all(), (backend, c, i)
+            assert rel_err(one, ref) <= tol, (backend, "lookahead 1", c, i, rel_err(one, ref))
+            assert rel_err(two, ref) <= tol, (backend, "lookahead 2", c, i, rel_err(two, ref))
+            assert rel_err(two, one) <= tol, (backend, c, i, rel_err(two, one))
+    assert not any(s.behind for s in results[1][1])
+    behind = sum(s.behind for s in results[2][1])
+    assert behind >= 1, "three callers' steps back to back: some step message waits while one is in flight"
+    bitwise = all(torch.equal(a, b) for c in range(CALLERS)
+                  for a, b in zip(results[1][0][c], results[2][0][c], strict=True))
+    print(f"{backend}: {behind} of {len(results[2][1])} steps enqueued behind another; "  # noqa: T201 (pytest -s)
+          f"bitwise equal to lookahead 1: {bitwise}")
+    for s in results[2][1]:  # a looked-ahead step's phases still cut its wall
+        assert sum(s.phases.values()) == pytest.approx(s.wall_s, rel=1e-9, abs=1e-9)
+        assert min(s.phases.values()) >= 0.0
