@@ -60,7 +60,9 @@ STEP_PARTS = ("group", "rank")  # moe_step_seconds{part}: the owner's wall of a 
 # barrier), device (waiting for the GPU layer), copy_out (the answer into the slot), checks
 # (check_seq, stage times, exposed communication); then peers (rank 0's answer to the last rank's),
 # to_owner (the last answer sent to the owner holding all of them), owner (to run's return: the hand-off
-# to the step's own thread).
+# to the step's own thread). A step a CUDA rank enqueued behind another (rank lookahead, StepStats.behind)
+# keeps the same cuts: its to_rank is short (its message was read while the step before ran), its
+# device holds the rest of the step before it (that step's device time and rank 0 finishing it).
 STEP_PHASES = ("to_rank", "copy_in", "launch", "device", "copy_out", "checks", "peers", "to_owner", "owner")
 
 
