@@ -194,7 +194,7 @@ class FusedLayer:
                   torch.empty(0, cfg.K, dtype=torch.float32, device=device), 0, None,
                   dataclasses.replace(self.plan, max_spins=max(self.plan.max_spins, WARMUP_SPINS)))
         torch.cuda.synchronize(device)
-        self._raise_on_error("warm-up step")
+        self._raise_on_error("warm-up step", self._words(None)[1])
         if graph:
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
@@ -248,7 +248,8 @@ class FusedLayer:
     # -- after a step ----------------------------------------------------------------------------
     def new_state(self) -> StepState:
         """A step's timer and its snapshot words: RankBuffers.state's layout, in pinned memory."""
-        return StepState(StageTimer(self.device), torch.zeros_like(self.bufs.state, device="cpu", pin_memory=True))
+        state = self.bufs.state
+        return StepState(StageTimer(self.device), torch.zeros(state.shape, dtype=state.dtype, pin_memory=True))
 
     def snapshot(self, state: StepState) -> None:
         """The step's stats, error flag and seq words (RankBuffers.state) -> state.words: one copy."""
@@ -266,10 +267,9 @@ class FusedLayer:
         w = state.words
         return w[:STATE_ERROR].view(torch.int64), int(w[STATE_ERROR]), w[STATE_SEQS:].view(self.cfg.R, 2)
 
-    def _raise_on_error(self, what: str, state: StepState | None = None) -> None:
+    def _raise_on_error(self, what: str, code: int) -> None:
         from service.kernels.fused_kernels import describe_error
 
-        code = self._words(state)[1]
         if code:
             raise FusedTimeout(f"rank {self.rank}, {what}: {describe_error(code)}")
 
@@ -277,8 +277,7 @@ class FusedLayer:
         """After a step: the kernels' error flag, then every rank must have run the same batch
         (from the step's snapshot: host reads alone)."""
         _, code, seqs = self._words(state)
-        if code:
-            self._raise_on_error(f"step seq {seq}", state)
+        self._raise_on_error(f"step seq {seq}", code)
         routing.check_seq_words(seqs, seq, self.rank)
 
     def exposed_comm_s(self, state: StepState | None = None) -> float:

@@ -57,7 +57,7 @@ class HostWords:
     def __init__(self, dst: torch.Tensor, depth: int = 2):
         self.dst = dst
         cuda = dst.device.type == "cuda"
-        self._host = [torch.zeros_like(dst, device="cpu", pin_memory=cuda) for _ in range(depth)]
+        self._host = [torch.zeros(dst.shape, dtype=dst.dtype, pin_memory=cuda) for _ in range(depth)]
         self._np = [h.numpy() for h in self._host]  # written without a torch op per word
         self._copied = [torch.cuda.Event() if cuda else None for _ in range(depth)]
         self._next = 0
