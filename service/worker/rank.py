@@ -175,9 +175,10 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
     its rows are copied into.
 
     On CUDA up to opts.lookahead steps are in flight: once step n is enqueued (copy-in, layer,
-    snapshot, the answer's cast and copy into the slot, an event), a step message already waiting
-    in the pipe is read and step n+1 enqueued behind it before the rank waits for n, so the device
-    never waits for the host work between two steps. One stream orders them: n+1's copy-in into
+    snapshot, the answer's cast and copy into the slot, an event), a step message that waits in the
+    pipe, or arrives before n's layer is done (the rank polls both: it spins as a CUDA event's
+    synchronize does), is read and step n+1 enqueued behind it before the rank finishes n, so the
+    device does not wait for the host work between two steps. One stream orders them: n+1's copy-in into
     the layer's input buffers comes after n's layer read them, n's answer leaves out_dev and the
     layer's output before n+1 overwrites them. Steps are finished (checks from their own snapshot,
     answer sent) in seq order; a failed check of step n raises here, so n+1 is never answered.
@@ -217,9 +218,21 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
                  "tokens": step.n, "behind": step.behind, "stamps": (*step.stamps, device_done, copied_out, now())}
         conn.send(("done", rank, step.seq, stats))
 
+    def message_first() -> bool:
+        """With a lane free, wait until a message waits (True) or the oldest step's layer is done
+        (False): a step message that arrives while the device computes is enqueued at once."""
+        if len(in_flight) == depth:
+            return False
+        layer_done = in_flight[0].lane.layer_done
+        while True:
+            if conn.poll(0):
+                return True
+            if layer_done is None or layer_done.query():
+                return False
+
     while True:
-        if in_flight and (len(in_flight) == depth or not conn.poll(0)):
-            finish()  # nothing waiting (or no lane free): the oldest step's answer first
+        if in_flight and not message_first():
+            finish()  # no lane free, or the oldest step's layer done first: its answer first
             continue
         msg = conn.recv()
         received = now()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import threading
+import time
 import types
 
 import pytest
@@ -36,9 +38,26 @@ class InstantEvent:
     def synchronize(self) -> None:
         assert self.recorded, "waited for an event that was never recorded"
 
+    def query(self) -> bool:
+        assert self.recorded
+        return True
+
     def elapsed_time(self, other: InstantEvent) -> float:
         assert self.recorded and other.recorded
         return 0.0
+
+
+class GatedEvent(InstantEvent):
+    """An event whose work completes when the test opens `gate` (a device still computing)."""
+
+    gate = threading.Event()
+
+    def query(self) -> bool:
+        assert self.recorded
+        return self.gate.is_set()
+
+    def synchronize(self) -> None:
+        assert self.recorded and self.gate.wait(timeout=10), "waited for a step the test never completed"
 
 
 class FakeLayer:
@@ -91,10 +110,10 @@ def make_slots(gen: torch.Generator, n: int):
         for i in range(n)]
 
 
-def run_loop(monkeypatch, messages, lookahead: int, layer: FakeLayer, slots):
+def run_loop(monkeypatch, messages, lookahead: int, layer: FakeLayer, slots, event=InstantEvent, pipe=None):
     """Queue `messages` on the rank's pipe, run the loop to its end; (answers read back, raised)."""
-    monkeypatch.setattr(torch.cuda, "Event", InstantEvent)
-    parent, child = mp.Pipe()
+    monkeypatch.setattr(torch.cuda, "Event", event)
+    parent, child = pipe or mp.Pipe()
     for msg in messages:
         parent.send(msg)
     opts = RankOptions(cfg=CFG, device="cuda", store_host="", store_port=0, slot_paths=(), lookahead=lookahead)
@@ -168,3 +187,36 @@ def test_a_step_out_of_sequence_is_refused(monkeypatch):
     answers, raised = run_loop(monkeypatch, [("step", 1, 0, 5), ("step", 3, 1, 5)], 2, layer, make_slots(gen, 2))
     assert isinstance(raised, RuntimeError) and "expected seq 2, got 3" in str(raised)
     assert answers == []  # step 1 was in flight; the rank fails before answering anything
+
+
+def test_a_step_arriving_while_the_device_computes_is_enqueued_at_once(monkeypatch):
+    """Step 2's message comes after the rank enqueued step 1 and while step 1's layer still runs:
+    the rank enqueues step 2 before it finishes step 1 (it polls the pipe and step 1's event)."""
+    gen = torch.Generator().manual_seed(15)
+    slots = make_slots(gen, 2)
+    layer = FakeLayer()
+    GatedEvent.gate.clear()
+    parent, child = mp.Pipe()
+
+    def feeder() -> None:
+        def until(call):
+            deadline = time.monotonic() + 10
+            while call not in layer.calls and time.monotonic() < deadline:
+                time.sleep(0.001)
+        parent.send(("step", 1, 0, 5))
+        until(("forward", 1))
+        parent.send(("step", 2, 1, 37))
+        until(("forward", 2))
+        GatedEvent.gate.set()  # the device finishes both
+        parent.send(("stop",))
+
+    thread = threading.Thread(target=feeder)
+    thread.start()
+    try:
+        answers, raised = run_loop(monkeypatch, [], 2, layer, slots, event=GatedEvent, pipe=(parent, child))
+    finally:
+        GatedEvent.gate.set()
+        thread.join(timeout=10)
+    assert raised is None
+    assert layer.calls == [("forward", 1), ("forward", 2), ("check", 1), ("check", 2)]
+    assert [(a[0], a[2], a[3]["behind"]) for a in answers] == [("done", 1, False), ("done", 2, True)]
