@@ -207,9 +207,9 @@ class Settings(BaseSettings):
         description="first delay before restarting a failed rank group; doubles on each failure, up to 30 s")
     slots: int = Field(2, ge=1, le=16, description="shared-memory batch slots per front-end process")
     rank_lookahead: int = Field(2, ge=1, le=2,
-        description="steps a CUDA rank holds in flight: 2 enqueues the next step (when its message is already "
-                    "waiting) before waiting for this one, so the GPU does not idle through the host work between "
-                    "steps; 1 runs one at a time (CPU ranks always do)")
+        description="steps a CUDA rank holds in flight: 2 enqueues the next step (when its message waits or "
+                    "arrives before this one's layer is done) before finishing this one, so the GPU does not idle "
+                    "through the host work between steps; 1 runs one at a time (CPU ranks always do)")
     frontends: int | None = Field(None, ge=1, le=32,
         description="front-end processes serving the HTTP and gRPC ports (SO_REUSEPORT), each with its own batcher and "
                     "slots, all feeding the one rank group; default min(4, CPU cores // 2) on a GPU host, 1 on the CPU")
