@@ -9,6 +9,7 @@
 #   TREES=". .base" ROUNDS=2 CELL_S=3 CONCURRENCY=4,16 [PYSPY_TREE=.] OUT=$OUT bash bench/gpu_serve_ab.sh
 # A root other than "." is a copy of another commit's tree inside this checkout (carried), e.g.
 #   git archive <commit> | (mkdir -p .base && tar -x -C .base)
+# An entry ROOT:VAR=VALUE serves ROOT with that environment variable set (e.g. ".:MOE_RANK_LOOKAHEAD=1").
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
@@ -25,7 +26,11 @@ cap() { local want=$1 l; l=$(left); (( l < want )) && want=$l; (( want < 1 )) &&
 PYSPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
 SITE=${SITE:-/tmp/site}
 
-for tree in "${TREE_LIST[@]}"; do
+declare -A BUILT=()
+for entry in "${TREE_LIST[@]}"; do
+  tree=${entry%%:*}
+  [[ -n "${BUILT[$tree]:-}" ]] && continue
+  BUILT[$tree]=1
   (cd "$tree" && PYTHONPATH="$ROOT/$tree:$SITE" "$PY" csrc/build.py > "$LOG/build_${tree//[.\/]/_}.txt" 2>&1)
   echo "built $tree: rc=$?"
 done
@@ -42,10 +47,13 @@ trap stop_server EXIT
 
 profiled=0
 for round in $(seq "${ROUNDS:-1}"); do
-  for tree in "${TREE_LIST[@]}"; do
-    name=${tree//[.\/]/_}
+  for entry in "${TREE_LIST[@]}"; do
+    tree=${entry%%:*}
+    envs=()
+    [[ "$entry" == *:* ]] && envs=("${entry#*:}")
+    name=${entry//[.\/:=]/_}
     (( $(left) > 60 )) || { echo "round $round $tree: skipped, budget spent"; continue; }
-    (cd "$tree" && PYTHONPATH="$ROOT/$tree:$SITE" exec setsid "$PY" -m service --host 127.0.0.1 --http-port 18000 \
+    (cd "$tree" && PYTHONPATH="$ROOT/$tree:$SITE" exec env "${envs[@]}" setsid "$PY" -m service --host 127.0.0.1 --http-port 18000 \
       --grpc-port 18001 > "$LOG/server_${name}_$round.txt" 2>&1) &
     SERVER=$!
     ready=0
@@ -54,7 +62,7 @@ for round in $(seq "${ROUNDS:-1}"); do
       kill -0 "$SERVER" 2>/dev/null || break
       sleep 1
     done
-    echo "== round $round, tree $tree ($(cat "$tree/COMMIT" 2>/dev/null || echo "?")): ready=$ready after $(( $(date +%s) - START )) s"
+    echo "== round $round, tree $tree ($(cat "$tree/COMMIT" 2>/dev/null || echo "?")) ${envs[*]}: ready=$ready after $(( $(date +%s) - START )) s"
     grep -E "front-end process|Traceback|ERROR" "$LOG/server_${name}_$round.txt" | head -n 4
     if (( ready )); then
       sleep 2  # the other front ends confirm the group (older trees bind before they know it)
@@ -62,7 +70,7 @@ for round in $(seq "${ROUNDS:-1}"); do
         --sizes "${SIZES:-512}" --concurrency "${CONCURRENCY:-4,16}" --seconds "$CELL_S" --wire-dtype bf16 --no-direct \
         --json "$LOG/load_${name}_$round.json" > "$LOG/load_${name}_$round.txt" 2>&1
       echo "load rc=$?"; grep -E "^\|" "$LOG/load_${name}_$round.txt"
-      if [[ "${PYSPY_TREE:-}" == "$tree" ]] && (( ! profiled )) && (( $(left) > 30 )); then
+      if [[ "${PYSPY_TREE:-}" == "$entry" ]] && (( ! profiled )) && (( $(left) > 30 )); then
         profiled=1
         timeout -k 5 30 "$PY" bench/serve_load.py --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
           --protocols v2_binary --sizes 512 --concurrency 16 --seconds 12 --wire-dtype bf16 --no-direct \
