@@ -5,7 +5,7 @@ Control messages on the rank's pipe (parent -> rank): ("step", seq, slot_index, 
 seq, stats), ("pong", rank, seq, None), ("refused", rank, message) for a backend asked for that
 cannot run here, and ("error", rank, traceback_text). Tensors never cross the pipe: they live in
 the slots. A step's stats carry the rank's host timestamps (`stamps`: step message read, copy-in
-issued, layer launched, device done, answer in the slot, answer ready to send: its pickling and
+issued, layer and the answer's copy enqueued, device done, answer in the slot, answer ready to send: its pickling and
 write fall in the next phase), which the group turns into StepStats.phases.
 
 A CUDA rank holds up to `RankOptions.lookahead` steps in flight (`_steps`): answers still come in
@@ -165,7 +165,7 @@ class _Step:
     out: torch.Tensor | None  # CPU: the layer's output, copied into the slot when finished; CUDA: None (enqueued)
     slot_out: torch.Tensor    # [n, H] the slot's rows for this rank's answer
     lane: _Lane
-    stamps: list[float]       # message read, copy-in issued, layer launched (then finish() adds three)
+    stamps: list[float]       # message read, copy-in issued, layer and the answer's copy enqueued (finish() adds three)
     behind: bool              # enqueued while the step before it was still in flight
 
 
@@ -245,29 +245,35 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
             conn.send(("pong", rank, last_seq, None))
             continue
         _, seq, slot_index, T = msg
-        if seq != last_seq + 1:
-            raise RuntimeError(f"rank {rank} expected seq {last_seq + 1}, got {seq}")
-        last_seq = seq
-        lane = lanes[seq % depth]  # steps finish in seq order, so this lane's previous step is finished
-        slot = slots[slot_index]
-        start, n = rank_range(T, cfg.R, rank)
-        rows = slice(start, start + n)
-        x, ids, w = slot.x[rows], slot.ids[rows], slot.w[rows]
-        if opts.host is not None:  # CPU ranks of one host: the layer reads every rank's rows from the slot
-            x, ids, w = slot.x[:T], slot.ids[:T], slot.w[:T]
-        elif lane.copied_in is not None:  # CUDA: DMA from the pinned slot, in stream order before the step
-            assert inputs is not None
-            lane.copied_in[0].record()
-            x, ids, w = (buf[:n].copy_(src, non_blocking=True) for buf, src in zip(inputs, (x, ids, w), strict=True))
-            lane.copied_in[1].record()
-        issued = now()
-        result = layer.forward(x, ids, w, seq, lane.state.timer)
-        layer.snapshot(lane.state)
-        out: torch.Tensor | None = result
-        if out_dev is not None and lane.layer_done is not None and lane.done is not None:
-            # CUDA: cast on the device (half the bytes to move), DMA into the slot
-            lane.layer_done.record()
-            slot.out[rows].copy_(out_dev[:n].copy_(result), non_blocking=True)
-            lane.done.record()
-            out = None
-        in_flight.append(_Step(seq, n, out, slot.out[rows], lane, [received, issued, now()], bool(in_flight)))
+        try:
+            if seq != last_seq + 1:
+                raise RuntimeError(f"rank {rank} expected seq {last_seq + 1}, got {seq}")
+            last_seq = seq
+            lane = lanes[seq % depth]  # steps finish in seq order, so this lane's previous step is finished
+            slot = slots[slot_index]
+            start, n = rank_range(T, cfg.R, rank)
+            rows = slice(start, start + n)
+            x, ids, w = slot.x[rows], slot.ids[rows], slot.w[rows]
+            if opts.host is not None:  # CPU ranks of one host: the layer reads every rank's rows from the slot
+                x, ids, w = slot.x[:T], slot.ids[:T], slot.w[:T]
+            elif lane.copied_in is not None:  # CUDA: DMA from the pinned slot, in stream order before the step
+                assert inputs is not None
+                lane.copied_in[0].record()
+                x, ids, w = (buf[:n].copy_(src, non_blocking=True)
+                             for buf, src in zip(inputs, (x, ids, w), strict=True))
+                lane.copied_in[1].record()
+            issued = now()
+            result = layer.forward(x, ids, w, seq, lane.state.timer)
+            layer.snapshot(lane.state)
+            out: torch.Tensor | None = result
+            if out_dev is not None and lane.layer_done is not None and lane.done is not None:
+                # CUDA: cast on the device (half the bytes to move), DMA into the slot
+                lane.layer_done.record()
+                slot.out[rows].copy_(out_dev[:n].copy_(result), non_blocking=True)
+                lane.done.record()
+                out = None
+            in_flight.append(_Step(seq, n, out, slot.out[rows], lane, [received, issued, now()], bool(in_flight)))
+        except Exception as exc:  # the steps before it are answered first (or fail on their own), so the
+            while in_flight:  # owner's error names the step that failed, not the one it was behind
+                finish()
+            raise RuntimeError(f"rank {rank}, step seq {seq}: {type(exc).__name__}: {exc}") from exc

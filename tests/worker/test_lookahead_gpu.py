@@ -41,11 +41,15 @@ def run_callers(group: WorkerGroup):
     answers: dict[int, list[torch.Tensor]] = {}
     stats: list = []
     errors: list[BaseException] = []
-    start = threading.Barrier(CALLERS)
+    start = threading.Barrier(CALLERS, timeout=120)  # a caller that fails first breaks it: no hang
 
     def caller(c: int) -> None:
         try:
-            slot = group.acquire_slot(timeout=60)
+            try:
+                slot = group.acquire_slot(timeout=60)
+            except BaseException:
+                start.abort()  # the others' wait raises BrokenBarrierError instead of waiting
+                raise
             start.wait()
             mine = []
             for x, ids, w in inputs(c):
@@ -62,11 +66,12 @@ def run_callers(group: WorkerGroup):
         except BaseException as err:  # noqa: BLE001 - reported by the test
             errors.append(err)
 
-    threads = [threading.Thread(target=caller, args=(c,)) for c in range(CALLERS)]
+    threads = [threading.Thread(target=caller, args=(c,), daemon=True) for c in range(CALLERS)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a caller did not finish within 300 s"
     assert not errors, errors
     return answers, stats
 

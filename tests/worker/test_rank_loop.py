@@ -186,7 +186,25 @@ def test_a_step_out_of_sequence_is_refused(monkeypatch):
     layer = FakeLayer()
     answers, raised = run_loop(monkeypatch, [("step", 1, 0, 5), ("step", 3, 1, 5)], 2, layer, make_slots(gen, 2))
     assert isinstance(raised, RuntimeError) and "expected seq 2, got 3" in str(raised)
-    assert answers == []  # step 1 was in flight; the rank fails before answering anything
+    assert "step seq 3" in str(raised)  # the error names the message that broke the sequence
+    # step 1 was in flight and good: it is answered before the rank fails on the message behind it
+    assert [(a[0], a[2]) for a in answers] == [("done", 1)]
+
+
+def test_a_step_that_fails_to_enqueue_is_named_after_the_step_ahead_is_answered(monkeypatch):
+    gen = torch.Generator().manual_seed(15)
+    layer = FakeLayer()
+    real_forward = layer.forward
+
+    def forward(x, ids, w, seq, timer):
+        if seq == 2:
+            raise ValueError("the device refused")
+        return real_forward(x, ids, w, seq, timer)
+
+    layer.forward = forward
+    answers, raised = run_loop(monkeypatch, [("step", 1, 0, 5), ("step", 2, 1, 5)], 2, layer, make_slots(gen, 2))
+    assert isinstance(raised, RuntimeError) and "step seq 2: ValueError: the device refused" in str(raised)
+    assert [(a[0], a[2]) for a in answers] == [("done", 1)]
 
 
 def test_a_step_arriving_while_the_device_computes_is_enqueued_at_once(monkeypatch):
