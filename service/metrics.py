@@ -136,6 +136,11 @@ class Metrics:
             ["phase"], buckets=TIME_BUCKETS, registry=r)
         self.tokens = Counter("moe_tokens_total", "Tokens processed by the layer.", registry=r)
         self.steps = Counter("moe_steps_total", "Steps run by the rank group.", registry=r)
+        self.steps_behind = Counter(
+            "moe_steps_behind_total",
+            "Steps rank 0 enqueued while the step before was still in flight (rank lookahead, "
+            "--rank-lookahead 2): the share of moe_steps_total whose host work the device did not wait for.",
+            registry=r)
         self.queued_tokens = Gauge("moe_queued_tokens", "Tokens waiting in the batcher's queue.", registry=r)
         self.inflight = Gauge("moe_inflight_requests", "Requests accepted and not yet answered.", registry=r)
         self.worker_restarts = Counter(
@@ -166,6 +171,8 @@ class Metrics:
     def observe_step(self, stats) -> None:
         """Record one finished step (a `service.worker.group.StepStats`)."""
         self.steps.inc()
+        if stats.behind:
+            self.steps_behind.inc()
         self.tokens.inc(stats.tokens)
         self.batch_tokens.observe(stats.tokens)
         self.layer_time.labels(stats.backend).observe(stats.layer_s)

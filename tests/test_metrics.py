@@ -111,6 +111,20 @@ def test_step_wall_times_by_part():
     assert value("moe_step_seconds_sum", {"part": "rank"}) == pytest.approx(0.0045)
 
 
+def test_steps_behind_count_the_looked_ahead_steps():
+    """moe_steps_behind_total: steps rank 0 enqueued behind a step in flight, zero from the start."""
+    from service.worker.group import StepStats
+
+    metrics = Metrics()
+    value = metrics.registry.get_sample_value
+    assert value("moe_steps_behind_total") == 0.0
+    for behind in (False, True, True):
+        metrics.observe_step(StepStats(seq=1, tokens=8, backend="fused", layer_s=0.001, stages={"fused": 0.001},
+                                       exposed_comm_s=0.0, behind=behind))
+    assert value("moe_steps_total") == 3.0
+    assert value("moe_steps_behind_total") == 2.0
+
+
 def test_step_phases_are_exported_in_order():
     """moe_step_phase_seconds{phase}: zero series of every phase once the backend is known, one
     observation per phase and step, whatever order a StepStats lists them in."""
