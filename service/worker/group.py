@@ -71,6 +71,7 @@ class StepStats:
     rank_wall_s: float = 0.0       # rank 0's view: step message received to answer ready to send
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # STEP_PHASES -> seconds; sum = wall_s
     behind: bool = False           # rank 0 enqueued it while the step before was in flight (rank lookahead)
+    overlapped: bool = False       # ... and the step before's layer was still running on the device then
 
 
 def step_phases(sent: float, stamps: list[tuple[float, ...]], collected: float, returned: float) -> dict[str, float]:
@@ -309,7 +310,8 @@ class WorkerGroup:
         return StepStats(seq=seq, tokens=T, backend=self.backend, layer_s=stats["layer_s"],
                          stages=stats["stages"], exposed_comm_s=stats["exposed_comm_s"], wall_s=wall,
                          rank_wall_s=stamps[0][-1] - stamps[0][0],
-                         phases=step_phases(sent, stamps, collected, returned), behind=stats["behind"])
+                         phases=step_phases(sent, stamps, collected, returned), behind=stats["behind"],
+                         overlapped=stats["overlapped"])
 
     def _await(self, seq: int) -> tuple[list, float]:
         """The ranks' answers to step `seq` and when they were all read. One waiting thread at a time

@@ -167,6 +167,7 @@ class _Step:
     lane: _Lane
     stamps: list[float]       # message read, copy-in issued, layer and the answer's copy enqueued (finish() adds three)
     behind: bool              # enqueued while the step before it was still in flight
+    overlapped: bool          # ... and that step's layer was still running on the device (CUDA)
 
 
 def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Logger, layer: Layer, slots,
@@ -215,7 +216,8 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
             # count as its copy_in (the fused layer's first stage; a serial layer on CUDA reports it this way alone)
             stages["copy_in"] = stages.get("copy_in", 0.0) + lane.copied_in[0].elapsed_time(lane.copied_in[1]) / 1e3
         stats = {"stages": stages, "layer_s": sum(stages.values()), "exposed_comm_s": layer.exposed_comm_s(lane.state),
-                 "tokens": step.n, "behind": step.behind, "stamps": (*step.stamps, device_done, copied_out, now())}
+                 "tokens": step.n, "behind": step.behind,
+                 "overlapped": step.overlapped, "stamps": (*step.stamps, device_done, copied_out, now())}
         conn.send(("done", rank, step.seq, stats))
 
     def message_first() -> bool:
@@ -272,7 +274,9 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
                 slot.out[rows].copy_(out_dev[:n].copy_(result), non_blocking=True)
                 lane.done.record()
                 out = None
-            in_flight.append(_Step(seq, n, out, slot.out[rows], lane, [received, issued, now()], bool(in_flight)))
+            ahead = in_flight[-1].lane.layer_done if in_flight else None  # the step before, if still in flight
+            in_flight.append(_Step(seq, n, out, slot.out[rows], lane, [received, issued, now()], bool(in_flight),
+                                   ahead is not None and not ahead.query()))
         except Exception as exc:  # the steps before it are answered first (or fail on their own), so the
             while in_flight:  # owner's error names the step that failed, not the one it was behind
                 finish()

@@ -25,18 +25,18 @@ SIZES = ((1, 255, 256, 97, 3, 256), (256, 1, 131, 256, 1, 7), (77, 256, 2, 255, 
 KINDS = ("balanced", "skewed", "empty_expert")
 
 
-def inputs(caller: int):
+def inputs(caller: int, cfg: LayerConfig = CFG, sizes=SIZES):
     """Every step's rows of one caller, fixed by seeds (the same for every group)."""
     gen = torch.Generator().manual_seed(100 + caller)
     steps = []
-    for i, T in enumerate(SIZES[caller]):
-        x = torch.randn(T, CFG.H, generator=gen).to(CFG.dtype)
-        ids, w = routing(T, CFG.E, CFG.K, KINDS[(caller + i) % len(KINDS)], gen)
+    for i, T in enumerate(sizes[caller]):
+        x = torch.randn(T, cfg.H, generator=gen).to(cfg.dtype)
+        ids, w = routing(T, cfg.E, cfg.K, KINDS[(caller + i) % len(KINDS)], gen)
         steps.append((x, ids.to(torch.int32), w))
     return steps
 
 
-def run_callers(group: WorkerGroup):
+def run_callers(group: WorkerGroup, cfg: LayerConfig = CFG, sizes=SIZES):
     """CALLERS threads, each on its own slot, their steps back to back -> ({caller: answers}, stats)."""
     answers: dict[int, list[torch.Tensor]] = {}
     stats: list = []
@@ -52,7 +52,7 @@ def run_callers(group: WorkerGroup):
                 raise
             start.wait()
             mine = []
-            for x, ids, w in inputs(c):
+            for x, ids, w in inputs(c, cfg, sizes):
                 T = x.shape[0]
                 slot.x[:T].copy_(x)
                 slot.ids[:T].copy_(ids)
@@ -105,3 +105,34 @@ def test_lookahead_answers_equal_one_step_at_a_time_and_the_reference(backend):
     for s in results[2][1]:  # a looked-ahead step's phases still cut its wall
         assert sum(s.phases.values()) == pytest.approx(s.wall_s, rel=1e-9, abs=1e-9)
         assert min(s.phases.values()) >= 0.0
+
+
+# The seed preset's shape at R=1: a 512-token step takes ~1.3 ms on an H200, far longer than the
+# rank's host turnaround, so with 3 callers a step is enqueued while the one before still computes.
+SEED_CFG = LayerConfig(E=64, H=4096, I=3072, K=8, R=1, C=512, dtype=torch.bfloat16)
+SEED_SIZES = ((512, 333, 512, 1), (512, 1, 512, 97), (257, 512, 512, 512))
+
+
+def test_lookahead_overlaps_steps_on_the_device_and_changes_no_answer():
+    """The stream-order argument under real overlap: steps enqueued while the layer of the step before
+    still ran on the device (StepStats.overlapped) give the answers of one step at a time, bit for
+    bit, and the fp32 reference's within tolerance (poisoned answer rows, mixed T)."""
+    results = {}
+    for lookahead in (1, 2):
+        with WorkerGroup(SEED_CFG, device="cuda", seed=SEED, backend="fused", slots=CALLERS + 1,
+                         lookahead=lookahead, start_timeout_s=600) as group:
+            results[lookahead] = run_callers(group, SEED_CFG, SEED_SIZES)
+    overlapped = sum(s.overlapped for s in results[2][1])
+    print(f"seed shape: {overlapped} of {len(results[2][1])} steps enqueued while the step before "  # noqa: T201
+          "was on the device")
+    assert overlapped >= 1, "no step overlapped the one before on the device: the test proves nothing"
+    assert not any(s.overlapped for s in results[1][1])
+    weights = [t.cuda() for t in full_weights(SEED_CFG, SEED)]
+    tol = tolerance(SEED_CFG.dtype, SEED_CFG.dtype)
+    for c in range(CALLERS):
+        for i, (x, ids, w) in enumerate(inputs(c, SEED_CFG, SEED_SIZES)):
+            one, two = results[1][0][c][i], results[2][0][c][i]
+            assert torch.equal(one, two), (c, i)
+            rows = slice(0, min(64, x.shape[0]))  # the reference on a sample of each step's rows
+            ref = moe_reference(x[rows].cuda().float(), ids[rows].cuda().long(), w[rows].cuda(), *weights).cpu()
+            assert rel_err(two[rows], ref) <= tol, (c, i, rel_err(two[rows], ref))

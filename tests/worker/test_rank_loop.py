@@ -238,3 +238,4 @@ def test_a_step_arriving_while_the_device_computes_is_enqueued_at_once(monkeypat
     assert raised is None
     assert layer.calls == [("forward", 1), ("forward", 2), ("check", 1), ("check", 2)]
     assert [(a[0], a[2], a[3]["behind"]) for a in answers] == [("done", 1, False), ("done", 2, True)]
+    assert [a[3]["overlapped"] for a in answers] == [False, True]  # step 1's layer still ran at step 2's enqueue
