@@ -14,7 +14,7 @@
 # The call (carry [".whl"]):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #     .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site && bash bench/gpu_lookahead.sh
-# Knobs: BUDGET (s, default 240: a cap; ~3 min expected), CALLERS (3), ROUNDS (1), STEPS (per caller, 200),
+# Knobs: BUDGET (s, default 330: a cap; ~4 min expected), CALLERS (3), ROUNDS (1), STEPS (per caller, 200),
 # PYTHON, OUT.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
