@@ -49,8 +49,7 @@ CELL_S=${CELL_S:-4}
 SERVE_FLAGS=(${SERVE_FLAGS:-})
 mkdir -p "$LOG"
 START=$(date +%s)
-left() { echo $(( BUDGET - ($(date +%s) - START) )); }
-cap() { local want=$1 l; l=$(left); (( l < want )) && want=$l; (( want < 1 )) && want=1; echo "$want"; }
+source bench/serve_lib.sh  # left, cap, wait_ready, stop_server
 PYSPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOG/summary.txt"
@@ -69,18 +68,8 @@ if [[ "${MAIN:-1}" == 1 ]]; then
 # ---- the server ---------------------------------------------------------------------------------
 setsid "$PY" -m service --host 127.0.0.1 --http-port 18000 --grpc-port 18001 "${SERVE_FLAGS[@]}" > "$LOG/server.txt" 2>&1 &
 SERVER=$!
-stop_server() {
-  kill -TERM "$SERVER" 2>/dev/null
-  for _ in $(seq 60); do kill -0 "$SERVER" 2>/dev/null || return; sleep 0.5; done
-  kill -KILL -- "-$SERVER" 2>/dev/null
-}
 trap stop_server EXIT
-ready=0
-for _ in $(seq "$(cap 240)"); do
-  if curl -sf -o /dev/null http://127.0.0.1:18000/v2/health/ready; then ready=1; break; fi
-  kill -0 "$SERVER" 2>/dev/null || break
-  sleep 1
-done
+wait_ready 240
 echo "server ready=$ready after $(( $(date +%s) - START )) s" | tee -a "$LOG/summary.txt"
 grep -E "fused unavailable|fused layer ready|rank group ready|warm-up|weights ready|front-end process|front end . listening|Traceback|ERROR" "$LOG/server.txt" | head -n 12 | tee -a "$LOG/summary.txt"
 if (( ready == 0 )); then tail -n 40 "$LOG/server.txt"; exit 1; fi
@@ -152,11 +141,7 @@ if [[ -n "${SLOTS2:-}" ]] && (( $(left) > 90 )); then
   setsid "$PY" -m service --host 127.0.0.1 --http-port 18000 --grpc-port 18001 --slots "$SLOTS2" "${SERVE_FLAGS[@]}" \
     > "$LOG/server2.txt" 2>&1 &
   SERVER=$!
-  for _ in $(seq "$(cap 120)"); do
-    curl -sf -o /dev/null http://127.0.0.1:18000/v2/health/ready && break
-    kill -0 "$SERVER" 2>/dev/null || break
-    sleep 1
-  done
+  wait_ready 120
   timeout -k 10 "$(cap 90)" "$PY" bench/serve_load.py --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
     --sizes 512 --concurrency 4,16 --seconds "$CELL_S" --no-direct "${SERVE_FLAGS[@]}" > "$LOG/slots.txt" 2>&1
   grep -E "^\|" "$LOG/slots.txt"

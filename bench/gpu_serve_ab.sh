@@ -21,8 +21,7 @@ CELL_S=${CELL_S:-3}
 read -ra TREE_LIST <<< "${TREES:-.}"
 mkdir -p "$LOG" && LOG=$(cd "$LOG" && pwd)  # absolute: the servers run in their trees
 START=$(date +%s)
-left() { echo $(( BUDGET - ($(date +%s) - START) )); }
-cap() { local want=$1 l; l=$(left); (( l < want )) && want=$l; (( want < 1 )) && want=1; echo "$want"; }
+source bench/serve_lib.sh  # left, cap, wait_ready, stop_server
 PYSPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
 SITE=${SITE:-/tmp/site}
 
@@ -36,13 +35,6 @@ for entry in "${TREE_LIST[@]}"; do
 done
 
 SERVER=
-stop_server() {
-  [[ -n "$SERVER" ]] || return
-  kill -TERM "$SERVER" 2>/dev/null
-  for _ in $(seq 60); do kill -0 "$SERVER" 2>/dev/null || break; sleep 0.5; done
-  kill -KILL -- "-$SERVER" 2>/dev/null
-  SERVER=
-}
 trap stop_server EXIT
 
 profiled=0
@@ -56,12 +48,7 @@ for round in $(seq "${ROUNDS:-1}"); do
     (cd "$tree" && PYTHONPATH="$ROOT/$tree:$SITE" exec env "${envs[@]}" setsid "$PY" -m service --host 127.0.0.1 --http-port 18000 \
       --grpc-port 18001 > "$LOG/server_${name}_$round.txt" 2>&1) &
     SERVER=$!
-    ready=0
-    for _ in $(seq "$(cap 150)"); do
-      if curl -sf -o /dev/null http://127.0.0.1:18000/v2/health/ready; then ready=1; break; fi
-      kill -0 "$SERVER" 2>/dev/null || break
-      sleep 1
-    done
+    wait_ready 150
     echo "== round $round, tree $tree ($(cat "$tree/COMMIT" 2>/dev/null || echo "?")) ${envs[*]}: ready=$ready after $(( $(date +%s) - START )) s"
     grep -E "front-end process|Traceback|ERROR" "$LOG/server_${name}_$round.txt" | head -n 4
     if (( ready )); then
