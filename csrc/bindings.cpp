@@ -6,8 +6,9 @@
 //       the same into caller-owned buffers (allocated once at capacity; nothing allocates per batch)
 //
 //   moe::gemm1_swiglu_sm90(Tensor a, Tensor w13, Tensor block_expert, Tensor? row_token, Tensor(a!) queue,
-//                          Tensor(b!) out, int num_programs) -> ()
-//       GEMM1 + SwiGLU over the gathered layout on the Hopper tile (csrc/gemm_sm90); registered only
+//                          Tensor(b!) out, int num_programs, int variant=0) -> ()
+//       GEMM1 + SwiGLU over the gathered layout on the Hopper tile (csrc/gemm_sm90; variant: its
+//       mainloop, a sm90::Gemm1Variant, service.kernels.cuda_tile.VARIANTS); registered only
 //       when csrc/build.py compiled that tile (an sm_90 target: MOE_SM90_TILE)
 //
 // Tables as in docs/CONTRACTS.md (service.moe.tables.Tables), all int32. One launch, no host sync.
@@ -150,7 +151,8 @@ void check_tile_tensor(const Tensor& t, const char* name, const Tensor& like, c1
 }
 
 void gemm1_swiglu_sm90(const Tensor& a, const Tensor& w13, const Tensor& block_expert,
-                       const std::optional<Tensor>& row_token, Tensor queue, Tensor out, int64_t num_programs) {
+                       const std::optional<Tensor>& row_token, Tensor queue, Tensor out, int64_t num_programs,
+                       int64_t variant) {
   MOE_CHECK(a.defined() && a.is_cuda(), "moe::gemm1_swiglu_sm90: a must be a CUDA tensor");
   MOE_CHECK(a.dim() == 2 && w13.dim() == 3 && out.dim() == 2,
             "moe::gemm1_swiglu_sm90: a [N, H], w13 [E, H, 2*Ir] and out [S, Ir] expected");
@@ -180,11 +182,14 @@ void gemm1_swiglu_sm90(const Tensor& a, const Tensor& w13, const Tensor& block_e
   const int64_t tiles = S / sm90::kTileRows * (Ir / sm90::kTileCols);
   MOE_CHECK(num_programs >= 1 && num_programs <= tiles, "moe::gemm1_swiglu_sm90: num_programs must be in [1, ",
             tiles, "], got ", num_programs);
+  MOE_CHECK(variant >= 0 && variant < sm90::kVariants, "moe::gemm1_swiglu_sm90: variant must be in [0, ",
+            sm90::kVariants, "), got ", variant);
   const LaunchContext ctx(a);
   sm90::Gemm1Args args{a.data_ptr(), w13.data_ptr(), out.data_ptr(), block_expert.data_ptr<int32_t>(),
                        row_token.has_value() ? row_token->data_ptr<int32_t>() : nullptr, queue.data_ptr<int32_t>(),
                        static_cast<int>(a.size(0)), static_cast<int>(S), static_cast<int>(H), static_cast<int>(Ir),
-                       static_cast<int>(E), static_cast<int>(num_programs)};
+                       static_cast<int>(E), static_cast<int>(num_programs),
+                       static_cast<int>(variant)};
   const int err = sm90::gemm1_launch(args, ctx.stream);
   MOE_CHECK(err == 0, "moe::gemm1_swiglu_sm90: launch failed: ", sm90::gemm1_error_string(err));
 }
@@ -201,7 +206,7 @@ TORCH_LIBRARY(moe, m) {
         "Tensor(f!) job_order) -> ()");
 #ifdef MOE_SM90_TILE
   m.def("gemm1_swiglu_sm90(Tensor a, Tensor w13, Tensor block_expert, Tensor? row_token, Tensor(a!) queue, "
-        "Tensor(b!) out, int num_programs) -> ()");
+        "Tensor(b!) out, int num_programs, int variant=0) -> ()");
 #endif
 }
 

@@ -30,6 +30,7 @@
 #include <cuda_runtime.h>
 
 #include "gemm_sm90/wgmma_m64n128k16.cuh"
+#include "gemm_sm90/wgmma_m64n256k16.cuh"
 
 namespace moe {
 namespace sm90 {
@@ -107,6 +108,12 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, uint3
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
+// The thread's prior cp.async arrive on `bar` when they complete; the arrival is one of the phase's
+// expected count (.noinc), so the thread makes no other arrival for them.
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 template <int N>
@@ -128,9 +135,14 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 
 // Keeps the compiler from moving accumulator registers across wgmma issue / wait points.
-__device__ __forceinline__ void fence_operands(float (&d)[64]) {
+__device__ __forceinline__ void fence_operands(float (&d)[128]) {
 #pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// The 64-register half of the accumulators (gate: 0, up: 1) that kBase's two m64n128 wgmma write.
+__device__ __forceinline__ float (&half_of(float (&d)[128], int h))[64] {
+  return *reinterpret_cast<float(*)[64]>(d + 64 * h);
 }
 
 // wgmma matrix descriptor, 128-byte swizzle: start address, leading and stride byte offsets (>> 4).
@@ -153,6 +165,7 @@ __device__ __forceinline__ int next_tile(int32_t* queue, const int32_t* block_ex
   }
 }
 
+template <int V>
 __device__ void producer(const Gemm1Args& p, const CUtensorMap* w_map, uint8_t* stages, Control* ctl) {
   const int t = threadIdx.x;  // 0..127
   // A copy: 8 consecutive threads copy one row's 8 16-byte chunks (128 contiguous bytes per 8
@@ -208,6 +221,10 @@ __device__ void producer(const Gemm1Args& p, const CUtensorMap* w_map, uint8_t* 
       for (int i = 0; i < 8; ++i) {  // padding rows: zeros, nothing read
         cp_async_16(base + dst0 + i * 16 * 128, src[i] ? src[i] + kk * kTileDepth : a, src[i] ? 16u : 0u);
       }
+      if constexpr (V == kNoinc) {
+        cp_async_arrive_noinc(full);
+        continue;
+      }
       cp_async_commit();
       if (it >= kLag) {
         cp_async_wait<kLag>();
@@ -216,10 +233,12 @@ __device__ void producer(const Gemm1Args& p, const CUtensorMap* w_map, uint8_t* 
       }
     }
   }
-  // The last kLag stages' rows, then the end of the stream.
-  cp_async_wait<0>();
-  fence_proxy_async();
-  for (uint32_t i = it >= kLag ? it - kLag : 0; i < it; ++i) mbar_arrive(smem_u32(&ctl->full[i % kStages]));
+  // The last kLag stages' rows (kNoinc: signalled by the copies themselves), then the end of the stream.
+  if constexpr (V != kNoinc) {
+    cp_async_wait<0>();
+    fence_proxy_async();
+    for (uint32_t i = it >= kLag ? it - kLag : 0; i < it; ++i) mbar_arrive(smem_u32(&ctl->full[i % kStages]));
+  }
   const uint32_t stage = it % kStages;
   mbar_wait(smem_u32(&ctl->empty[stage]), ((it / kStages) & 1) ^ 1);
   if (t == 0) {
@@ -229,6 +248,7 @@ __device__ void producer(const Gemm1Args& p, const CUtensorMap* w_map, uint8_t* 
   mbar_arrive(smem_u32(&ctl->full[stage]));
 }
 
+template <int V>
 __device__ void consumer(const Gemm1Args& p, uint8_t* stages, Control* ctl) {
   const int wg = threadIdx.x / 128 - 1;        // 0: tile rows 0-63, 1: rows 64-127
   const int warp = (threadIdx.x / 32) % 4;     // 16-row slice of the warp group's 64
@@ -237,7 +257,7 @@ __device__ void consumer(const Gemm1Args& p, uint8_t* stages, Control* ctl) {
   const int k_steps = p.H / kTileDepth;
   const uint32_t stage0 = smem_u32(stages);
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
-  float gate[64], up[64];
+  float acc[128];  // gate: columns 0-127 = registers 0-63, up: 128-255 = 64-127 (fragment layout below)
   uint32_t it = 0;
   while (true) {
     const uint32_t first = it % kStages;
@@ -259,28 +279,31 @@ __device__ void consumer(const Gemm1Args& p, uint8_t* stages, Control* ctl) {
     for (int kk = 0; kk < k_steps; ++kk, ++it) {
       const uint32_t stage = it % kStages;
       if (kk > 0) mbar_wait(smem_u32(&ctl->full[stage]), (it / kStages) & 1);
+      if constexpr (V == kNoinc) fence_proxy_async();  // the producers' cp.async rows, for wgmma's proxy
       const uint32_t a0 = stage0 + stage * kStageBytes + wg * 64 * 128;
       const uint32_t b0 = stage0 + stage * kStageBytes + kABytes;
-      fence_operands(gate);
-      fence_operands(up);
+      fence_operands(acc);
       wgmma_fence();
 #pragma unroll
       for (uint32_t k16 = 0; k16 < kTileDepth / 16; ++k16) {
         const uint64_t da = smem_desc(a0 + k16 * 32, 16, 1024);
         const uint32_t scale = (kk > 0 || k16 > 0) ? 1u : 0u;
-        wgmma_m64n128k16_bf16(gate, da, smem_desc(b0 + k16 * 2048, kBoxBytes, 1024), scale);
-        wgmma_m64n128k16_bf16(up, da, smem_desc(b0 + 2 * kBoxBytes + k16 * 2048, kBoxBytes, 1024), scale);
+        if constexpr (V == kBase) {
+          wgmma_m64n128k16_bf16(half_of(acc, 0), da, smem_desc(b0 + k16 * 2048, kBoxBytes, 1024), scale);
+          wgmma_m64n128k16_bf16(half_of(acc, 1), da, smem_desc(b0 + 2 * kBoxBytes + k16 * 2048, kBoxBytes, 1024),
+                                scale);
+        } else {  // the 4 boxes are kBoxBytes apart: one n256 operand of LBO kBoxBytes spans gate and up
+          wgmma_m64n256k16_bf16(acc, da, smem_desc(b0 + k16 * 2048, kBoxBytes, 1024), scale);
+        }
       }
       wgmma_commit();
       wgmma_wait<1>();  // the previous stage's group has read its operands
-      fence_operands(gate);
-      fence_operands(up);
+      fence_operands(acc);
       if (kk > 0 && lane == 0) mbar_arrive(smem_u32(&ctl->empty[prev]));
       prev = stage;
     }
     wgmma_wait<0>();
-    fence_operands(gate);
-    fence_operands(up);
+    fence_operands(acc);
     if (lane == 0) mbar_arrive(smem_u32(&ctl->empty[prev]));
     // Accumulator fragment of m64nN: register 4j + 2i + c holds row lane/4 + 8i (of the warp's 16)
     // and column 8j + 2(lane%4) + c.
@@ -294,7 +317,7 @@ __device__ void consumer(const Gemm1Args& p, uint8_t* stages, Control* ctl) {
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const int q = 4 * j + 2 * i;
-        const __nv_bfloat162 v = __floats2bfloat162_rn(silu_mul(gate[q], up[q]), silu_mul(gate[q + 1], up[q + 1]));
+        const __nv_bfloat162 v = __floats2bfloat162_rn(silu_mul(acc[q], acc[64 + q]), silu_mul(acc[q + 1], acc[65 + q]));
         *reinterpret_cast<__nv_bfloat162*>(row_out + 8 * j) = v;
       }
     }
@@ -303,6 +326,7 @@ __device__ void consumer(const Gemm1Args& p, uint8_t* stages, Control* ctl) {
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
+template <int V>
 __global__ void __launch_bounds__(kThreads, 1) gemm1_kernel(const Gemm1Args args, const __grid_constant__ CUtensorMap w_map) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
@@ -320,10 +344,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemm1_kernel(const Gemm1Args args
   __syncthreads();
   if (threadIdx.x < kProducerThreads) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    producer(args, &w_map, stages, ctl);
+    producer<V>(args, &w_map, stages, ctl);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-    consumer(args, stages, ctl);
+    consumer<V>(args, stages, ctl);
   }
 #else
   __trap();  // built for sm_90a only (csrc/build.py)
@@ -333,6 +357,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm1_kernel(const Gemm1Args args
 enum Error : int {
   kNoEntryPoint = -1,   // the driver's cuTensorMapEncodeTiled was not found
   kEncodeFailed = -2,   // cuTensorMapEncodeTiled refused the weights' map
+  kNoVariant = -3,      // Gemm1Args.variant is not a Gemm1Variant
 };
 
 PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
@@ -363,6 +388,7 @@ const char* gemm1_shape_error(int64_t H, int64_t Ir, int64_t E, int64_t S, int64
 }
 
 int gemm1_launch(const Gemm1Args& args, void* stream) {
+  if (args.variant < 0 || args.variant >= kVariants) return kNoVariant;
   const PFN_cuTensorMapEncodeTiled_v12000 encode = encode_fn();
   if (encode == nullptr) return kNoEntryPoint;
   // W13 [E, H, 2*Ir] as the 2-D [E*H rows, 2*Ir columns] row-major matrix; dimension 0 is the inner one.
@@ -375,19 +401,22 @@ int gemm1_launch(const Gemm1Args& args, void* stream) {
                               box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (res != CUDA_SUCCESS) return kEncodeFailed;
-  // The opt-in shared memory is an attribute of the function in each device's context: the first
-  // launch on each device sets it (normally a warm-up, before any graph capture).
+  // The opt-in shared memory is an attribute of the function (each variant's instance) in each
+  // device's context: the first launch on each device sets it (normally a warm-up, before any graph capture).
   constexpr int kMaxDevices = 64;
-  static bool attribute_set[kMaxDevices] = {};
+  static bool attribute_set[kVariants][kMaxDevices] = {};
+  static void (*const kernels[kVariants])(const Gemm1Args, const CUtensorMap) = {
+      gemm1_kernel<kBase>, gemm1_kernel<kN256>, gemm1_kernel<kNoinc>};
+  const auto kernel = kernels[args.variant];
   int device = 0;
   if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return static_cast<int>(err);
-  if (device < 0 || device >= kMaxDevices || !attribute_set[device]) {
+  if (device < 0 || device >= kMaxDevices || !attribute_set[args.variant][device]) {
     const cudaError_t err =
-        cudaFuncSetAttribute(gemm1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes));
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes));
     if (err != cudaSuccess) return static_cast<int>(err);
-    if (device >= 0 && device < kMaxDevices) attribute_set[device] = true;
+    if (device >= 0 && device < kMaxDevices) attribute_set[args.variant][device] = true;
   }
-  gemm1_kernel<<<args.num_programs, kThreads, kSmemBytes, static_cast<cudaStream_t>(stream)>>>(args, map);
+  kernel<<<args.num_programs, kThreads, kSmemBytes, static_cast<cudaStream_t>(stream)>>>(args, map);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -397,6 +426,8 @@ const char* gemm1_error_string(int error) {
       return "the driver has no cuTensorMapEncodeTiled (CUDA driver older than 12.0?)";
     case kEncodeFailed:
       return "cuTensorMapEncodeTiled refused the W13 tensor map (alignment or size)";
+    case kNoVariant:
+      return "no such tile variant (Gemm1Variant)";
     default:
       return cudaGetErrorString(static_cast<cudaError_t>(error));
   }

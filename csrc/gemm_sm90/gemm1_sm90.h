@@ -20,6 +20,18 @@ constexpr int kTileDepth = 64;   // BK: K per pipeline stage (128 bytes of bf16:
 constexpr int kStages = 4;       // 4 x 48 KB of shared memory
 constexpr int kThreads = 384;    // warp group 0 loads, warp groups 1 and 2 compute rows 0-63 / 64-127
 
+// Mainloop variants, one kernel instance each, chosen per launch (Gemm1Args.variant; issue 12t,
+// bench/NOTES.md "Issue 12t" has the suspected bubbles they remove and their predictions):
+//   kBase   per k16 two wgmma m64n128k16 (gate, up) that each read the warp group's A slice; the
+//           producer signals a stage's rows 2 stages late (cp.async.wait_group 2, then an arrive)
+//   kN256   per k16 one wgmma m64n256k16 over the 4 weight boxes (gate 0-127, up 128-255): A read
+//           once, half the wgmma instructions; the producer as kBase
+//   kNoinc  kN256, and each producer thread's rows arrive on the stage's barrier by
+//           cp.async.mbarrier.arrive.noinc when they land (no wait_group stall in the producer, no
+//           lag); the consumers make them visible to wgmma (fence.proxy.async) after the wait
+enum Gemm1Variant : int { kBase = 0, kN256 = 1, kNoinc = 2 };
+constexpr int kVariants = 3;
+
 struct Gemm1Args {
   const void* a;                // [num_a_rows, H] bf16, rows contiguous (token matrix, or the layout itself)
   const void* w13;              // [E, H, 2*Ir] bf16, contiguous
@@ -29,6 +41,7 @@ struct Gemm1Args {
   int32_t* queue;               // [2] int32, 0 at launch: next tile, CTAs done; the last CTA rewinds both to 0
   int num_a_rows, S, H, Ir, E;
   int num_programs;             // persistent CTAs (<= tiles, one per SM)
+  int variant;                  // Gemm1Variant
 };
 
 // Dynamic shared memory of one CTA (stages + barriers + 1 KB for the 1024-byte alignment).

@@ -36,6 +36,11 @@ TILE_COLS = 128   # kTileCols: output columns; the tile reads 2 x 128 weight col
 TILE_DEPTH = 64   # kTileDepth: K per stage
 STAGES = 4        # kStages
 THREADS = 384     # kThreads
+# enum Gemm1Variant, in its order: the mainloop of one launch (gemm1_swiglu's `variant`). "base": two
+# wgmma m64n128k16 per k16 step (gate, up), rows signalled 2 stages late after cp.async.wait_group;
+# "n256": one m64n256k16 over gate and up (A read once); "noinc": n256 with the rows signalled by
+# cp.async.mbarrier.arrive.noinc as they land. Same results (same products, same K order).
+VARIANTS = ("base", "n256", "noinc")
 SMEM_BYTES = STAGES * (TILE_ROWS * TILE_DEPTH + TILE_DEPTH * 2 * TILE_COLS) * 2  # 196,608 B of stages
 OP = "gemm1_swiglu_sm90"
 
@@ -108,10 +113,13 @@ def grid_size(S: int, Ir: int, sms: int) -> int:
 
 
 def gemm1_swiglu(a, w13, block_expert, *, out=None, num_programs=None, row_token=None,
-                 act: Activation = Activation(), bias=None, queue=None) -> torch.Tensor:
+                 act: Activation = Activation(), bias=None, queue=None, variant: str = "base") -> torch.Tensor:
     """act [S, Ir] (module docstring); a [N, H] (with row_token [S]) or [S, H], w13 [E, H, 2*Ir], all
     bf16 and contiguous on one sm_90 device, block_expert [S/BM] int32; queue a reused
-    grouped_gemm.queue_counter (zero at launch, zero again after), else a fresh one."""
+    grouped_gemm.queue_counter (zero at launch, zero again after), else a fresh one; variant one of
+    VARIANTS (the mainloop)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"the CUDA tile's variant must be one of {VARIANTS}, got {variant!r}")
     if out is None:
         S = a.shape[0] if row_token is None else row_token.shape[0]
         out = torch.empty((S, w13.shape[2] // 2), dtype=a.dtype, device=a.device)
@@ -120,5 +128,6 @@ def gemm1_swiglu(a, w13, block_expert, *, out=None, num_programs=None, row_token
     if reason:
         raise RuntimeError(f"GemmConfig.cuda_tile: {reason}")
     P = num_programs or grid_size(S, Ir, torch.cuda.get_device_properties(a.device).multi_processor_count)
-    getattr(torch.ops.moe, OP)(a, w13, block_expert, row_token, check_queue(queue, a.device), out, P)
+    getattr(torch.ops.moe, OP)(a, w13, block_expert, row_token, check_queue(queue, a.device), out, P,
+                              VARIANTS.index(variant))
     return out

@@ -26,7 +26,12 @@ def test_constants_match_the_header():
     text = (ROOT / "csrc" / "gemm_sm90" / "gemm1_sm90.h").read_text()
     values = {name: int(v) for name, v in re.findall(r"constexpr int (k\w+) = (\d+);", text)}
     assert values == {"kTileRows": cuda_tile.TILE_ROWS, "kTileCols": cuda_tile.TILE_COLS,
-                      "kTileDepth": cuda_tile.TILE_DEPTH, "kStages": cuda_tile.STAGES, "kThreads": cuda_tile.THREADS}
+                      "kTileDepth": cuda_tile.TILE_DEPTH, "kStages": cuda_tile.STAGES, "kThreads": cuda_tile.THREADS,
+                      "kVariants": len(cuda_tile.VARIANTS)}
+    # The variants' names in the enum's order: the index is what the launch passes.
+    enum = re.search(r"enum Gemm1Variant : int \{([^}]*)\}", text).group(1)
+    members = [(name.strip(), int(v)) for name, v in (m.split("=") for m in enum.split(","))]
+    assert [(f"k{n.capitalize()}" if n != "n256" else "kN256", i) for i, n in enumerate(cuda_tile.VARIANTS)] == members
     assert cuda_tile.TILE_ROWS == BM, "one tile is one row block of the gathered layout"
     # 4 stages of A [128 x 64] + W [64 x 256] bf16, the barriers and 1 KB of alignment, within sm_90's 227 KB.
     assert cuda_tile.SMEM_BYTES == 196_608 and cuda_tile.SMEM_BYTES + 1024 + 256 <= 232_448
@@ -85,6 +90,12 @@ def test_check_args_refuses(change, error, match):
 def test_layer_reason(dtype, act, bias, H, Ir, match):
     assert match in cuda_tile.layer_reason(dtype, act, bias, H, Ir)
     assert cuda_tile.layer_reason(torch.bfloat16, Activation(), None, 4096, 768) is None  # the seed share
+
+
+def test_an_unknown_variant_is_refused():
+    a, w13, block_expert, out, row_token = _args()
+    with pytest.raises(ValueError, match="variant must be one of"):
+        cuda_tile.gemm1_swiglu(a, w13, block_expert, out=out, row_token=row_token, variant="n512")
 
 
 def test_the_switch_never_falls_back():

@@ -6,6 +6,8 @@ SwiGLU on the tile against the fp32 reference and against the Triton tile, outpu
 phases, the tile queue), balanced / skewed routings and experts with zero tokens, odd counts, one
 hit, the seed share; the persistent loop with few CTAs (bit-equal to the full grid); a CUDA graph
 replay; the refusals on the device; the serial layer at R = 1 with the tile selected by its config.
+Every kernel test runs once per mainloop variant (cuda_tile.VARIANTS; the serial layer runs the
+default, "base").
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ import pytest
 import torch
 
 from service.config import BM, Activation, LayerConfig, round_up
+from service.kernels.cuda_tile import VARIANTS
 from tests.helpers import TOL, rel_err, routing, slice_rank
 from tests.kernels.test_grouped_gemm import _routing_rows, make_block_expert
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                                  reason="needs an sm_90 GPU (the tile is sm_90a code)")]
+
+each_variant = pytest.mark.parametrize("variant", VARIANTS)
 
 # (E, H, Ir, hits): odd counts; one K step per tile (H = 64: every stage a new tile, so a stage's
 # rows are signalled two tiles later) and 3 (fewer than the 4 stages); one hit; the seed share.
@@ -73,7 +78,8 @@ def _mismatches(what: str, out, want, got) -> list[str]:
             + ", ".join(f"({r}, {c}, {int(want[r, c])}, {int(got[r, c])})" for r, c in first)]
 
 
-def test_gpu_cuda_tile_probe_mapping():
+@each_variant
+def test_gpu_cuda_tile_probe_mapping(variant):
     """First, so that a wrong tile says where it is wrong: structured inputs whose outputs name the
     K row and the weight column they came from. Rows: A row t is one-hot at k = t % 256 (H = 256,
     4 K steps), gate W[k, n] = k / 64 (exact in bf16), up W = 1, so out[t, n] = silu(t % 256 / 64):
@@ -95,7 +101,7 @@ def test_gpu_cuda_tile_probe_mapping():
     w13[0, :, :Ir] = (torch.arange(H, device=dev) / 64.0)[:, None]
     w13[0, :, Ir:] = 1.0
     out = _poisoned(S, Ir)
-    cuda_tile.gemm1_swiglu(a.bfloat16(), w13.bfloat16(), block_expert, out=out, row_token=tokens)
+    cuda_tile.gemm1_swiglu(a.bfloat16(), w13.bfloat16(), block_expert, out=out, row_token=tokens, variant=variant)
     torch.cuda.synchronize()
     got = _decode(out, torch.arange(H, device=dev) / 64.0)  # [S, Ir] decoded k
     want = (torch.arange(S, device=dev) % H)[:, None].expand_as(got)
@@ -107,7 +113,7 @@ def test_gpu_cuda_tile_probe_mapping():
     w13[0, 0, :Ir] = torch.arange(Ir, device=dev) / 64.0
     w13[0, 0, Ir:] = 1.0
     out = _poisoned(S, Ir)
-    cuda_tile.gemm1_swiglu(a.bfloat16(), w13.bfloat16(), block_expert, out=out, row_token=tokens)
+    cuda_tile.gemm1_swiglu(a.bfloat16(), w13.bfloat16(), block_expert, out=out, row_token=tokens, variant=variant)
     torch.cuda.synchronize()
     got = _decode(out, torch.arange(Ir, device=dev) / 64.0)  # [S, Ir] decoded n
     want = torch.arange(Ir, device=dev)[None, :].expand_as(got)
@@ -115,9 +121,10 @@ def test_gpu_cuda_tile_probe_mapping():
     assert not problems, "; ".join(problems)
 
 
+@each_variant
 @pytest.mark.parametrize("kind", ["balanced", "skewed", "holes"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "E{}_H{}_Ir{}_hits{}".format(*s))
-def test_gpu_cuda_tile_matches_reference_and_triton(shape, kind):
+def test_gpu_cuda_tile_matches_reference_and_triton(shape, kind, variant):
     from service.kernels import cuda_tile, tuning
     from service.kernels.grouped_gemm import gemm1_swiglu
 
@@ -135,7 +142,7 @@ def test_gpu_cuda_tile_matches_reference_and_triton(shape, kind):
 
             ref = gemm1_swiglu_ref(x[row_token.clamp(min=0).long()], w13, block_expert)
         out = _poisoned(S, Ir)
-        cuda_tile.gemm1_swiglu(x, w13, block_expert, out=out, row_token=row_token)
+        cuda_tile.gemm1_swiglu(x, w13, block_expert, out=out, row_token=row_token, variant=variant)
         torch.cuda.synchronize()
         assert torch.isfinite(out[real]).all(), f"round {round_}: a real row left unwritten or not finite"
         assert torch.isnan(out[~real]).all(), f"round {round_}: a padding row or an unused block was written"
@@ -150,7 +157,8 @@ def test_gpu_cuda_tile_matches_reference_and_triton(shape, kind):
         assert rel_err(out[real], triton_out[real]) <= TOL[torch.bfloat16], rel_err(out[real], triton_out[real])
 
 
-def test_gpu_cuda_tile_without_gather_and_with_few_ctas():
+@each_variant
+def test_gpu_cuda_tile_without_gather_and_with_few_ctas(variant):
     """A is the layout itself (no row_token: every row of a used block written); and the persistent
     loop with 1 and 3 CTAs (many tiles each: the stage ring wraps many times) bit-equal to the grid,
     all through one reused tile-queue counter, which every launch must leave at zero."""
@@ -164,20 +172,22 @@ def test_gpu_cuda_tile_without_gather_and_with_few_ctas():
     ref = gemm1_swiglu_ref(a, w13, block_expert)
     counter = queue_counter(x.device)
     out = _poisoned(a.shape[0], Ir)
-    cuda_tile.gemm1_swiglu(a, w13, block_expert, out=out, queue=counter)
+    cuda_tile.gemm1_swiglu(a, w13, block_expert, out=out, queue=counter, variant=variant)
     torch.cuda.synchronize()
     assert counter.tolist() == [0, 0], "the last CTA did not rewind the tile queue"
     assert torch.isfinite(out[used]).all() and torch.isnan(out[~used]).all()
     assert rel_err(out[used], ref[used]) <= TOL[torch.bfloat16]
     for programs in (1, 3, 1):
         again = _poisoned(a.shape[0], Ir)
-        cuda_tile.gemm1_swiglu(a, w13, block_expert, out=again, num_programs=programs, queue=counter)
+        cuda_tile.gemm1_swiglu(a, w13, block_expert, out=again, num_programs=programs, queue=counter,
+                               variant=variant)
         torch.cuda.synchronize()
         assert counter.tolist() == [0, 0], f"{programs} CTAs: the tile queue was not rewound"
         assert torch.equal(again[used], out[used]), f"{programs} CTAs changed bits"
 
 
-def test_gpu_cuda_tile_in_a_graph():
+@each_variant
+def test_gpu_cuda_tile_in_a_graph(variant):
     from service.kernels import cuda_tile
     from service.kernels.grouped_gemm import gemm1_swiglu_ref
 
@@ -185,11 +195,11 @@ def test_gpu_cuda_tile_in_a_graph():
     x, w13, block_expert, _, row_token, ref = _problem(E, H, Ir, hits, "balanced", seed=5)
     real = row_token >= 0
     out = _poisoned(row_token.shape[0], Ir)
-    cuda_tile.gemm1_swiglu(x, w13, block_expert, out=out, row_token=row_token)  # the first launch outside
+    cuda_tile.gemm1_swiglu(x, w13, block_expert, out=out, row_token=row_token, variant=variant)  # first: outside
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        cuda_tile.gemm1_swiglu(x, w13, block_expert, out=out, row_token=row_token)
+        cuda_tile.gemm1_swiglu(x, w13, block_expert, out=out, row_token=row_token, variant=variant)
     gen = torch.Generator().manual_seed(9)
     for _ in range(3):
         x.copy_(torch.randn(x.shape, generator=gen).bfloat16())
@@ -213,6 +223,10 @@ def test_gpu_cuda_tile_refusals():
         cuda_tile.gemm1_swiglu(x, w13, block_expert, row_token=row_token, bias=torch.zeros_like(w13[:, 0]))
     with pytest.raises(RuntimeError, match="Ir % 128"):
         cuda_tile.gemm1_swiglu(x, w13[:, :, :192].contiguous(), block_expert, row_token=row_token)
+    out = torch.empty(row_token.shape[0], w13.shape[2] // 2, dtype=x.dtype, device=x.device)
+    queue = torch.zeros(2, dtype=torch.int32, device=x.device)
+    with pytest.raises(RuntimeError, match="variant must be in"):  # the op's own check, past the Python one
+        getattr(torch.ops.moe, cuda_tile.OP)(x, w13, block_expert, row_token, queue, out, 1, len(VARIANTS))
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
