@@ -3,8 +3,8 @@ and the layer a user would run instead (issue 12).
 
     python bench/core.py --anchors PATH/bench_anchors.py [--tokens 2048] [--K 8] [--E 64] [--H 4096]
                          [--Ir 768] [--iters 100] [--w-desc off] [--split on,off] [--pair off,gemm1,on]
-                         [--order static,queue] [--cuda-tile off,on] [--repeats N] [--routing balanced,skewed]
-                         [--json FILE] [--profile] [--no-anchor]
+                         [--order static,queue] [--cuda-tile off,on,n256,noinc] [--repeats N]
+                         [--routing balanced,skewed] [--json FILE] [--profile [--gemm1-only]] [--no-anchor]
 
 Shape: the seed preset's per-rank share (T = 2048 tokens, K = 8, E = 64, H = 4096, Ir = 768), all on
 one GPU (R = 1, C = T), bf16. Weights and routing come from the anchor script's own generators
@@ -27,10 +27,12 @@ tile, stages as tuning.pair_config fits them; "on" in both GEMMs, "gemm1" in GEM
 w_desc rows skip it) and --order values (GemmConfig.queue: the GEMM programs take tiles from an
 atomic counter; pn_major: an expert's tiles column-tile-major) and --cuda-tile values (GemmConfig.cuda_tile
 in GEMM1: the Hopper CUDA tile of csrc/gemm_sm90, tagged " cuda1"; only with the queue and split_tail
-it implies, no pair or w_desc; serial layer rows only, the fused kernels have no CUDA tile), tagged by
-what differs from the defaults.
---profile: no timing, no layers, no anchor rows: each variant's GEMM1 and GEMM2 run once per
-routing (what `ncu -k regex:grouped_gemm --launch-count N` profiles, bench/gpu_core.sh).
+it implies, no pair or w_desc; serial layer rows only, the fused kernels have no CUDA tile; or a
+mainloop variant of service.kernels.cuda_tile.VARIANTS by name, " cuda1 n256": its GEMM1 row only),
+tagged by what differs from the defaults.
+--profile: no timing, no layers, no anchor rows: each variant's GEMM1 and GEMM2 (--gemm1-only: GEMM1)
+run once per routing (what `ncu -k regex:grouped_gemm --launch-count N` profiles, bench/gpu_core.sh;
+bench/gpu_ncu_gemm1.sh).
 Timing as the anchor times: our GEMMs and the dense matmul are captured in a graph
 and replayed --iters times (the anchor's Timer); the layers replay their own graphs through
 `forward` (one 16-byte control copy per step, which advances the step number the fused flags
@@ -59,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from service.config import BM, LayerConfig  # noqa: E402
+from service.kernels.cuda_tile import VARIANTS  # noqa: E402
 
 COPY_BYTES_PER_S = 4.3e12  # measured copy bandwidth of an H200 (bench/NOTES.md): the weight-read floor
 
@@ -94,6 +97,10 @@ ORDERS = {"static": {}, "queue": {"queue": True}, "pn_major": {"pn_major": True}
 TAGGED = (("queue", "queue", "queue"), ("pn_major", "pn_major", "pn_major"))
 # --pair: GemmConfig.pair in (GEMM1, GEMM2), tagged " pair" (both) / " pair1" (GEMM1's only).
 PAIRS = {"off": (False, False), "gemm1": (True, False), "on": (True, True)}
+# --cuda-tile: off (Triton), on (GemmConfig.cuda_tile, the tile's default mainloop, " cuda1") or a
+# service.kernels.cuda_tile.VARIANTS name (that mainloop, GEMM1 rows only, " cuda1 <name>").
+CUDA_VARIANT = {"off": None, "on": "base", **{v: v for v in VARIANTS if v != "base"}}
+CUDA_TAGS = {"off": "", "on": " cuda1", **{v: f" cuda1 {v}" for v in VARIANTS if v != "base"}}
 
 
 def variant_list(args, base) -> list[tuple[str, dict]]:
@@ -109,17 +116,19 @@ def variant_list(args, base) -> list[tuple[str, dict]]:
             continue  # GemmConfig refuses the pair (pointer loads only)
         for order in args.order.split(","):
             change = {**dict(combo), "queue": False, "pn_major": False, **ORDERS[order]}
-            if cuda == "on" and not (change["queue"] and change["split_tail"] and not change["pn_major"]
+            if cuda != "off" and not (change["queue"] and change["split_tail"] and not change["pn_major"]
                                      and not change["w_desc"] and pair == "off"):
                 continue  # what the CUDA tile runs (GemmConfig.cuda_tile): the queue, split_tail, nothing else
             tag = "".join(f" {name}" if change[field] else f" no{name}"
                           for _, field, name in (*VARIED, *TAGGED) if change[field] != getattr(base, field))
-            tag += {"off": "", "gemm1": " pair1", "on": " pair"}[pair] + (" cuda1" if cuda == "on" else "")
-            out.append((tag, {**change, "pair": PAIRS[pair][0], "pair2": PAIRS[pair][1], "cuda_tile": cuda == "on"}))
+            tag += {"off": "", "gemm1": " pair1", "on": " pair"}[pair] + CUDA_TAGS[cuda]
+            out.append((tag, {**change, "pair": PAIRS[pair][0], "pair2": PAIRS[pair][1], "cuda_tile": cuda != "off",
+                              "cuda_variant": CUDA_VARIANT[cuda]}))
     return out
 
 
 def run(args) -> dict:
+    from service.kernels import cuda_tile
     from service.kernels.grouped_gemm import gemm1_swiglu, gemm2
     from service.kernels.tuning import lookup_for_device, pair_config, smem_per_block
     from service.moe.fused import FusedLayer
@@ -168,7 +177,7 @@ def run(args) -> dict:
 
     def tile_configs(change: dict):
         """(GEMM1, GEMM2) configs of a variant (variant_list); pair tiles with their stages fitted to the device."""
-        fields = {k: v for k, v in change.items() if k not in ("pair", "pair2", "cuda_tile")}
+        fields = {k: v for k, v in change.items() if k not in ("pair", "pair2", "cuda_tile", "cuda_variant")}
         c1, c2 = dataclasses.replace(base1, **fields), dataclasses.replace(base2, **fields)
         if change["cuda_tile"]:  # GEMM1 on the CUDA tile, whose shape the config must state
             c1 = dataclasses.replace(c1, BN=128, BK=64, cuda_tile=True)
@@ -231,21 +240,30 @@ def run(args) -> dict:
             c1, c2 = tile_configs(change)
             run1 = partial(gemm1_swiglu, x, weights.w13, tables.block_expert, config=c1, out=act,
                            row_token=tables.row_token, expert_offsets=tables.expert_offsets)
+            named = change["cuda_variant"] not in (None, "base")  # a named mainloop: GEMM1 rows only
+            if named:  # the tile's own launcher
+                run1 = partial(cuda_tile.gemm1_swiglu, x, weights.w13, tables.block_expert, out=act,
+                               row_token=tables.row_token, variant=change["cuda_variant"])
             run2 = partial(gemm2, act, weights.w2, tables.block_expert, config=c2, out=d, row_token=tables.row_token,
                            expert_offsets=tables.expert_offsets)
             if args.profile:
                 run1()
-                run2()
+                if not args.gemm1_only:
+                    run2()
                 torch.cuda.synchronize()
-                print(f"    profiled launches: gemm1{tag}, gemm2{tag} ({c1}, {c2})", flush=True)
+                print(f"    profiled launches: gemm1{tag}" + ("" if args.gemm1_only else f", gemm2{tag}")
+                      + f" ({c1}, {c2})", flush=True)
                 continue
             computed = used - half * BM // 2 if c1.split_tail else used
-            for name, fn, flops, config in ((f"gemm1+swiglu{tag}", run1, f1, c1), (f"gemm2{tag}", run2, f2, c2)):
+            gemms = ((f"gemm1+swiglu{tag}", run1, f1, c1), (f"gemm2{tag}", run2, f2, c2))
+            for name, fn, flops, config in gemms[:1] if named else gemms:
                 timed.append((name, lambda fn=fn: (timer.graph(fn)["median_us"], None), flops,
                               dict(rows_used=computed, config=str(config))))
         if args.profile:
             continue
         for tag, change in variants:
+            if change["cuda_variant"] not in (None, "base"):
+                continue  # a named mainloop: the layers run GemmConfig.cuda_tile's default mainloop
             for kind in ("serial",) if change["cuda_tile"] else ("serial", "fused"):
                 timed.append((f"{kind} layer (graph){tag}", layer_measure(kind, tag, change, ids, tw, ref, routing),
                               f1 + f2, {}))
@@ -321,9 +339,11 @@ def main() -> None:
     p.add_argument("--order", default="static", help=f"tile orders to time, of {sorted(ORDERS)} (GemmConfig.queue, "
                    "pn_major)")
     p.add_argument("--cuda-tile", default="off", help="GemmConfig.cuda_tile values for GEMM1: off, on or both "
-                   "(the Hopper CUDA tile; needs the csrc library built for 9.0)")
+                   "(the Hopper CUDA tile; needs the csrc library built for 9.0), or mainloop variants of it by name "
+                   f"({', '.join(v for v in CUDA_VARIANT if v not in ('off', 'on'))}: GEMM1 rows only; 'on' is 'base')")
     p.add_argument("--repeats", type=int, default=1, help="rounds over all variants, interleaved; medians of rounds")
     p.add_argument("--profile", action="store_true", help="run each variant's GEMMs once, untimed (under ncu)")
+    p.add_argument("--gemm1-only", action="store_true", help="--profile: GEMM1 launches only")
     p.add_argument("--routing", default="balanced,skewed")
     p.add_argument("--no-anchor", action="store_true", help="skip the vLLM anchor rows (A/B runs of our variants)")
     p.add_argument("--json", default=None)
