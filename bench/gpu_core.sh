@@ -18,6 +18,13 @@
 #            synccheck of one small case only if those failed (not on a hang), then bench/core.py at
 #            the seed share, balanced and skewed, GEMM1 Triton vs CUDA tile (" cuda1") with split +
 #            queue, 3 interleaved rounds of 50 replays, no anchor rows (<= 120 s; skipped after a hang)
+#   cudatile2 issue 12t, the CUDA tile's mainloop variants (service.kernels.cuda_tile.VARIANTS; bench/gpu_cuda_tile2.sh
+#            runs this step alone): csrc/build.py --arch 9.0 and the SASS counts per variant, the tile's GPU
+#            tests once per variant (its own pytest and timeout each: a hang costs that variant only;
+#            compute-sanitizer memcheck + synccheck of the few-CTA case of a variant that failed, not hung),
+#            bench/core.py at the seed share, balanced and skewed, GEMM1 Triton vs every variant that
+#            passed (split + queue, 3 interleaved rounds of 50 replays, the dense matmul and the anchor
+#            beside unless NO_ANCHOR=1), then bench/gpu_ncu_gemm1.sh (one ncu launch each, the table)
 # and a short table.
 # Usage: ANCHORS=path/bench_anchors.py COMMIT=$(git rev-parse HEAD) [STEPS="profile core"] bash bench/gpu_core.sh
 #        (PYTHON=...; OUT=dir; BUDGET=seconds for all steps; VARIANTS="--split on,off --queue off": the
@@ -130,6 +137,48 @@ step_cudatile() {
   cat "$LOG/core_cudatile.txt"
 }
 
+step_cudatile2() {
+  echo "== cudatile2: build, each mainloop variant's GPU tests, GEMM1 Triton vs every variant, ncu"
+  timeout "$(cap 150)" "$PY" csrc/build.py --arch 9.0 > "$LOG/build.txt" 2>&1
+  RC[build]=$?
+  grep -E "gemm1_kernel|registers|spill|Potential|skipping|built|rror" "$LOG/build.txt" | head -n 12
+  (( RC[build] == 0 )) || return 0
+  local variants v passed=off
+  variants=$("$PY" -c "from service.kernels.cuda_tile import VARIANTS; print(' '.join(VARIANTS))")
+  if command -v cuobjdump > /dev/null && [[ -f build/moe_csrc/gemm1_sm90.o ]]; then
+    cuobjdump --dump-sass build/moe_csrc/gemm1_sm90.o > "$LOG/gemm1_sm90.sass" 2>&1
+    # Per kernel instance (gemm1_kernel<0>, <1>, ...: the variants in VARIANTS order).
+    awk '/Function :/ {f = $3} {for (i = 1; i <= NF; i++) if ($i ~ /^(HGMMA|UTMALDG|LDGSTS|ARRIVES|DEPBAR|WARPGROUP|STL|LDL)/) {
+           split($i, b, "."); n[f " " b[1] "." b[2]]++; break}} END {for (k in n) print k, n[k]}' "$LOG/gemm1_sm90.sass" \
+      | sed -E 's/^\S*gemm1_kernelILi([0-9])E\S*/variant \1/' | sort | tee -a "$LOG/build.txt"
+  fi
+  for v in $variants; do
+    # -k: the variant's parametrized tests; the base run also takes the unparametrized ones (refusals, layer).
+    local pick=$v
+    [[ $v == base ]] && pick="base or refusals or serial_layer"
+    run_gpu_tests "tests_$v" 90 tests/kernels/test_cuda_tile_gpu.py -k "$pick"
+    local got=${RC[tests_$v]}
+    if (( got == 0 )); then
+      passed+=",$([[ $v == base ]] && echo on || echo "$v")"
+    elif (( got != 124 )) && command -v compute-sanitizer > /dev/null && (( $(left) > 120 )); then
+      for tool in memcheck synccheck; do
+        timeout "$(cap 40)" compute-sanitizer --tool "$tool" --print-limit 20 "$PY" -m pytest -q -x -m gpu \
+          tests/kernels/test_cuda_tile_gpu.py -k "few_ctas and $v" -p no:cacheprovider > "$LOG/sanitizer_${v}_$tool.txt" 2>&1
+        RC[sanitizer_${v}_$tool]=$?
+        grep -E "=========" "$LOG/sanitizer_${v}_$tool.txt" | head -n 12
+      done
+    fi
+  done
+  echo "timed: $passed (off = the Triton tile, on = the CUDA tile's base mainloop)" | tee "$LOG/timed.txt"
+  timeout "$(cap 100)" "$PY" bench/core.py --anchors "$ANCHORS" --iters 50 --repeats 3 --split on --order queue \
+    --cuda-tile "$passed" ${NO_ANCHOR:+--no-anchor} --json "$LOG/core_cudatile2.json" > "$LOG/core_cudatile2.txt" 2>&1
+  RC[cudatile2_core]=$?
+  cat "$LOG/core_cudatile2.txt"
+  (( $(left) > 45 )) || { echo "no time left for ncu"; return 0; }
+  LOG=$LOG/ncu TAR=none VARIANTS=$passed NCU_S=$(cap 110) timeout "$(cap 130)" bash bench/gpu_ncu_gemm1.sh
+  RC[ncu]=$?
+}
+
 step_tune() {
   (( $(left) > 30 )) || return 0
   echo "== tune: bench/tune_gemm.py --quick --dry-run, seed share"
@@ -150,4 +199,9 @@ for step in "${!RC[@]}"; do printf '%-10s rc=%s\n' "$step" "${RC[$step]}"; done
 [[ -f "$LOG/tests_cudatile.txt" ]] && grep -E '(passed|failed|error)' "$LOG/tests_cudatile.txt" | tail -n 1
 [[ -f "$LOG/core_cudatile.txt" ]] && grep -E "^  (dense|gemm1)" "$LOG/core_cudatile.txt" && \
   grep -A8 "^| routing" "$LOG/core_cudatile.txt"
+for f in "$LOG"/tests_base.txt "$LOG"/tests_n256.txt "$LOG"/tests_noinc.txt; do
+  [[ -f "$f" ]] && echo "$(basename "$f" .txt): $(grep -E '(passed|failed|error)' "$f" | tail -n 1)"
+done
+[[ -f "$LOG/core_cudatile2.txt" ]] && grep -E "^  (dense|gemm1|anchor vllm gemm1|serial)" "$LOG/core_cudatile2.txt"
+[[ -f "$LOG/ncu/ncu_table.txt" ]] && grep "^|" "$LOG/ncu/ncu_table.txt"
 for step in "${!RC[@]}"; do [[ "${RC[$step]}" == 0 ]] || exit 1; done
