@@ -20,8 +20,9 @@
 #            queue, 3 interleaved rounds of 50 replays, no anchor rows (<= 120 s; skipped after a hang)
 #   cudatile2 issue 12t, the CUDA tile's mainloop variants (service.kernels.cuda_tile.VARIANTS; bench/gpu_cuda_tile2.sh
 #            runs this step alone): csrc/build.py --arch 9.0 and the SASS counts per variant, the tile's GPU
-#            tests once per variant (its own pytest and timeout each: a hang costs that variant only;
-#            compute-sanitizer memcheck + synccheck of the few-CTA case of a variant that failed, not hung),
+#            tests over every variant (the cluster variant mcast in its own pytest and timeout: a hang there
+#            costs its results only; compute-sanitizer memcheck + synccheck of the few-CTA case of a
+#            variant that failed, not hung),
 #            bench/core.py at the seed share, balanced and skewed, GEMM1 Triton vs every variant that
 #            passed (split + queue, 3 interleaved rounds of 50 replays, the dense matmul and the anchor
 #            beside unless NO_ANCHOR=1), then bench/gpu_ncu_gemm1.sh (one ncu launch each, the table)
@@ -152,22 +153,27 @@ step_cudatile2() {
            split($i, b, "."); n[f " " b[1] "." b[2]]++; break}} END {for (k in n) print k, n[k]}' "$LOG/gemm1_sm90.sass" \
       | sed -E 's/^\S*gemm1_kernelILi([0-9])E\S*/variant \1/' | sort | tee -a "$LOG/build.txt"
   fi
-  for v in $variants; do
-    # -k: the variant's parametrized tests; the base run also takes the unparametrized ones (refusals, layer).
-    local pick=$v
-    [[ $v == base ]] && pick="base or refusals or serial_layer"
-    run_gpu_tests "tests_$v" 90 tests/kernels/test_cuda_tile_gpu.py -k "$pick"
-    local got=${RC[tests_$v]}
-    if (( got == 0 )); then
-      passed+=",$([[ $v == base ]] && echo on || echo "$v")"
-    elif (( got != 124 )) && command -v compute-sanitizer > /dev/null && (( $(left) > 120 )); then
-      for tool in memcheck synccheck; do
-        timeout "$(cap 40)" compute-sanitizer --tool "$tool" --print-limit 20 "$PY" -m pytest -q -x -m gpu \
-          tests/kernels/test_cuda_tile_gpu.py -k "few_ctas and $v" -p no:cacheprovider > "$LOG/sanitizer_${v}_$tool.txt" 2>&1
-        RC[sanitizer_${v}_$tool]=$?
-        grep -E "=========" "$LOG/sanitizer_${v}_$tool.txt" | head -n 12
-      done
-    fi
+  # Two pytest runs: the cluster variant (mcast, the newest protocol) alone, so that a hang there
+  # (rc 124) costs its own results only; a variant passed when its run passed, or failed only in
+  # tests of other variants (ids end "-<variant>]" or are "[<variant>]").
+  local group name got
+  for group in "not mcast" "mcast"; do
+    name=tests_$([[ $group == mcast ]] && echo mcast || echo main)
+    run_gpu_tests "$name" 110 tests/kernels/test_cuda_tile_gpu.py -k "$group"
+    got=${RC[$name]}
+    for v in $variants; do
+      [[ $group == mcast && $v != mcast || $group != mcast && $v == mcast ]] && continue
+      if (( got == 0 )) || { (( got == 1 )) && ! grep -E "^(FAILED|ERROR)" "$LOG/$name.txt" | grep -qE "[-[]$v\]"; }; then
+        passed+=",$([[ $v == base ]] && echo on || echo "$v")"
+      elif (( got != 124 )) && command -v compute-sanitizer > /dev/null && (( $(left) > 120 )); then
+        for tool in memcheck synccheck; do
+          timeout "$(cap 40)" compute-sanitizer --tool "$tool" --print-limit 20 "$PY" -m pytest -q -x -m gpu \
+            tests/kernels/test_cuda_tile_gpu.py -k "few_ctas and $v" -p no:cacheprovider > "$LOG/sanitizer_${v}_$tool.txt" 2>&1
+          RC[sanitizer_${v}_$tool]=$?
+          grep -E "=========" "$LOG/sanitizer_${v}_$tool.txt" | head -n 12
+        done
+      fi
+    done
   done
   echo "timed: $passed (off = the Triton tile, on = the CUDA tile's base mainloop)" | tee "$LOG/timed.txt"
   timeout "$(cap 100)" "$PY" bench/core.py --anchors "$ANCHORS" --iters 50 --repeats 3 --split on --order queue \
@@ -199,9 +205,10 @@ for step in "${!RC[@]}"; do printf '%-10s rc=%s\n' "$step" "${RC[$step]}"; done
 [[ -f "$LOG/tests_cudatile.txt" ]] && grep -E '(passed|failed|error)' "$LOG/tests_cudatile.txt" | tail -n 1
 [[ -f "$LOG/core_cudatile.txt" ]] && grep -E "^  (dense|gemm1)" "$LOG/core_cudatile.txt" && \
   grep -A8 "^| routing" "$LOG/core_cudatile.txt"
-for f in "$LOG"/tests_base.txt "$LOG"/tests_n256.txt "$LOG"/tests_noinc.txt; do
+for f in "$LOG/tests_main.txt" "$LOG/tests_mcast.txt"; do
   [[ -f "$f" ]] && echo "$(basename "$f" .txt): $(grep -E '(passed|failed|error)' "$f" | tail -n 1)"
 done
+[[ -f "$LOG/timed.txt" ]] && cat "$LOG/timed.txt"
 [[ -f "$LOG/core_cudatile2.txt" ]] && grep -E "^  (dense|gemm1|anchor vllm gemm1|serial)" "$LOG/core_cudatile2.txt"
 [[ -f "$LOG/ncu/ncu_table.txt" ]] && grep "^|" "$LOG/ncu/ncu_table.txt"
 for step in "${!RC[@]}"; do [[ "${RC[$step]}" == 0 ]] || exit 1; done

@@ -17,7 +17,7 @@ ANCHORS=${ANCHORS:?set ANCHORS to the path of bench_anchors.py}
 LOG=${LOG:-build/ncu_gemm1}
 TAR=${TAR:-${OUT:+$OUT/ncu_gemm1.tgz}}
 NCU_S=${NCU_S:-100}
-VARIANTS=${VARIANTS:-off,on,n256,noinc}  # bench/core.py --cuda-tile: Triton, then each mainloop
+VARIANTS=${VARIANTS:-off,on,n256,noinc,mcast}  # bench/core.py --cuda-tile: Triton, then each mainloop
 mkdir -p "$LOG"
 rc=0
 if ! "$PY" -c "import torch; from service.kernels.schedule import load; load(); assert hasattr(torch.ops.moe, 'gemm1_swiglu_sm90')" 2>/dev/null; then

@@ -46,6 +46,8 @@ constexpr int kProducerThreads = 128;
 constexpr int kConsumerWarps = 8;
 constexpr int kFullArrivals = kProducerThreads + 1;           // every producer thread + the TMA issue
 constexpr int kDone = -1;                                     // tile number that ends the stream
+constexpr int kIdle = -2;                                     // kMcast: this CTA has no block in the unit
+constexpr int kCluster = 2;                                   // kMcast: CTAs per cluster
 
 // The producer's wait for stage it needs stage it - kStages released, which the consumers do only
 // after taking stage it - kStages + 1, whose rows the producer signals kLag steps late: so
@@ -122,6 +124,38 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// kMcast: the weight box lands at the same offset in both CTAs of the cluster (mask 0b11), each
+// CTA's barrier at the barrier's offset receiving its bytes.
+__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map, uint32_t bar, int col,
+                                                      int row) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4}], [%2], %5;"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(col), "r"(row), "h"(static_cast<uint16_t>(3))
+      : "memory");
+}
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
+// Arrival on the barrier at this shared address in CTA `rank` of the cluster (this CTA included).
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
+      "}\n" ::"r"(bar), "r"(rank)
+      : "memory");
+}
 
 __device__ __forceinline__ void producer_sync() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
 
@@ -248,6 +282,98 @@ __device__ void producer(const Gemm1Args& p, const CUtensorMap* w_map, uint8_t* 
   mbar_arrive(smem_u32(&ctl->full[stage]));
 }
 
+// kMcast's producer warp group: units u = cluster, cluster + clusters, ... of (pair q = u / n_tiles,
+// column tile u % n_tiles); this CTA (rank r) computes block 2q + r. Both CTAs walk the same units and
+// K steps (the release counts both CTAs' consumers per stage), an idle CTA (its block unused or past
+// the layout) with empty stages (kIdle). Rows as kNoinc; weights: multicast halves when both blocks
+// are one expert's (rank 0 the gate boxes, rank 1 the up boxes, into both CTAs), else its own 4 boxes.
+__device__ void producer_mcast(const Gemm1Args& p, const CUtensorMap* w_map, uint8_t* stages, Control* ctl) {
+  const int t = threadIdx.x;  // 0..127
+  const uint32_t chunk = t & 7, r0 = t >> 3;
+  const uint32_t dst0 = r0 * 128 + ((chunk ^ (r0 & 7)) << 4);
+  const int n_tiles = p.Ir / kTileCols;
+  const int blocks = p.S / kTileRows;
+  const int units = (blocks + 1) / 2 * n_tiles;
+  const int k_steps = p.H / kTileDepth;
+  const int rank = static_cast<int>(cluster_rank());
+  const int cluster = blockIdx.x / kCluster, clusters = gridDim.x / kCluster;
+  const __nv_bfloat16* a = static_cast<const __nv_bfloat16*>(p.a);
+  const uint32_t stage0 = smem_u32(stages);
+  auto expert_of = [&](int b) { return b < blocks ? p.block_expert[b] : p.E; };  // E: no block
+  uint32_t it = 0;
+  for (int u = cluster; u < units; u += clusters) {
+    const int q = u / n_tiles, pn = u % n_tiles;
+    const int e0 = expert_of(2 * q), e1 = expert_of(2 * q + 1);
+    if (e0 >= p.E && e1 >= p.E) continue;  // both CTAs skip it alike
+    const int block = 2 * q + rank, expert = rank ? e1 : e0;
+    const bool mine = expert < p.E, shared = e0 == e1;  // shared: both used (e0 < E here)
+    const int tile = mine ? block * n_tiles + pn : kIdle;
+    const __nv_bfloat16* src[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int s = block * kTileRows + r0 + 16 * i;
+      const int token = !mine ? -1 : p.row_token ? p.row_token[s] : s;
+      src[i] = token >= 0 ? a + static_cast<int64_t>(token) * p.H + chunk * 8 : nullptr;
+    }
+    for (int kk = 0; kk < k_steps; ++kk, ++it) {
+      const uint32_t stage = it % kStages;
+      mbar_wait(smem_u32(&ctl->empty[stage]), ((it / kStages) & 1) ^ 1);
+      const uint32_t base = stage0 + stage * kStageBytes;
+      const uint32_t full = smem_u32(&ctl->full[stage]);
+      if (t == 0) {
+        ctl->tile[stage] = tile;
+        if (mine) {
+          mbar_arrive_expect_tx(full, kBBytes);  // 4 boxes, half of them from the partner when shared
+          const int row = expert * p.H + kk * kTileDepth;
+          if (shared) {
+#pragma unroll
+            for (int b = 2 * rank; b < 2 * rank + 2; ++b) {
+              const int col = (b < 2 ? 0 : p.Ir) + pn * kTileCols + (b & 1) * kBoxCols;
+              tma_load_2d_multicast(base + kABytes + b * kBoxBytes, w_map, full, col, row);
+            }
+          } else {
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+              const int col = (b < 2 ? 0 : p.Ir) + pn * kTileCols + (b & 1) * kBoxCols;
+              tma_load_2d(base + kABytes + b * kBoxBytes, w_map, full, col, row);
+            }
+          }
+        } else {
+          mbar_arrive(full);
+        }
+      }
+      if (mine) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          cp_async_16(base + dst0 + i * 16 * 128, src[i] ? src[i] + kk * kTileDepth : a, src[i] ? 16u : 0u);
+        }
+        cp_async_arrive_noinc(full);
+      } else {
+        mbar_arrive(full);
+      }
+    }
+  }
+  const uint32_t stage = it % kStages;  // the end of the stream, at the same stage in both CTAs
+  mbar_wait(smem_u32(&ctl->empty[stage]), ((it / kStages) & 1) ^ 1);
+  if (t == 0) {
+    ctl->tile[stage] = kDone;
+    mbar_arrive(smem_u32(&ctl->full[stage]));
+  }
+  mbar_arrive(smem_u32(&ctl->full[stage]));
+}
+
+// A consumer warp's release of a stage: to its own producers, and with kMcast to both CTAs' (either
+// may multicast weight boxes into this CTA's stage).
+template <int V>
+__device__ __forceinline__ void release(uint32_t empty) {
+  if constexpr (V == kMcast) {
+    mbar_arrive_cluster(empty, 0);
+    mbar_arrive_cluster(empty, 1);
+  } else {
+    mbar_arrive(empty);
+  }
+}
+
 template <int V>
 __device__ void consumer(const Gemm1Args& p, uint8_t* stages, Control* ctl) {
   const int wg = threadIdx.x / 128 - 1;        // 0: tile rows 0-63, 1: rows 64-127
@@ -265,13 +391,14 @@ __device__ void consumer(const Gemm1Args& p, uint8_t* stages, Control* ctl) {
     const int tile = ctl->tile[first];
     if (tile == kDone) break;
     const int block = tile / n_tiles, pn = tile % n_tiles;
-    // Warp group 1 of a half tail (row 64 is padding, so are rows 65..127) computes nothing.
-    const bool live = wg == 0 || p.row_token == nullptr || p.row_token[block * kTileRows + 64] >= 0;
+    // Warp group 1 of a half tail (row 64 is padding, so are rows 65..127) computes nothing; nor
+    // does either warp group of a kMcast CTA without a block in the unit (it keeps its partner's pace).
+    const bool live = tile != kIdle && (wg == 0 || p.row_token == nullptr || p.row_token[block * kTileRows + 64] >= 0);
     if (!live) {  // wait for each stage and release it
       for (int kk = 0; kk < k_steps; ++kk, ++it) {
         const uint32_t stage = it % kStages;
         if (kk > 0) mbar_wait(smem_u32(&ctl->full[stage]), (it / kStages) & 1);
-        if (lane == 0) mbar_arrive(smem_u32(&ctl->empty[stage]));
+        if (lane == 0) release<V>(smem_u32(&ctl->empty[stage]));
       }
       continue;
     }
@@ -279,7 +406,7 @@ __device__ void consumer(const Gemm1Args& p, uint8_t* stages, Control* ctl) {
     for (int kk = 0; kk < k_steps; ++kk, ++it) {
       const uint32_t stage = it % kStages;
       if (kk > 0) mbar_wait(smem_u32(&ctl->full[stage]), (it / kStages) & 1);
-      if constexpr (V == kNoinc) fence_proxy_async();  // the producers' cp.async rows, for wgmma's proxy
+      if constexpr (V >= kNoinc) fence_proxy_async();  // the producers' cp.async rows, for wgmma's proxy
       const uint32_t a0 = stage0 + stage * kStageBytes + wg * 64 * 128;
       const uint32_t b0 = stage0 + stage * kStageBytes + kABytes;
       fence_operands(acc);
@@ -299,12 +426,12 @@ __device__ void consumer(const Gemm1Args& p, uint8_t* stages, Control* ctl) {
       wgmma_commit();
       wgmma_wait<1>();  // the previous stage's group has read its operands
       fence_operands(acc);
-      if (kk > 0 && lane == 0) mbar_arrive(smem_u32(&ctl->empty[prev]));
+      if (kk > 0 && lane == 0) release<V>(smem_u32(&ctl->empty[prev]));
       prev = stage;
     }
     wgmma_wait<0>();
     fence_operands(acc);
-    if (lane == 0) mbar_arrive(smem_u32(&ctl->empty[prev]));
+    if (lane == 0) release<V>(smem_u32(&ctl->empty[prev]));
     // Accumulator fragment of m64nN: register 4j + 2i + c holds row lane/4 + 8i (of the warp's 16)
     // and column 8j + 2(lane%4) + c.
     const int r0 = block * kTileRows + wg * 64 + warp * 16 + lane / 4;
@@ -336,19 +463,28 @@ __global__ void __launch_bounds__(kThreads, 1) gemm1_kernel(const Gemm1Args args
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
       mbar_init(smem_u32(&ctl->full[i]), kFullArrivals);
-      mbar_init(smem_u32(&ctl->empty[i]), kConsumerWarps);
+      mbar_init(smem_u32(&ctl->empty[i]), kConsumerWarps * (V == kMcast ? kCluster : 1));
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&w_map)) : "memory");
   }
-  __syncthreads();
+  if constexpr (V == kMcast) {
+    cluster_sync();  // the partner's barriers exist before any multicast or release reaches them
+  } else {
+    __syncthreads();
+  }
   if (threadIdx.x < kProducerThreads) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    producer<V>(args, &w_map, stages, ctl);
+    if constexpr (V == kMcast) {
+      producer_mcast(args, &w_map, stages, ctl);
+    } else {
+      producer<V>(args, &w_map, stages, ctl);
+    }
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
     consumer<V>(args, stages, ctl);
   }
+  if constexpr (V == kMcast) cluster_sync();  // no CTA leaves while its partner may still release into it
 #else
   __trap();  // built for sm_90a only (csrc/build.py)
 #endif
@@ -358,6 +494,7 @@ enum Error : int {
   kNoEntryPoint = -1,   // the driver's cuTensorMapEncodeTiled was not found
   kEncodeFailed = -2,   // cuTensorMapEncodeTiled refused the weights' map
   kNoVariant = -3,      // Gemm1Args.variant is not a Gemm1Variant
+  kNoCluster = -4,      // kMcast: no cluster of 2 CTAs of this size fits the device
 };
 
 PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
@@ -406,7 +543,7 @@ int gemm1_launch(const Gemm1Args& args, void* stream) {
   constexpr int kMaxDevices = 64;
   static bool attribute_set[kVariants][kMaxDevices] = {};
   static void (*const kernels[kVariants])(const Gemm1Args, const CUtensorMap) = {
-      gemm1_kernel<kBase>, gemm1_kernel<kN256>, gemm1_kernel<kNoinc>};
+      gemm1_kernel<kBase>, gemm1_kernel<kN256>, gemm1_kernel<kNoinc>, gemm1_kernel<kMcast>};
   const auto kernel = kernels[args.variant];
   int device = 0;
   if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return static_cast<int>(err);
@@ -416,8 +553,35 @@ int gemm1_launch(const Gemm1Args& args, void* stream) {
     if (err != cudaSuccess) return static_cast<int>(err);
     if (device >= 0 && device < kMaxDevices) attribute_set[args.variant][device] = true;
   }
-  kernel<<<args.num_programs, kThreads, kSmemBytes, static_cast<cudaStream_t>(stream)>>>(args, map);
-  return static_cast<int>(cudaGetLastError());
+  if (args.variant != kMcast) {
+    kernel<<<args.num_programs, kThreads, kSmemBytes, static_cast<cudaStream_t>(stream)>>>(args, map);
+    return static_cast<int>(cudaGetLastError());
+  }
+  // kMcast: clusters of 2, an even grid of at most the clusters that fit at once (num_programs / 2
+  // rounded down, at least 1; its static schedule needs no more, and a smaller grid is still correct).
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute cluster = {};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = kCluster;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = kSmemBytes;
+  config.stream = static_cast<cudaStream_t>(stream);
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  static int max_clusters[kMaxDevices] = {};
+  int fit = device >= 0 && device < kMaxDevices ? max_clusters[device] : 0;
+  if (fit == 0) {
+    config.gridDim = dim3(kCluster * 66);
+    if (const cudaError_t err = cudaOccupancyMaxActiveClusters(&fit, kernel, &config); err != cudaSuccess)
+      return static_cast<int>(err);
+    if (fit < 1) return kNoCluster;
+    if (device >= 0 && device < kMaxDevices) max_clusters[device] = fit;
+  }
+  const int clusters = args.num_programs / kCluster < 1 ? 1 : args.num_programs / kCluster;
+  config.gridDim = dim3(kCluster * (clusters < fit ? clusters : fit));
+  return static_cast<int>(cudaLaunchKernelEx(&config, kernel, args, map));
 }
 
 const char* gemm1_error_string(int error) {
@@ -428,6 +592,8 @@ const char* gemm1_error_string(int error) {
       return "cuTensorMapEncodeTiled refused the W13 tensor map (alignment or size)";
     case kNoVariant:
       return "no such tile variant (Gemm1Variant)";
+    case kNoCluster:
+      return "no cluster of 2 tile CTAs fits this device (cudaOccupancyMaxActiveClusters = 0)";
     default:
       return cudaGetErrorString(static_cast<cudaError_t>(error));
   }

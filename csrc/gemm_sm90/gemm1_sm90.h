@@ -29,8 +29,14 @@ constexpr int kThreads = 384;    // warp group 0 loads, warp groups 1 and 2 comp
 //   kNoinc  kN256, and each producer thread's rows arrive on the stage's barrier by
 //           cp.async.mbarrier.arrive.noinc when they land (no wait_group stall in the producer, no
 //           lag); the consumers make them visible to wgmma (fence.proxy.async) after the wait
-enum Gemm1Variant : int { kBase = 0, kN256 = 1, kNoinc = 2 };
-constexpr int kVariants = 3;
+//   kMcast  kNoinc in clusters of 2 CTAs on the two row blocks 2q, 2q + 1 of one column tile: when
+//           both blocks belong to one expert each CTA fetches half of the weight boxes (gate / up)
+//           and TMA multicasts them into both CTAs (the L2 -> SM weight stream halves); each stage
+//           is released to both CTAs' producers (empty counts both CTAs' consumer warps). Units
+//           (pair q, column tile) in a static round-robin over the clusters (no queue: the queue
+//           tensor is left untouched at [0, 0]); an even grid of at most the device's co-resident clusters
+enum Gemm1Variant : int { kBase = 0, kN256 = 1, kNoinc = 2, kMcast = 3 };
+constexpr int kVariants = 4;
 
 struct Gemm1Args {
   const void* a;                // [num_a_rows, H] bf16, rows contiguous (token matrix, or the layout itself)

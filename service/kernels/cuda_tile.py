@@ -39,8 +39,11 @@ THREADS = 384     # kThreads
 # enum Gemm1Variant, in its order: the mainloop of one launch (gemm1_swiglu's `variant`). "base": two
 # wgmma m64n128k16 per k16 step (gate, up), rows signalled 2 stages late after cp.async.wait_group;
 # "n256": one m64n256k16 over gate and up (A read once); "noinc": n256 with the rows signalled by
-# cp.async.mbarrier.arrive.noinc as they land. Same results (same products, same K order).
-VARIANTS = ("base", "n256", "noinc")
+# cp.async.mbarrier.arrive.noinc as they land; "mcast": noinc in 2-CTA clusters on two row blocks of
+# one column tile, the weight boxes multicast to both when the blocks share an expert (static
+# schedule; the queue is not used; an even grid of at most num_programs, >= 2 CTAs). Same results
+# (same products, same K order).
+VARIANTS = ("base", "n256", "noinc", "mcast")
 SMEM_BYTES = STAGES * (TILE_ROWS * TILE_DEPTH + TILE_DEPTH * 2 * TILE_COLS) * 2  # 196,608 B of stages
 OP = "gemm1_swiglu_sm90"
 
