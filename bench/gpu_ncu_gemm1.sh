@@ -37,8 +37,7 @@ else
            sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
            sm__inst_executed_pipe_tensor_op_gmma.sum sm__inst_executed_pipe_tensor_op_hmma.sum \
            lts__throughput.avg.pct_of_peak_sustained_elapsed lts__t_sector_hit_rate.pct \
-           dram__bytes_read.sum dram__bytes_read.sum.per_second l1tex__m_xbar2l1tex_read_bytes.sum \
-           lts__t_sectors_srcunit_tex_op_read.sum; do
+           dram__bytes_read.sum dram__bytes_read.sum.per_second l1tex__m_xbar2l1tex_read_bytes.sum; do
     grep -q "^${m%%.*} " "$LOG/ncu_metrics_gh100.txt" && METRICS+="${METRICS:+,}$m"
   done
   echo "extra metrics: ${METRICS:-none found}" | tee -a "$LOG/ncu_version.txt"
@@ -53,7 +52,7 @@ else
   tail -n 6 "$LOG/ncu_run.txt"
   if [[ -f /tmp/ncu_gemm1.ncu-rep ]]; then
     cp /tmp/ncu_gemm1.ncu-rep "$LOG/"
-    "$NCU" --import /tmp/ncu_gemm1.ncu-rep --page raw --csv --print-units base > "$LOG/ncu_raw.csv" 2>&1
+    "$NCU" --import /tmp/ncu_gemm1.ncu-rep --page raw --csv > "$LOG/ncu_raw.csv" 2>&1
     "$NCU" --import /tmp/ncu_gemm1.ncu-rep --page details > "$LOG/ncu_details.txt" 2>&1
     "$NCU" --import /tmp/ncu_gemm1.ncu-rep --page source --csv --print-source sass > "$LOG/ncu_source.csv" 2>&1
     "$PY" bench/ncu_gemm1.py "$LOG/ncu_raw.csv" "$LOG/ncu_source.csv" 2>&1 | tee "$LOG/ncu_table.txt"

@@ -2,7 +2,8 @@
 
     python bench/ncu_gemm1.py RAW.csv [SOURCE.csv]
 
-RAW.csv: `ncu --import R.ncu-rep --page raw --csv --print-units base` (one row per profiled launch).
+RAW.csv: `ncu --import R.ncu-rep --page raw --csv` (one row per profiled launch, the units in the row
+under the header: scaled here, so that either unit option of ncu gives the same table).
 Prints per launch: duration, tensor pipe utilisation (every collected `pipe_tensor` metric), SM and
 L2 throughput (% of peak), DRAM read rate and bytes, L2 hit rate, L2 -> L1 bytes, achieved occupancy,
 registers, and the three largest stall reasons over all warps (WarpStateStats: cycles per issued
@@ -30,10 +31,17 @@ def _num(text: str) -> float | None:
         return None
 
 
-def _first(row: dict, *names: str) -> float | None:
+PREFIX = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+UNIT = re.compile(r"^([numKMGT]?)(?:byte|second)(?:/(?:second|s))?$")
+
+
+def _first(row: dict, *names: str, units: dict | None = None) -> float | None:
+    """The first of `names` the launch has, in base units (seconds, bytes, bytes/second) when its
+    unit in `units` has a prefix (usecond, Gbyte/second, ...), else as printed."""
     for name in names:
         if name in row and _num(row[name]) is not None:
-            return _num(row[name])
+            unit = UNIT.match((units or {}).get(name, ""))
+            return _num(row[name]) * (PREFIX[unit.group(1)] if unit else 1.0)
     return None
 
 
@@ -45,24 +53,24 @@ def raw_table(path: str) -> None:
         print(f"{path}: no 'Kernel Name' header: not an ncu raw CSV")
         return
     header = rows[start]
+    units = dict(zip(header, rows[start + 1], strict=False)) if len(rows) > start + 1 else {}
     launches = [dict(zip(header, r, strict=False)) for r in rows[start + 2:] if len(r) == len(header)]
     tensor = [h for h in header if "pipe_tensor" in h]
     print("| launch | kernel | us | " + " | ".join(tensor) + " | SM % | L2 % | DRAM GB/s | DRAM read MB | "
           "L2 hit % | L2->L1 MB | occupancy % | regs | top stalls (cycles per issue) |")
     print("|" + "---|" * (12 + len(tensor)))
     for row in launches:
-        us = _first(row, "gpu__time_duration.sum")
-        us = us / 1e3 if us is not None else None  # base unit: ns
+        us = _first(row, "gpu__time_duration.sum", units=units)
+        us = us * 1e6 if us is not None else None
         stalls = sorted(((v, m.group(1)) for h, v in ((h, _num(row[h])) for h in header)
                          if (m := STALL.search(h)) and v is not None), reverse=True)[:3]
         values = [us, *(_first(row, t) for t in tensor),
                   _first(row, "sm__throughput.avg.pct_of_peak_sustained_elapsed"),
                   _first(row, "lts__throughput.avg.pct_of_peak_sustained_elapsed"),
-                  (_first(row, "dram__bytes_read.sum.per_second") or 0) / 1e9,
-                  (_first(row, "dram__bytes_read.sum") or 0) / 1e6,
+                  (_first(row, "dram__bytes_read.sum.per_second", units=units) or 0) / 1e9,
+                  (_first(row, "dram__bytes_read.sum", units=units) or 0) / 1e6,
                   _first(row, "lts__t_sector_hit_rate.pct"),
-                  (_first(row, "l1tex__m_xbar2l1tex_read_bytes.sum", "lts__t_sectors_srcunit_tex_op_read.sum") or 0)
-                  / 1e6,
+                  (_first(row, "l1tex__m_xbar2l1tex_read_bytes.sum", units=units) or 0) / 1e6,
                   _first(row, "sm__warps_active.avg.pct_of_peak_sustained_active"),
                   _first(row, "launch__registers_per_thread")]
         cells = ["-" if v is None else f"{v:.1f}" for v in values]
