@@ -21,6 +21,9 @@
 //     rows whose row_token >= 0. A tile whose row 64 is padding (a half tail, as split_tail) has no
 //     real row in warp group 2: it skips its wgmma and epilogue (waits and releases only).
 // The producer ends the stream with a stage whose tile number is -1; the consumers stop on it.
+// That is the kBase mainloop; the others (gemm1_sm90.h, Gemm1Variant: one m64n256k16 per k16, rows
+// signalled by cp.async.mbarrier.arrive.noinc, 2-CTA clusters multicasting the weights) are
+// instances of the same kernel template, chosen per launch (bench/NOTES.md "Issue 12t").
 
 #include "gemm_sm90/gemm1_sm90.h"
 
@@ -199,17 +202,77 @@ __device__ __forceinline__ int next_tile(int32_t* queue, const int32_t* block_ex
   }
 }
 
+// A copy: 8 consecutive threads copy one row's 8 16-byte chunks (128 contiguous bytes per 8
+// threads: whole 32-byte sectors per instruction), rows r0, r0 + 16, ..., r0 + 112 of the tile.
+struct RowCopy {
+  uint32_t chunk, r0, dst0;
+  const __nv_bfloat16* src[8];  // this thread's chunk of its 8 rows at K step 0; nullptr: padding row
+
+  __device__ explicit RowCopy(int t)
+      : chunk(t & 7), r0(t >> 3), dst0(r0 * 128 + ((chunk ^ (r0 & 7)) << 4)) {}  // 128B swizzle: (r0 + 16 i) & 7 == r0 & 7
+
+  // The rows of `block` (none: every row padding).
+  __device__ void point(const Gemm1Args& p, int block, bool none) {
+    const __nv_bfloat16* a = static_cast<const __nv_bfloat16*>(p.a);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int s = block * kTileRows + r0 + 16 * i;
+      const int token = none ? -1 : p.row_token ? p.row_token[s] : s;
+      src[i] = token >= 0 ? a + static_cast<int64_t>(token) * p.H + chunk * 8 : nullptr;
+    }
+  }
+
+  // K step kk into the stage at `base`; padding rows: zeros, nothing read.
+  __device__ void issue(const Gemm1Args& p, uint32_t base, int kk) const {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      cp_async_16(base + dst0 + i * 16 * 128, src[i] ? src[i] + kk * kTileDepth : p.a, src[i] ? 16u : 0u);
+    }
+  }
+};
+
+// Weight boxes b in [first, last) of K step kk, column tile pn, into the stage at `base` (gate pn*128 +
+// 0 / 64, up Ir + the same), completing on `full`; kMulticast: into both CTAs of the cluster.
+template <bool kMulticast>
+__device__ __forceinline__ void load_boxes(const Gemm1Args& p, const CUtensorMap* w_map, uint32_t base, uint32_t full,
+                                           int expert, int pn, int kk, int first, int last) {
+  const int row = expert * p.H + kk * kTileDepth;
+#pragma unroll
+  for (int b = first; b < last; ++b) {
+    const int col = (b < 2 ? 0 : p.Ir) + pn * kTileCols + (b & 1) * kBoxCols;
+    if constexpr (kMulticast) {
+      tma_load_2d_multicast(base + kABytes + b * kBoxBytes, w_map, full, col, row);
+    } else {
+      tma_load_2d(base + kABytes + b * kBoxBytes, w_map, full, col, row);
+    }
+  }
+}
+
+// A producer thread's wait for stage it % kStages to be free (phase it / kStages); thread 0 then
+// labels it with `tile` (kDone ends the stream). Returns the stage's shared address.
+__device__ __forceinline__ uint32_t acquire_stage(Control* ctl, uint32_t stage0, uint32_t it, int tile) {
+  const uint32_t stage = it % kStages;
+  mbar_wait(smem_u32(&ctl->empty[stage]), ((it / kStages) & 1) ^ 1);
+  if (threadIdx.x == 0) ctl->tile[stage] = tile;
+  return stage0 + stage * kStageBytes;
+}
+
+// The stage after the last one issued ends the stream: every producer thread's arrival, and thread
+// 0's in place of the TMA issue's.
+__device__ __forceinline__ void end_stream(Control* ctl, uint32_t stage0, uint32_t it) {
+  acquire_stage(ctl, stage0, it, kDone);
+  const uint32_t full = smem_u32(&ctl->full[it % kStages]);
+  if (threadIdx.x == 0) mbar_arrive(full);
+  mbar_arrive(full);
+}
+
 template <int V>
 __device__ void producer(const Gemm1Args& p, const CUtensorMap* w_map, uint8_t* stages, Control* ctl) {
   const int t = threadIdx.x;  // 0..127
-  // A copy: 8 consecutive threads copy one row's 8 16-byte chunks (128 contiguous bytes per 8
-  // threads: whole 32-byte sectors per instruction), rows r0, r0 + 16, ..., r0 + 112 of the tile.
-  const uint32_t chunk = t & 7, r0 = t >> 3;
-  const uint32_t dst0 = r0 * 128 + ((chunk ^ (r0 & 7)) << 4);  // 128B swizzle: (r0 + 16 i) & 7 == r0 & 7
+  RowCopy rows(t);
   const int n_tiles = p.Ir / kTileCols;
   const int num_tiles = (p.S / kTileRows) * n_tiles;
   const int k_steps = p.H / kTileDepth;
-  const __nv_bfloat16* a = static_cast<const __nv_bfloat16*>(p.a);
   const uint32_t stage0 = smem_u32(stages);
   uint32_t it = 0;  // K steps issued so far, over all tiles: stage it % kStages, phase it / kStages
   for (int n = 0;; ++n) {
@@ -229,32 +292,15 @@ __device__ void producer(const Gemm1Args& p, const CUtensorMap* w_map, uint8_t* 
     }
     const int block = tile / n_tiles, pn = tile % n_tiles;
     const int expert = p.block_expert[block];
-    const __nv_bfloat16* src[8];  // this thread's chunk of its 8 rows at K step 0; nullptr: padding row
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int s = block * kTileRows + r0 + 16 * i;
-      const int token = p.row_token ? p.row_token[s] : s;
-      src[i] = token >= 0 ? a + static_cast<int64_t>(token) * p.H + chunk * 8 : nullptr;
-    }
+    rows.point(p, block, false);
     for (int kk = 0; kk < k_steps; ++kk, ++it) {
-      const uint32_t stage = it % kStages;
-      mbar_wait(smem_u32(&ctl->empty[stage]), ((it / kStages) & 1) ^ 1);
-      const uint32_t base = stage0 + stage * kStageBytes;
-      const uint32_t full = smem_u32(&ctl->full[stage]);
+      const uint32_t base = acquire_stage(ctl, stage0, it, tile);
+      const uint32_t full = smem_u32(&ctl->full[it % kStages]);
       if (t == 0) {
-        ctl->tile[stage] = tile;
         mbar_arrive_expect_tx(full, kBBytes);
-        const int row = expert * p.H + kk * kTileDepth;
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          const int col = (b < 2 ? 0 : p.Ir) + pn * kTileCols + (b & 1) * kBoxCols;
-          tma_load_2d(base + kABytes + b * kBoxBytes, w_map, full, col, row);
-        }
+        load_boxes<false>(p, w_map, base, full, expert, pn, kk, 0, 4);
       }
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {  // padding rows: zeros, nothing read
-        cp_async_16(base + dst0 + i * 16 * 128, src[i] ? src[i] + kk * kTileDepth : a, src[i] ? 16u : 0u);
-      }
+      rows.issue(p, base, kk);
       if constexpr (V == kNoinc) {
         cp_async_arrive_noinc(full);
         continue;
@@ -273,13 +319,7 @@ __device__ void producer(const Gemm1Args& p, const CUtensorMap* w_map, uint8_t* 
     fence_proxy_async();
     for (uint32_t i = it >= kLag ? it - kLag : 0; i < it; ++i) mbar_arrive(smem_u32(&ctl->full[i % kStages]));
   }
-  const uint32_t stage = it % kStages;
-  mbar_wait(smem_u32(&ctl->empty[stage]), ((it / kStages) & 1) ^ 1);
-  if (t == 0) {
-    ctl->tile[stage] = kDone;
-    mbar_arrive(smem_u32(&ctl->full[stage]));  // the arrival the TMA issue makes otherwise
-  }
-  mbar_arrive(smem_u32(&ctl->full[stage]));
+  end_stream(ctl, stage0, it);
 }
 
 // kMcast's producer warp group: units u = cluster, cluster + clusters, ... of (pair q = u / n_tiles,
@@ -289,15 +329,13 @@ __device__ void producer(const Gemm1Args& p, const CUtensorMap* w_map, uint8_t* 
 // are one expert's (rank 0 the gate boxes, rank 1 the up boxes, into both CTAs), else its own 4 boxes.
 __device__ void producer_mcast(const Gemm1Args& p, const CUtensorMap* w_map, uint8_t* stages, Control* ctl) {
   const int t = threadIdx.x;  // 0..127
-  const uint32_t chunk = t & 7, r0 = t >> 3;
-  const uint32_t dst0 = r0 * 128 + ((chunk ^ (r0 & 7)) << 4);
+  RowCopy rows(t);
   const int n_tiles = p.Ir / kTileCols;
   const int blocks = p.S / kTileRows;
   const int units = (blocks + 1) / 2 * n_tiles;
   const int k_steps = p.H / kTileDepth;
   const int rank = static_cast<int>(cluster_rank());
   const int cluster = blockIdx.x / kCluster, clusters = gridDim.x / kCluster;
-  const __nv_bfloat16* a = static_cast<const __nv_bfloat16*>(p.a);
   const uint32_t stage0 = smem_u32(stages);
   auto expert_of = [&](int b) { return b < blocks ? p.block_expert[b] : p.E; };  // E: no block
   uint32_t it = 0;
@@ -308,58 +346,31 @@ __device__ void producer_mcast(const Gemm1Args& p, const CUtensorMap* w_map, uin
     const int block = 2 * q + rank, expert = rank ? e1 : e0;
     const bool mine = expert < p.E, shared = e0 == e1;  // shared: both used (e0 < E here)
     const int tile = mine ? block * n_tiles + pn : kIdle;
-    const __nv_bfloat16* src[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int s = block * kTileRows + r0 + 16 * i;
-      const int token = !mine ? -1 : p.row_token ? p.row_token[s] : s;
-      src[i] = token >= 0 ? a + static_cast<int64_t>(token) * p.H + chunk * 8 : nullptr;
-    }
+    rows.point(p, block, !mine);
     for (int kk = 0; kk < k_steps; ++kk, ++it) {
-      const uint32_t stage = it % kStages;
-      mbar_wait(smem_u32(&ctl->empty[stage]), ((it / kStages) & 1) ^ 1);
-      const uint32_t base = stage0 + stage * kStageBytes;
-      const uint32_t full = smem_u32(&ctl->full[stage]);
+      const uint32_t base = acquire_stage(ctl, stage0, it, tile);
+      const uint32_t full = smem_u32(&ctl->full[it % kStages]);
       if (t == 0) {
-        ctl->tile[stage] = tile;
         if (mine) {
           mbar_arrive_expect_tx(full, kBBytes);  // 4 boxes, half of them from the partner when shared
-          const int row = expert * p.H + kk * kTileDepth;
           if (shared) {
-#pragma unroll
-            for (int b = 2 * rank; b < 2 * rank + 2; ++b) {
-              const int col = (b < 2 ? 0 : p.Ir) + pn * kTileCols + (b & 1) * kBoxCols;
-              tma_load_2d_multicast(base + kABytes + b * kBoxBytes, w_map, full, col, row);
-            }
+            load_boxes<true>(p, w_map, base, full, expert, pn, kk, 2 * rank, 2 * rank + 2);
           } else {
-#pragma unroll
-            for (int b = 0; b < 4; ++b) {
-              const int col = (b < 2 ? 0 : p.Ir) + pn * kTileCols + (b & 1) * kBoxCols;
-              tma_load_2d(base + kABytes + b * kBoxBytes, w_map, full, col, row);
-            }
+            load_boxes<false>(p, w_map, base, full, expert, pn, kk, 0, 4);
           }
         } else {
           mbar_arrive(full);
         }
       }
       if (mine) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          cp_async_16(base + dst0 + i * 16 * 128, src[i] ? src[i] + kk * kTileDepth : a, src[i] ? 16u : 0u);
-        }
+        rows.issue(p, base, kk);
         cp_async_arrive_noinc(full);
       } else {
         mbar_arrive(full);
       }
     }
   }
-  const uint32_t stage = it % kStages;  // the end of the stream, at the same stage in both CTAs
-  mbar_wait(smem_u32(&ctl->empty[stage]), ((it / kStages) & 1) ^ 1);
-  if (t == 0) {
-    ctl->tile[stage] = kDone;
-    mbar_arrive(smem_u32(&ctl->full[stage]));
-  }
-  mbar_arrive(smem_u32(&ctl->full[stage]));
+  end_stream(ctl, stage0, it);  // at the same stage in both CTAs
 }
 
 // A consumer warp's release of a stage: to its own producers, and with kMcast to both CTAs' (either
