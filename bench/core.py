@@ -3,7 +3,7 @@ and the layer a user would run instead (issue 12).
 
     python bench/core.py --anchors PATH/bench_anchors.py [--tokens 2048] [--K 8] [--E 64] [--H 4096]
                          [--Ir 768] [--iters 100] [--w-desc off] [--split on,off] [--pair off,gemm1,on]
-                         [--order static,queue] [--cuda-tile off,on,n256,noinc] [--repeats N]
+                         [--order static,queue] [--cuda-tile off,on,n256,noinc,mcast] [--repeats N]
                          [--routing balanced,skewed] [--json FILE] [--profile [--gemm1-only]] [--no-anchor]
 
 Shape: the seed preset's per-rank share (T = 2048 tokens, K = 8, E = 64, H = 4096, Ir = 768), all on

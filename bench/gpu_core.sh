@@ -209,6 +209,6 @@ for f in "$LOG/tests_main.txt" "$LOG/tests_mcast.txt"; do
   [[ -f "$f" ]] && echo "$(basename "$f" .txt): $(grep -E '(passed|failed|error)' "$f" | tail -n 1)"
 done
 [[ -f "$LOG/timed.txt" ]] && cat "$LOG/timed.txt"
-[[ -f "$LOG/core_cudatile2.txt" ]] && grep -E "^  (dense|gemm1|anchor vllm gemm1|serial)" "$LOG/core_cudatile2.txt"
+[[ -f "$LOG/core_cudatile2.txt" ]] && grep -E "^  (dense|gemm1|anchor|serial)" "$LOG/core_cudatile2.txt"
 [[ -f "$LOG/ncu/ncu_table.txt" ]] && grep "^|" "$LOG/ncu/ncu_table.txt"
 for step in "${!RC[@]}"; do [[ "${RC[$step]}" == 0 ]] || exit 1; done
