@@ -51,7 +51,9 @@ else
     --cuda-tile "$VARIANTS" > "$LOG/ncu_run.txt" 2>&1 || rc=$?
   tail -n 6 "$LOG/ncu_run.txt"
   if [[ -f /tmp/ncu_gemm1.ncu-rep ]]; then
-    cp /tmp/ncu_gemm1.ncu-rep "$LOG/"
+    # The report itself only when small: one file of the call's tar may be at most 16 MiB.
+    if (( $(stat -c %s /tmp/ncu_gemm1.ncu-rep) < 8000000 )); then cp /tmp/ncu_gemm1.ncu-rep "$LOG/"
+    else echo "ncu_gemm1.ncu-rep is $(stat -c %s /tmp/ncu_gemm1.ncu-rep) bytes: left out of the tar"; fi
     "$NCU" --import /tmp/ncu_gemm1.ncu-rep --page raw --csv > "$LOG/ncu_raw.csv" 2>&1
     "$NCU" --import /tmp/ncu_gemm1.ncu-rep --page details > "$LOG/ncu_details.txt" 2>&1
     "$NCU" --import /tmp/ncu_gemm1.ncu-rep --page source --csv --print-source sass > "$LOG/ncu_source.csv" 2>&1

@@ -4,7 +4,7 @@
 
 RAW.csv: `ncu --import R.ncu-rep --page raw --csv` (one row per profiled launch, the units in the row
 under the header: scaled here, so that either unit option of ncu gives the same table).
-Prints per launch: duration, tensor pipe utilisation (every collected `pipe_tensor` metric), SM and
+Prints per launch: duration, tensor pipe utilisation (the collected `pipe_tensor` % metrics), SM and
 L2 throughput (% of peak), DRAM read rate and bytes, L2 hit rate, L2 -> L1 bytes, achieved occupancy,
 registers, and the three largest stall reasons over all warps (WarpStateStats: cycles per issued
 instruction spent in each reason; producer and consumer warps together).
@@ -55,7 +55,7 @@ def raw_table(path: str) -> None:
     header = rows[start]
     units = dict(zip(header, rows[start + 1], strict=False)) if len(rows) > start + 1 else {}
     launches = [dict(zip(header, r, strict=False)) for r in rows[start + 2:] if len(r) == len(header)]
-    tensor = [h for h in header if "pipe_tensor" in h]
+    tensor = [h for h in header if "pipe_tensor" in h and "pct" in h][:3]  # utilisation, % of peak
     print("| launch | kernel | us | " + " | ".join(tensor) + " | SM % | L2 % | DRAM GB/s | DRAM read MB | "
           "L2 hit % | L2->L1 MB | occupancy % | regs | top stalls (cycles per issue) |")
     print("|" + "---|" * (12 + len(tensor)))
