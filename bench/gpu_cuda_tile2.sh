@@ -13,5 +13,10 @@ mkdir -p "$LOG"
 STEPS=cudatile2 BUDGET=${BUDGET:-300} OUT=$LOG bash "$(dirname "$0")/gpu_core.sh" 2>&1 | tee "$LOG.txt"
 rc=${PIPESTATUS[0]}
 mv "$LOG.txt" "$LOG/console.txt"
-if [[ -n "${OUT:-}" ]]; then tar -czf "$OUT/cuda_tile2.tgz" -C "$LOG" . && echo "packed $OUT/cuda_tile2.tgz"; fi
+if [[ -n "${OUT:-}" ]]; then
+  tar -czf "$OUT/cuda_tile2.tgz" -C "$LOG" .
+  # One file back may be at most 16 MiB: without the ncu report (the table and CSVs stay) if larger.
+  (( $(stat -c %s "$OUT/cuda_tile2.tgz") < 16000000 )) || tar -czf "$OUT/cuda_tile2.tgz" --exclude='*.ncu-rep' -C "$LOG" .
+  echo "packed $OUT/cuda_tile2.tgz ($(stat -c %s "$OUT/cuda_tile2.tgz") bytes)"
+fi
 exit "$rc"
