@@ -20,12 +20,14 @@
 #            queue, 3 interleaved rounds of 50 replays, no anchor rows (<= 120 s; skipped after a hang)
 #   cudatile2 issue 12t, the CUDA tile's mainloop variants (service.kernels.cuda_tile.VARIANTS; bench/gpu_cuda_tile2.sh
 #            runs this step alone): csrc/build.py --arch 9.0 and the SASS counts per variant, the tile's GPU
-#            tests over every variant (the cluster variant mcast in its own pytest and timeout: a hang there
-#            costs its results only; compute-sanitizer memcheck + synccheck of the few-CTA case of a
-#            variant that failed, not hung),
+#            tests in three pytest runs, each under its own timeout (base + n256 + the unparametrized
+#            tests <= 90 s, noinc <= 45 s, mcast <= 45 s: a hang costs its own group's results only;
+#            compute-sanitizer memcheck of the few-CTA case of the first variant whose own tile tests
+#            failed, not hung), then $PACK (a checkpoint of what exists) if set,
 #            bench/core.py at the seed share, balanced and skewed, GEMM1 Triton vs every variant that
 #            passed (split + queue, 3 interleaved rounds of 50 replays, the dense matmul and the anchor
-#            beside unless NO_ANCHOR=1), then bench/gpu_ncu_gemm1.sh (one ncu launch each, the table)
+#            beside unless NO_ANCHOR=1), then bench/gpu_ncu_gemm1.sh (one ncu launch each, the table) when
+#            > 80 s are left
 # and a short table.
 # Usage: ANCHORS=path/bench_anchors.py COMMIT=$(git rev-parse HEAD) [STEPS="profile core"] bash bench/gpu_core.sh
 #        (PYTHON=...; OUT=dir; BUDGET=seconds for all steps; VARIANTS="--split on,off --queue off": the
@@ -54,7 +56,7 @@ echo "commit ${COMMIT:-unknown: set COMMIT (the copy that travels has no .git)};
 run_gpu_tests() {  # run_gpu_tests NAME SECONDS FILES...: the gpu-marked tests of FILES -> $LOG/NAME.txt, RC[NAME]
   local name=$1 want=$2
   shift 2
-  timeout "$(cap "$want")" "$PY" -m pytest -q -m gpu "$@" -p no:cacheprovider -rfE --durations=8 \
+  timeout -k 5 "$(cap "$want")" "$PY" -m pytest -q -m gpu "$@" -p no:cacheprovider -rfE --durations=8 \
     > "$LOG/$name.txt" 2>&1
   RC[$name]=$?
   grep -E "^(FAILED|ERROR)" "$LOG/$name.txt" | head -n 20
@@ -153,37 +155,48 @@ step_cudatile2() {
            split($i, b, "."); n[f " " b[1] "." b[2]]++; break}} END {for (k in n) print k, n[k]}' "$LOG/gemm1_sm90.sass" \
       | sed -E 's/^\S*gemm1_kernelILi([0-9])E\S*/variant \1/' | sort | tee -a "$LOG/build.txt"
   fi
-  # Two pytest runs: the cluster variant (mcast, the newest protocol) alone, so that a hang there
-  # (rc 124) costs its own results only; a variant passed when its run passed, or failed only in
-  # tests of other variants (ids end "-<variant>]" or are "[<variant>]"; base owns the others).
-  local group name got
-  for group in "not mcast" "mcast"; do
-    name=tests_$([[ $group == mcast ]] && echo mcast || echo main)
-    run_gpu_tests "$name" 110 tests/kernels/test_cuda_tile_gpu.py -k "$group"
+  # Three pytest runs, each under its own timeout: base and n256 (the unparametrized tests with
+  # them, counted as base's), then noinc and mcast alone (the two new arrival protocols), so that
+  # a hang (rc 124) costs its own group's results only. A variant passed when its group passed, or
+  # failed only in tests of other variants (ids end "-<variant>]" or are "[<variant>]").
+  local group name got own tile sanitized=""
+  for group in main noinc mcast; do
+    name=tests_$group
+    case $group in
+      main) run_gpu_tests "$name" "${MAIN_S:-90}" tests/kernels/test_cuda_tile_gpu.py -k "not (noinc or mcast)" ;;
+      *) run_gpu_tests "$name" "${VARIANT_S:-45}" tests/kernels/test_cuda_tile_gpu.py -k "$group" ;;
+    esac
     got=${RC[$name]}
+    (( got == 124 || got == 137 )) && echo "$name timed out (a hang?): its variants are not timed"
     for v in $variants; do
-      [[ $group == mcast && $v != mcast || $group != mcast && $v == mcast ]] && continue
-      local own="[-[]$v\]"
-      [[ $v == base ]] && own+="|serial_layer|refusals"  # the unparametrized tests count as base's
+      [[ $group == main && ( $v == noinc || $v == mcast ) || $group != main && $v != "$group" ]] && continue
+      tile="[-[]$v\]"  # the variant's own tile tests
+      own=$tile
+      [[ $v == base ]] && own+="|serial_layer|refusals"
       if (( got == 0 )) || { (( got == 1 )) && ! grep -E "^(FAILED|ERROR)" "$LOG/$name.txt" | grep -qE "$own"; }; then
         passed+=",$([[ $v == base ]] && echo on || echo "$v")"
-      elif (( got != 124 )) && command -v compute-sanitizer > /dev/null && (( $(left) > 120 )); then
-        for tool in memcheck synccheck; do
-          timeout "$(cap 40)" compute-sanitizer --tool "$tool" --print-limit 20 "$PY" -m pytest -q -x -m gpu \
-            tests/kernels/test_cuda_tile_gpu.py -k "few_ctas and $v" -p no:cacheprovider > "$LOG/sanitizer_${v}_$tool.txt" 2>&1
-          RC[sanitizer_${v}_$tool]=$?
-          grep -E "=========" "$LOG/sanitizer_${v}_$tool.txt" | head -n 12
-        done
+      elif [[ -z $sanitized ]] && (( got == 1 )) && grep -E "^(FAILED|ERROR)" "$LOG/$name.txt" | grep -qE "$tile" \
+           && command -v compute-sanitizer > /dev/null && (( $(left) > ${SANITIZER_LEFT:-150} )); then
+        # memcheck of the small few-CTA case of the first variant whose own tile tests failed (not hung).
+        sanitized=$v
+        timeout -k 5 "$(cap 40)" compute-sanitizer --tool memcheck --print-limit 20 "$PY" -m pytest -q -x -m gpu \
+          tests/kernels/test_cuda_tile_gpu.py -k "few_ctas and $v" -p no:cacheprovider > "$LOG/sanitizer_${v}_memcheck.txt" 2>&1
+        RC[sanitizer_$v]=$?
+        grep -E "=========" "$LOG/sanitizer_${v}_memcheck.txt" | head -n 12
       fi
     done
   done
   echo "timed: $passed (off = the Triton tile, on = the CUDA tile's base mainloop)" | tee "$LOG/timed.txt"
-  timeout "$(cap 100)" "$PY" bench/core.py --anchors "$ANCHORS" --iters 50 --repeats 3 --split on --order queue \
+  [[ -n ${PACK:-} ]] && $PACK  # what exists so far comes back even if a later step runs past the call
+  timeout -k 5 "$(cap 100)" "$PY" bench/core.py --anchors "$ANCHORS" --iters 50 --repeats 3 --split on --order queue \
     --cuda-tile "$passed" ${NO_ANCHOR:+--no-anchor} --json "$LOG/core_cudatile2.json" > "$LOG/core_cudatile2.txt" 2>&1
   RC[cudatile2_core]=$?
   cat "$LOG/core_cudatile2.txt"
-  (( $(left) > 45 )) || { echo "no time left for ncu"; return 0; }
-  LOG=$LOG/ncu TAR=none VARIANTS=$passed NCU_S=$(cap 110) timeout "$(cap 130)" bash bench/gpu_ncu_gemm1.sh
+  (( $(left) > ${NCU_LEFT:-80} )) || { echo "no time left for ncu"; return 0; }
+  # ncu's own limit 25 s inside the outer one: the imports and the table after the profile still run.
+  local outer
+  outer=$(cap 130)
+  LOG=$LOG/ncu TAR=none VARIANTS=$passed NCU_S=$(( outer - 25 )) timeout -k 5 "$outer" bash bench/gpu_ncu_gemm1.sh
   RC[ncu]=$?
 }
 
@@ -207,7 +220,7 @@ for step in "${!RC[@]}"; do printf '%-10s rc=%s\n' "$step" "${RC[$step]}"; done
 [[ -f "$LOG/tests_cudatile.txt" ]] && grep -E '(passed|failed|error)' "$LOG/tests_cudatile.txt" | tail -n 1
 [[ -f "$LOG/core_cudatile.txt" ]] && grep -E "^  (dense|gemm1)" "$LOG/core_cudatile.txt" && \
   grep -A8 "^| routing" "$LOG/core_cudatile.txt"
-for f in "$LOG/tests_main.txt" "$LOG/tests_mcast.txt"; do
+for f in "$LOG/tests_main.txt" "$LOG/tests_noinc.txt" "$LOG/tests_mcast.txt"; do
   [[ -f "$f" ]] && echo "$(basename "$f" .txt): $(grep -E '(passed|failed|error)' "$f" | tail -n 1)"
 done
 [[ -f "$LOG/timed.txt" ]] && cat "$LOG/timed.txt"
