@@ -160,8 +160,11 @@ def test_gpu_cuda_tile_matches_reference_and_triton(shape, kind, variant):
 @each_variant
 def test_gpu_cuda_tile_without_gather_and_with_few_ctas(variant):
     """A is the layout itself (no row_token: every row of a used block written); and the persistent
-    loop with 1 and 3 CTAs (many tiles each: the stage ring wraps many times) bit-equal to the grid,
-    all through one reused tile-queue counter, which every launch must leave at zero."""
+    loop with 1, 3, 7 and 10 CTAs (many tiles each: the stage ring wraps many times) bit-equal to the
+    grid, all through one reused tile-queue counter, which every launch must leave at zero. mcast
+    (clusters of 2, an even grid of at most num_programs, >= 2) walks its static schedule of 12 units
+    (11 blocks in pairs x 2 column tiles) with 1 cluster for 1 and 3 CTAs, 3 for 7 (an odd grid
+    rounded down) and 5 for 10 (a ragged stride: 3, 3, 2, 2, 2 units)."""
     from service.kernels import cuda_tile
     from service.kernels.grouped_gemm import gemm1_swiglu_ref, queue_counter
 
@@ -177,7 +180,8 @@ def test_gpu_cuda_tile_without_gather_and_with_few_ctas(variant):
     assert counter.tolist() == [0, 0], "the last CTA did not rewind the tile queue"
     assert torch.isfinite(out[used]).all() and torch.isnan(out[~used]).all()
     assert rel_err(out[used], ref[used]) <= TOL[torch.bfloat16]
-    for programs in (1, 3, 1):
+    assert (a.shape[0] // BM + 1) // 2 * (Ir // cuda_tile.TILE_COLS) == 12  # the units the docstring counts
+    for programs in (1, 3, 7, 10, 1):
         again = _poisoned(a.shape[0], Ir)
         cuda_tile.gemm1_swiglu(a, w13, block_expert, out=again, num_programs=programs, queue=counter,
                                variant=variant)
