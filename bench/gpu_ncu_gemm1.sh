@@ -45,7 +45,7 @@ else
   for s in SpeedOfLight ComputeWorkloadAnalysis MemoryWorkloadAnalysis WarpStateStats SchedulerStats Occupancy \
            SourceCounters LaunchStats; do SECTIONS+=(--section "$s"); done
   N=$(( $(tr ',' '\n' <<< "$VARIANTS" | wc -l) ))
-  timeout "$NCU_S" "$NCU" --target-processes all --clock-control none -k 'regex:gemm1_kernel|_grouped_gemm_kernel' \
+  timeout -k 5 "$NCU_S" "$NCU" --target-processes all --clock-control none -k 'regex:gemm1_kernel|_grouped_gemm_kernel' \
     -c "$N" "${SECTIONS[@]}" ${METRICS:+--metrics "$METRICS"} -f -o /tmp/ncu_gemm1 \
     "$PY" bench/core.py --anchors "$ANCHORS" --profile --gemm1-only --routing balanced --split on --order queue \
     --cuda-tile "$VARIANTS" > "$LOG/ncu_run.txt" 2>&1 || rc=$?
