@@ -163,8 +163,8 @@ step_cudatile2() {
   for group in main noinc mcast; do
     name=tests_$group
     case $group in
-      main) run_gpu_tests "$name" "${MAIN_S:-90}" tests/kernels/test_cuda_tile_gpu.py -k "not (noinc or mcast)" ;;
-      *) run_gpu_tests "$name" "${VARIANT_S:-45}" tests/kernels/test_cuda_tile_gpu.py -k "$group" ;;
+      main) run_gpu_tests "$name" 90 tests/kernels/test_cuda_tile_gpu.py -k "not (noinc or mcast)" ;;
+      *) run_gpu_tests "$name" 45 tests/kernels/test_cuda_tile_gpu.py -k "$group" ;;
     esac
     got=${RC[$name]}
     (( got == 124 || got == 137 )) && echo "$name timed out (a hang?): its variants are not timed"
@@ -176,7 +176,7 @@ step_cudatile2() {
       if (( got == 0 )) || { (( got == 1 )) && ! grep -E "^(FAILED|ERROR)" "$LOG/$name.txt" | grep -qE "$own"; }; then
         passed+=",$([[ $v == base ]] && echo on || echo "$v")"
       elif [[ -z $sanitized ]] && (( got == 1 )) && grep -E "^(FAILED|ERROR)" "$LOG/$name.txt" | grep -qE "$tile" \
-           && command -v compute-sanitizer > /dev/null && (( $(left) > ${SANITIZER_LEFT:-150} )); then
+           && command -v compute-sanitizer > /dev/null && (( $(left) > 150 )); then
         # memcheck of the small few-CTA case of the first variant whose own tile tests failed (not hung).
         sanitized=$v
         timeout -k 5 "$(cap 40)" compute-sanitizer --tool memcheck --print-limit 20 "$PY" -m pytest -q -x -m gpu \
@@ -192,7 +192,7 @@ step_cudatile2() {
     --cuda-tile "$passed" ${NO_ANCHOR:+--no-anchor} --json "$LOG/core_cudatile2.json" > "$LOG/core_cudatile2.txt" 2>&1
   RC[cudatile2_core]=$?
   cat "$LOG/core_cudatile2.txt"
-  (( $(left) > ${NCU_LEFT:-80} )) || { echo "no time left for ncu"; return 0; }
+  (( $(left) > 80 )) || { echo "no time left for ncu"; return 0; }
   # ncu's own limit 25 s inside the outer one: the imports and the table after the profile still run.
   local outer
   outer=$(cap 130)
