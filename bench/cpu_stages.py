@@ -52,13 +52,15 @@ def main() -> int:
     p.add_argument("--backend", default="serial", choices=("auto", "serial", "fused"), help="the group's backend")
     p.add_argument("--callers", type=int, default=0, help="threads with a step each in flight (0: the one-slot loop)")
     p.add_argument("--lookahead", type=int, default=2, choices=(1, 2), help="the ranks' steps in flight (CUDA)")
+    p.add_argument("--copy-streams", action="store_true", help="the ranks' copies on copy streams (CUDA)")
     args = p.parse_args()
     cfg = preset(args.preset)
     if args.device == "cuda":  # one rank per GPU, as the server caps it
         cfg = cfg.replace(R=min(cfg.R, torch.cuda.device_count()))
     print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {cfg.describe()}, "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}"
-          + (f", {args.callers} callers, lookahead {args.lookahead}" if args.callers else ""))
+          + (f", {args.callers} callers, lookahead {args.lookahead}, copy streams {args.copy_streams}"
+             if args.callers else ""))
     if args.callers:
         return concurrent(cfg, args)
     phases: list[tuple] = []
@@ -139,18 +141,19 @@ def group(cfg, args, phases: list[tuple]) -> list[tuple]:
 
 def concurrent(cfg, args) -> int:
     """--callers: the group under several callers at once; one table row per size."""
-    print("| T | lookahead | steps/s | tokens/s | step wall ms | behind % | "
+    print("| T | lookahead | copy streams | steps/s | tokens/s | step wall ms | behind % | overlapped % | "
           + " | ".join(STEP_PHASES) + " |")
-    print("|---|---|---|---|---|---|" + "---|" * len(STEP_PHASES))
+    print("|---|---|---|---|---|---|---|---|" + "---|" * len(STEP_PHASES))
     with WorkerGroup(cfg, seed=0, device=args.device, backend=args.backend, slots=args.callers,
-                     lookahead=args.lookahead) as g:
+                     lookahead=args.lookahead, copy_streams=args.copy_streams) as g:
         for T in (int(t) for t in args.sizes.split(",")):
             stats, span = load(g, cfg, T, args.callers, args.steps)
             rate = len(stats) / span
             med = {p: statistics.median(s.phases[p] for s in stats) for p in STEP_PHASES}
-            print(f"| {T} | {g.lookahead} | {rate:.0f} | {rate * T:.0f} | "
+            print(f"| {T} | {g.lookahead} | {g.copy_streams} | {rate:.0f} | {rate * T:.0f} | "
                   f"{statistics.median(s.wall_s for s in stats) * 1e3:.2f} | "
                   f"{100 * sum(s.behind for s in stats) / len(stats):.0f} | "
+                  f"{100 * sum(s.overlapped for s in stats) / len(stats):.0f} | "
                   + " | ".join(f"{med[p] * 1e3:.3f}" for p in STEP_PHASES) + " |")
     return 0
 

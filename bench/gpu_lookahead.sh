@@ -46,10 +46,11 @@ grep -E "enqueued behind|on the device|passed|failed|Error" "$LOG/tests_lookahea
 
 echo "== 3. the rank group under $CALLERS callers, lookahead 1 and 2 (bench/cpu_stages.py)" | tee -a "$S"
 for round in $(seq 1 "$ROUNDS"); do
-  for la in 1 2; do
+  for la in 1 2 2cs; do  # 2cs: lookahead 2 with the copies on copy streams (--rank-copy-streams)
     f="$LOG/group_r${round}_la${la}.txt"
+    extra=(); [[ "$la" == 2cs ]] && extra=(--copy-streams)
     timeout -k 5 "$(cap 60)" "$PY" bench/cpu_stages.py --preset seed --device cuda --backend auto --sizes 512,8 \
-      --steps "$STEPS" --callers "$CALLERS" --lookahead "$la" > "$f" 2>&1
+      --steps "$STEPS" --callers "$CALLERS" --lookahead "${la%cs}" "${extra[@]}" > "$f" 2>&1
     echo "round $round lookahead $la rc=$?" >> "$S"
   done
 done

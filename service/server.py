@@ -215,7 +215,8 @@ class Server:
         return WorkerGroup(self.cfg, device=self.device, weights=s.weights, weights_prefix=self.weights_prefix,
                            seed=s.seed, backend=s.backend, slots=s.slots * self.frontends,
                            step_timeout_s=s.step_timeout_s, start_timeout_s=s.start_timeout_s,
-                           log_level=s.log_level.upper(), lookahead=s.rank_lookahead)
+                           log_level=s.log_level.upper(), lookahead=s.rank_lookahead,
+                           copy_streams=s.rank_copy_streams)
 
     # ---- the process -----------------------------------------------------------------------
 

@@ -93,7 +93,7 @@ class WorkerGroup:
     def __init__(self, cfg: LayerConfig, *, device: str = "cpu", weights: str | None = None,
                  weights_prefix: str = "", seed: int = 0, backend: str = "serial", slots: int = 2,
                  step_timeout_s: float = 60.0, start_timeout_s: float = 300.0,
-                 log_level: str | None = None, lookahead: int = 2):
+                 log_level: str | None = None, lookahead: int = 2, copy_streams: bool = False):
         if backend not in BACKENDS:
             raise InvalidInput(f"backend must be auto, serial or fused, got {backend!r}")
         self.requested_backend = backend  # the ranks decide (and log why); see service.worker.rank
@@ -107,6 +107,8 @@ class WorkerGroup:
         self.num_slots = slots
         self.requested_lookahead = lookahead  # CUDA ranks' steps in flight; `lookahead` is what they run
         self.lookahead = 1
+        self.requested_copy_streams = copy_streams  # CUDA ranks' copies beside the layers; `copy_streams`: run
+        self.copy_streams = False
         self.seq = 0
         self.alive = False
         self.pids: list[int] = []
@@ -159,6 +161,7 @@ class WorkerGroup:
                            weights=self.weights, weights_prefix=self.weights_prefix, seed=self.seed,
                            backend=self.requested_backend, timeout_s=self.start_timeout_s, threads=threads,
                            log_level=self.log_level, lookahead=self.requested_lookahead,
+                           copy_streams=self.requested_copy_streams,
                            host=cpu_host_peers(ctx, cfg, self.device, self.start_timeout_s))
         for rank in range(cfg.R):
             parent_end, child_end = ctx.Pipe()
@@ -183,6 +186,7 @@ class WorkerGroup:
         self.pids = [info["pid"] for info in infos]
         self.backend = infos[0]["backend"]
         self.lookahead = infos[0]["lookahead"]
+        self.copy_streams = infos[0]["copy_streams"]
         self.alive = True
         log.info("rank group ready in %.1f s: %s", time.monotonic() - t0,
                  ", ".join(f"rank{r} pid {i['pid']} {i['device']}" for r, i in enumerate(infos)))

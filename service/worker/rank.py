@@ -53,6 +53,7 @@ class RankOptions:
     host: HostPeers | None = None  # CPU ranks, R > 1: the serial layer's shared-memory collectives
     log_level: str = "INFO"
     lookahead: int = 2          # CUDA ranks: steps in flight at most (1: one at a time; CPU ranks always 1)
+    copy_streams: bool = False  # CUDA ranks: rows in and answers out on copy streams beside the layers
 
 
 def pin_slot(slot) -> None:
@@ -136,7 +137,8 @@ def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
             torch.empty(cfg.C, cfg.K, dtype=torch.int32, device=device),  # [C, K]
             torch.empty(cfg.C, cfg.K, dtype=torch.float32, device=device))  # [C, K]
     conn.send(("ready", rank, {"pid": os.getpid(), "device": str(device), "backend": layer.name,
-                               "lookahead": opts.lookahead if device.type == "cuda" else 1}))
+                               "lookahead": opts.lookahead if device.type == "cuda" else 1,
+                               "copy_streams": opts.copy_streams and device.type == "cuda"}))
 
     # Steps run in inference mode: no autograd bookkeeping per op (a CPU rank's T=8 step: -10 %,
     # bench/NOTES.md issue 11e); every tensor a step makes lives and dies inside this loop.
@@ -154,6 +156,10 @@ class _Lane:
     copied_in: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
     layer_done: torch.cuda.Event | None = None
     done: torch.cuda.Event | None = None
+    # copy streams only: the device buffers the rows land in ([C, H], [C, K], [C, K], copied into the
+    # layer's inputs on the device) and the answer is cast into ([C, H], read by the copy out)
+    staged: tuple[torch.Tensor, ...] | None = None
+    out_dev: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -188,11 +194,17 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
     cuda = inputs is not None
     depth = opts.lookahead if cuda else 1
     out_dev = None
+    streams = None  # copy streams: (rows in, answers out), beside the layer's stream
     if cuda:
         device = inputs[0].device
         out_dev = torch.empty(cfg.C, cfg.H, dtype=cfg.dtype, device=device)  # [C, H] the answer in the slot's dtype
         lanes = [_Lane(layer.new_state(), (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)),
                        torch.cuda.Event(), torch.cuda.Event()) for _ in range(depth)]
+        if opts.copy_streams:
+            streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+            for lane in lanes:  # per lane: a lane's previous step is finished before the lane is reused
+                lane.staged = tuple(torch.empty_like(b) for b in inputs)
+                lane.out_dev = torch.empty_like(out_dev)
     else:
         lanes = [_Lane(layer.new_state())]
     in_flight: collections.deque[_Step] = collections.deque()
@@ -258,6 +270,18 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
             x, ids, w = slot.x[rows], slot.ids[rows], slot.w[rows]
             if opts.host is not None:  # CPU ranks of one host: the layer reads every rank's rows from the slot
                 x, ids, w = slot.x[:T], slot.ids[:T], slot.w[:T]
+            elif streams is not None and lane.copied_in is not None and lane.staged is not None:
+                # CUDA, copy streams: DMA from the pinned slot into this lane's staging buffers on the
+                # in-stream (it runs while the step ahead computes), then one device copy into the layer's
+                # inputs in the layer's stream (after the step ahead read them)
+                assert inputs is not None
+                with torch.cuda.stream(streams[0]):
+                    lane.copied_in[0].record()
+                    staged = [buf[:n].copy_(src, non_blocking=True)
+                              for buf, src in zip(lane.staged, (x, ids, w), strict=True)]
+                    lane.copied_in[1].record()
+                torch.cuda.current_stream(inputs[0].device).wait_event(lane.copied_in[1])
+                x, ids, w = (buf[:n].copy_(src) for buf, src in zip(inputs, staged, strict=True))
             elif lane.copied_in is not None:  # CUDA: DMA from the pinned slot, in stream order before the step
                 assert inputs is not None
                 lane.copied_in[0].record()
@@ -268,7 +292,18 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
             result = layer.forward(x, ids, w, seq, lane.state.timer)
             layer.snapshot(lane.state)
             out: torch.Tensor | None = result
-            if out_dev is not None and lane.layer_done is not None and lane.done is not None:
+            if streams is not None and lane.out_dev is not None and lane.layer_done is not None \
+                    and lane.done is not None:
+                # CUDA, copy streams: cast into this lane's buffer in the layer's stream, DMA into the
+                # slot on the out-stream (the next step's layer does not wait for it)
+                lane.out_dev[:n].copy_(result)
+                lane.layer_done.record()
+                streams[1].wait_event(lane.layer_done)
+                with torch.cuda.stream(streams[1]):
+                    slot.out[rows].copy_(lane.out_dev[:n], non_blocking=True)
+                    lane.done.record()
+                out = None
+            elif out_dev is not None and lane.layer_done is not None and lane.done is not None:
                 # CUDA: cast on the device (half the bytes to move), DMA into the slot
                 lane.layer_done.record()
                 slot.out[rows].copy_(out_dev[:n].copy_(result), non_blocking=True)

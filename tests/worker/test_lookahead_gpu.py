@@ -115,24 +115,27 @@ SEED_SIZES = ((512, 333, 512, 1), (512, 1, 512, 97), (257, 512, 512, 512))
 
 def test_lookahead_overlaps_steps_on_the_device_and_changes_no_answer():
     """The stream-order argument under real overlap: steps enqueued while the layer of the step before
-    still ran on the device (StepStats.overlapped) give the answers of one step at a time, bit for
-    bit, and the fp32 reference's within tolerance (poisoned answer rows, mixed T)."""
+    still ran on the device (StepStats.overlapped), with the copies in the layer's stream or on copy
+    streams (--rank-copy-streams), give the answers of one step at a time, bit for bit, and the fp32
+    reference's within tolerance (poisoned answer rows, mixed T)."""
     results = {}
-    for lookahead in (1, 2):
+    for lookahead, copy_streams in ((1, False), (2, False), (2, True)):
         with WorkerGroup(SEED_CFG, device="cuda", seed=SEED, backend="fused", slots=CALLERS + 1,
-                         lookahead=lookahead, start_timeout_s=600) as group:
-            results[lookahead] = run_callers(group, SEED_CFG, SEED_SIZES)
-    overlapped = sum(s.overlapped for s in results[2][1])
-    print(f"seed shape: {overlapped} of {len(results[2][1])} steps enqueued while the step before "  # noqa: T201
-          "was on the device")
-    assert overlapped >= 1, "no step overlapped the one before on the device: the test proves nothing"
-    assert not any(s.overlapped for s in results[1][1])
+                         lookahead=lookahead, copy_streams=copy_streams, start_timeout_s=600) as group:
+            assert group.copy_streams == copy_streams
+            results[lookahead, copy_streams] = run_callers(group, SEED_CFG, SEED_SIZES)
+    for key in ((2, False), (2, True)):
+        overlapped = sum(s.overlapped for s in results[key][1])
+        print(f"seed shape, lookahead 2, copy streams {key[1]}: {overlapped} of {len(results[key][1])} steps "  # noqa: T201
+              "enqueued while the step before was on the device")
+        assert overlapped >= 1, "no step overlapped the one before on the device: the test proves nothing"
+    assert not any(s.overlapped for s in results[1, False][1])
     weights = [t.cuda() for t in full_weights(SEED_CFG, SEED)]
     tol = tolerance(SEED_CFG.dtype, SEED_CFG.dtype)
     for c in range(CALLERS):
         for i, (x, ids, w) in enumerate(inputs(c, SEED_CFG, SEED_SIZES)):
-            one, two = results[1][0][c][i], results[2][0][c][i]
-            assert torch.equal(one, two), (c, i)
+            one, two, three = (results[key][0][c][i] for key in ((1, False), (2, False), (2, True)))
+            assert torch.equal(one, two) and torch.equal(one, three), (c, i)
             rows = slice(0, min(64, x.shape[0]))  # the reference on a sample of each step's rows
             ref = moe_reference(x[rows].cuda().float(), ids[rows].cuda().long(), w[rows].cuda(), *weights).cpu()
             assert rel_err(two[rows], ref) <= tol, (c, i, rel_err(two[rows], ref))

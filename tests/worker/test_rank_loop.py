@@ -110,13 +110,36 @@ def make_slots(gen: torch.Generator, n: int):
         for i in range(n)]
 
 
-def run_loop(monkeypatch, messages, lookahead: int, layer: FakeLayer, slots, event=InstantEvent, pipe=None):
+class FakeStream:
+    """torch.cuda.Stream's surface for a device that runs everything in order at once: the loop's
+    copy-stream path is then a matter of which buffers it copies through."""
+
+    def __init__(self, device=None):
+        self.waited: list = []
+
+    def wait_event(self, event) -> None:
+        assert event.recorded, "a stream waits for an event recorded before it"
+        self.waited.append(event)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def run_loop(monkeypatch, messages, lookahead: int, layer: FakeLayer, slots, event=InstantEvent, pipe=None,
+             copy_streams: bool = False):
     """Queue `messages` on the rank's pipe, run the loop to its end; (answers read back, raised)."""
     monkeypatch.setattr(torch.cuda, "Event", event)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
     parent, child = pipe or mp.Pipe()
     for msg in messages:
         parent.send(msg)
-    opts = RankOptions(cfg=CFG, device="cuda", store_host="", store_port=0, slot_paths=(), lookahead=lookahead)
+    opts = RankOptions(cfg=CFG, device="cuda", store_host="", store_port=0, slot_paths=(), lookahead=lookahead,
+                       copy_streams=copy_streams)
     raised = None
     try:
         rank_mod._steps(0, CFG, opts, child, logging.getLogger("test"), layer, slots, layer.inputs)
@@ -135,12 +158,14 @@ def steps(first: int = 1):
     return [("step", first + i, i, T) for i, T in enumerate(STEPS_T)]
 
 
+@pytest.mark.parametrize("copy_streams", [False, True])
 @pytest.mark.parametrize("lookahead", [1, 2])
-def test_steps_answer_in_order_with_the_right_rows(monkeypatch, lookahead):
+def test_steps_answer_in_order_with_the_right_rows(monkeypatch, lookahead, copy_streams):
     gen = torch.Generator().manual_seed(11)
     slots = make_slots(gen, len(STEPS_T))
     layer = FakeLayer()
-    answers, raised = run_loop(monkeypatch, [*steps(), ("stop",)], lookahead, layer, slots)
+    answers, raised = run_loop(monkeypatch, [*steps(), ("stop",)], lookahead, layer, slots,
+                               copy_streams=copy_streams)
     assert raised is None
     assert [(a[0], a[2]) for a in answers] == [("done", s) for s in range(1, len(STEPS_T) + 1)]
     for (_, seq, i, T), answer in zip(steps(), answers, strict=True):
