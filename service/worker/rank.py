@@ -185,10 +185,14 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
     snapshot, the answer's cast and copy into the slot, an event), a step message that waits in the
     pipe, or arrives before n's layer is done (the rank polls both: it spins as a CUDA event's
     synchronize does), is read and step n+1 enqueued behind it before the rank finishes n, so the
-    device does not wait for the host work between two steps. One stream orders them: n+1's copy-in into
-    the layer's input buffers comes after n's layer read them, n's answer leaves out_dev and the
-    layer's output before n+1 overwrites them. Steps are finished (checks from their own snapshot,
-    answer sent) in seq order; a failed check of step n raises here, so n+1 is never answered.
+    device does not wait for the host work between two steps. The layer's stream orders them: n+1's
+    copy-in into the layer's input buffers comes after n's layer read them, n's answer leaves out_dev
+    and the layer's output before n+1 overwrites them. With opts.copy_streams the rows' DMA runs on
+    an in-stream into the lane's staging buffers (the layer's stream waits for it, then copies them
+    into the inputs) and the answer's DMA on an out-stream from the lane's answer buffer (after an
+    event behind the cast); a lane's buffers are reused only once its previous step is finished.
+    Steps are finished (checks from their own snapshot, answer sent) in seq order; a failed check of
+    step n raises here, so n+1 is never answered.
     ("ping", seq) and ("stop",) first finish what is in flight. CPU layers are synchronous: one
     step at a time."""
     cuda = inputs is not None
@@ -197,14 +201,15 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
     streams = None  # copy streams: (rows in, answers out), beside the layer's stream
     if cuda:
         device = inputs[0].device
-        out_dev = torch.empty(cfg.C, cfg.H, dtype=cfg.dtype, device=device)  # [C, H] the answer in the slot's dtype
+        if not opts.copy_streams:  # [C, H] the answer in the slot's dtype (copy streams: one per lane)
+            out_dev = torch.empty(cfg.C, cfg.H, dtype=cfg.dtype, device=device)
         lanes = [_Lane(layer.new_state(), (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)),
                        torch.cuda.Event(), torch.cuda.Event()) for _ in range(depth)]
         if opts.copy_streams:
             streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
             for lane in lanes:  # per lane: a lane's previous step is finished before the lane is reused
                 lane.staged = tuple(torch.empty_like(b) for b in inputs)
-                lane.out_dev = torch.empty_like(out_dev)
+                lane.out_dev = torch.empty(cfg.C, cfg.H, dtype=cfg.dtype, device=device)
     else:
         lanes = [_Lane(layer.new_state())]
     in_flight: collections.deque[_Step] = collections.deque()

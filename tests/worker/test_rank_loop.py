@@ -264,3 +264,67 @@ def test_a_step_arriving_while_the_device_computes_is_enqueued_at_once(monkeypat
     assert layer.calls == [("forward", 1), ("forward", 2), ("check", 1), ("check", 2)]
     assert [(a[0], a[2], a[3]["behind"]) for a in answers] == [("done", 1, False), ("done", 2, True)]
     assert [a[3]["overlapped"] for a in answers] == [False, True]  # step 1's layer still ran at step 2's enqueue
+
+
+def test_copy_streams_record_and_wait_on_the_right_streams(monkeypatch):
+    """--rank-copy-streams: each step's rows' events are recorded on the in-stream and waited by the
+    layer's stream before its device copy; its answer's DMA waits on the layer's event and is done
+    on the out-stream (the event the host syncs before it answers). Wrong streams pass the other
+    tests, whose fake streams run everything in order."""
+    current = ["compute"]
+    log: list[tuple] = []
+
+    class Stream:
+        made = 0
+
+        def __init__(self, device=None, name=None):
+            if name is None:
+                Stream.made += 1
+                name = ("in", "out")[Stream.made - 1]
+            self.name = name
+
+        def wait_event(self, event) -> None:
+            assert event.stream is not None, "waits for an event never recorded"
+            log.append(("wait", self.name, event.stream))
+
+    class Event(InstantEvent):
+        def __init__(self, enable_timing: bool = False):
+            super().__init__()
+            self.stream = None
+
+        def record(self) -> None:
+            super().record()
+            self.stream = current[-1]
+            log.append(("record", id(self), self.stream))
+
+    class Use:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            current.append(self.stream.name)
+
+        def __exit__(self, *exc) -> None:
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", Use)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(name="compute"))
+    gen = torch.Generator().manual_seed(16)
+    slots = make_slots(gen, 2)
+    layer = FakeLayer()
+    parent, child = mp.Pipe()
+    for msg in (("step", 1, 0, 5), ("step", 2, 1, 37), ("stop",)):
+        parent.send(msg)
+    opts = RankOptions(cfg=CFG, device="cuda", store_host="", store_port=0, slot_paths=(), lookahead=2,
+                       copy_streams=True)
+    rank_mod._steps(0, CFG, opts, child, logging.getLogger("test"), layer, slots, layer.inputs)
+    events = [e[2] if e[0] == "record" else ("wait", e[1], e[2]) for e in log]
+    # per step: copied_in[0], copied_in[1] on "in"; compute waits an "in" event; layer_done on compute;
+    # "out" waits a compute event; done on "out"
+    one_step = ["in", "in", ("wait", "compute", "in"), "compute", ("wait", "out", "compute"), "out"]
+    assert events == one_step * 2, events
+    for i, slot in enumerate(slots[:2]):
+        T = (5, 37)[i]
+        assert torch.equal(slot.out[:T], (slot.x[:T].float() * (i + 1)).to(CFG.dtype))
