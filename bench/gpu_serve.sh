@@ -3,7 +3,7 @@
 # layer alone. The default server, as a user starts it (`python -m service`: seed preset, R=1 on one
 # GPU, C=512, backend auto = fused), then:
 #   1. py-spy of the front end and its rank under load (v2 binary + gRPC, T=512, bf16, 4 clients):
-#      collapsed stacks in pyspy.txt (py-spy raw format: one stack and its count per line)
+#      collapsed stacks in pyspy.txt (py-spy raw format; `python bench/pyspy_summary.py pyspy.txt` reads it)
 #   0. when GROUP=1: the rank group alone, no front end (bench/cpu_stages.py --device cuda, T=512 and
 #      8): stage and step-phase medians (StepStats.phases) in group.txt
 #   1b. bench/latency_split.py around a load per protocol (T=512) at each concurrency of SPLIT_CONC

@@ -4,7 +4,9 @@
 # Each round starts `python -m service` (defaults: seed preset, R=1 on one GPU, C=512, fused, the
 # default front ends) from each root of TREES in turn (its own `service`, its csrc built once) and
 # loads it with this checkout's bench/serve_load.py (bf16 on the wire, --no-direct); the root named
-# by PYSPY_TREE is also profiled once: py-spy of every process under a concurrency-16 load.
+# by PYSPY_TREE is also profiled once: py-spy of every process and `top` under a load of PYSPY_CONC
+# (default 16) clients (PYSPY_PROTOCOL, default v2_binary; e.g. 4 and grpc: is the owner's GIL the limit?).
+# Read the profile with `python bench/pyspy_summary.py pyspy_<tree>.txt`.
 # Usage (device machine, repository root, web wheels installed under /tmp/site):
 #   TREES=". .base" ROUNDS=2 CELL_S=3 CONCURRENCY=4,16 [PYSPY_TREE=.] OUT=$OUT bash bench/gpu_serve_ab.sh
 # A root other than "." is a copy of another commit's tree inside this checkout (carried), e.g.
@@ -60,7 +62,8 @@ for round in $(seq "${ROUNDS:-1}"); do
       if [[ "${PYSPY_TREE:-}" == "$entry" ]] && (( ! profiled )) && (( $(left) > 30 )); then
         profiled=1
         timeout -k 5 30 "$PY" bench/serve_load.py --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
-          --protocols v2_binary --sizes 512 --concurrency 16 --seconds 12 --wire-dtype bf16 --no-direct \
+          --protocols "${PYSPY_PROTOCOL:-v2_binary}" --sizes 512 --concurrency "${PYSPY_CONC:-16}" --seconds 12 \
+          --wire-dtype bf16 --no-direct \
           > "$LOG/pyspy_load_$name.txt" 2>&1 &
         loadpid=$!
         sleep 4
