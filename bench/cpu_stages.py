@@ -1,8 +1,8 @@
 """Per-stage time of the CPU rank group's step (rank 0's view), the group started as the server does.
 
     python bench/cpu_stages.py [--sizes 8,512] [--steps 60] [--preset cpu] [--share]
-        [--device cuda --backend auto]     # the same on a GPU (bench/gpu_rank_split.sh)
-        [--callers N --lookahead 1|2]      # N threads' steps in flight at once (bench/gpu_lookahead.sh)
+        [--device cuda --backend auto]     # the same on a GPU (bench/gpu_serve.sh GROUP=1)
+        [--callers N --lookahead 1|2 [--copy-streams]]  # N threads' steps in flight (bench/gpu_lookahead.sh)
 
 A WorkerGroup of the preset (cpu: E=16 H=256 I=512 K=4, R=4 CPU ranks, C=128, fp32), synthetic
 weights; per step size T: --steps steps on one slot of fresh balanced routing (the first 10 not

@@ -34,6 +34,13 @@ import torch  # noqa: E402
 from service.config import LayerConfig  # noqa: E402
 
 
+def plan_value(text: str):
+    """A --variants value: an int, True / False, else the text (e.g. a name)."""
+    if text.isdigit():
+        return int(text)
+    return {"True": True, "False": False}.get(text, text)
+
+
 def own_inputs(layer, x, ids, w):
     """As the rank does: the step's rows written once into the layer's own input buffers, when it
     has them (the fused layer stages them inside its graph), and views of them passed in."""
@@ -138,7 +145,7 @@ def main() -> None:
                   + f"; sum {sum(med.values()) * 1e6:.0f}")
     variants = [dict(job_cols=int(c)) for c in args.job_cols.split(",") if c]
     for text in [v for v in args.variants.split(";") if v]:
-        variants.append({k: (v if not v.isdigit() else int(v)) for k, v in (kv.split("=") for kv in text.split(","))})
+        variants.append({k: plan_value(v) for k, v in (kv.split("=") for kv in text.split(","))})
     for overrides in variants:
         layer = FusedLayer(cfg, weights, rank=0, device=dev, **overrides)
         t, ex = time_forward(layer, x, ids, w, args.iters, 2)

@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
-# Issue 11p on one GPU (H200), ~3 minutes (BUDGET caps it), every step under `timeout`, ALL output
+# Issue 11p on one GPU (H200), ~4-5 minutes (BUDGET caps it), every step under `timeout`, ALL output
 # in ONE file ($OUT/gpu_lookahead.tgz; the summary is also printed):
 #   1. csrc/build.py (the tables op the layers use)
 #   2. tests/worker/test_lookahead_gpu.py: the group's answers with rank lookahead 2 equal those
 #      with 1 and the fp32 reference (fused and serial, 3 callers, mixed T incl. 1 and odd,
-#      poisoned answer rows)
+#      poisoned answer rows), and at the seed shape lookahead 1 / 2 / 2 with copy streams, which
+#      must overlap steps on the device and give the same answers bit for bit
 #   2b. (last, with what is left of BUDGET) the layers' own GPU tests that read check_seq and
 #      exposed_comm_s (tests/moe/test_serial_gpu.py, test_fused_gpu.py)
 #   3. bench/cpu_stages.py --device cuda --preset seed --callers $CALLERS: the rank group under
-#      $CALLERS concurrent callers on their own slots, lookahead 1 and 2 alternated ($ROUNDS rounds),
+#      $CALLERS concurrent callers on their own slots, lookahead 1, 2, and 2 with --copy-streams
+#      ("2cs") in turn ($ROUNDS rounds),
 #      T=512 and 8: steps/s, tokens/s, the share of steps enqueued behind another, phase medians
 #   4. a short table (summary.txt)
 # The call (carry [".whl"]):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-#     .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site && bash bench/gpu_lookahead.sh
-# Knobs: BUDGET (s, default 330: a cap; ~4 min expected), CALLERS (3), ROUNDS (1), STEPS (per caller, 200),
+#     .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site && OUT=$OUT bash bench/gpu_lookahead.sh   (timeout_s 420)
+# Knobs: BUDGET (s, default 330: a cap; ~4-5 min expected), CALLERS (3), ROUNDS (1), STEPS (per caller, 200),
 # PYTHON, OUT.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1

@@ -27,29 +27,35 @@
 # steps 1 / 4; MAIN=0 skips steps 1-3 (and their server), e.g. to run step 6 alone. CLIENT=raw makes
 # step 2's HTTP client a raw socket (serve_load --client raw: what the server alone costs) instead of
 # http.client (the default, what a user's script runs); CLIENT="stock raw" loads the same server with
-# each in turn (the second's files get a _raw suffix). SIZES (default 512,2048) sets step 2's sizes.
-# Logs: $OUT (else build/gpu_serve): server.txt pyspy.txt serve_load.txt serve_load.json load.txt
-# split_<protocol>_c<concurrency>.txt group.txt costs.txt slots.txt http_<impl>.txt http_<impl>.json frontends_<n>.txt frontends_<n>.json summary.txt
+# each in turn (the second's files get a _<client> suffix). SIZES (default 512,2048) and CONCURRENCY
+# (default 1,4,16) set step 2's cells; PYSPY_PROTOCOLS step 1's protocols.
+# Files (packed into ONE file, $OUT/serve.tgz, else build/gpu_serve/serve.tgz: a device call returns
+# at most 8 files): server.txt pyspy.txt serve_load.txt serve_load.json load.txt
+# split_<protocol>_c<concurrency>.txt group.txt costs.txt slots.txt http_<impl>.txt http_<impl>.json
+# frontends_<n>.txt frontends_<n>.json summary.txt
 #
-# The call (carry [".wt11", ".whl"]; the wheels listed in bench/multigpu.sh plus py-spy):
-#   cd .wt11 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-#     --target /tmp/site ../.whl/*.whl && export PYTHONPATH=$PWD:/tmp/site || exit; python3 csrc/build.py; \
-#     bash bench/gpu_serve.sh
+# The call (repository root; carry [".whl"]: the wheels listed in bench/multigpu.sh plus py-spy):
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+#     --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site || exit; python3 csrc/build.py; \
+#     OUT=$OUT bash bench/gpu_serve.sh
 # h11 against httptools alone (step 6, both servers in one call; the .whl list includes httptools):
-#   the same, ending in `MAIN=0 COSTS=0 HTTP_IMPLS="h11 httptools" bash bench/gpu_serve.sh`
-# A step's split between the owner of the rank group and rank 0 (issue 11e, ~3 min, 7 files back):
-#   the same, ending in `BUDGET=200 PROFILE=0 COSTS=0 LOAD=0 GROUP=1 SPLIT_CONC="1 4" bash bench/gpu_serve.sh`
+#   the same, ending in `MAIN=0 COSTS=0 HTTP_IMPLS="h11 httptools" OUT=$OUT bash bench/gpu_serve.sh`
+# A step's split between the owner of the rank group and rank 0 (issue 11e, ~3 min):
+#   the same, ending in `BUDGET=200 PROFILE=0 COSTS=0 LOAD=0 GROUP=1 SPLIT_CONC="1 4" OUT=$OUT bash bench/gpu_serve.sh`
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python3}
-LOG=${OUT:-build/gpu_serve}
+DEST=${OUT:-build/gpu_serve}
+LOG=$(mktemp -d)
 BUDGET=${BUDGET:-500}
 CELL_S=${CELL_S:-4}
 SERVE_FLAGS=(${SERVE_FLAGS:-})
-mkdir -p "$LOG"
+mkdir -p "$DEST"
 START=$(date +%s)
 source bench/serve_lib.sh  # left, cap, wait_ready, stop_server
+pack() { tar -czf "$DEST/serve.tgz.tmp" -C "$LOG" . && mv "$DEST/serve.tgz.tmp" "$DEST/serve.tgz"; }
+trap pack EXIT
 PYSPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOG/summary.txt"
@@ -68,7 +74,7 @@ if [[ "${MAIN:-1}" == 1 ]]; then
 # ---- the server ---------------------------------------------------------------------------------
 setsid "$PY" -m service --host 127.0.0.1 --http-port 18000 --grpc-port 18001 "${SERVE_FLAGS[@]}" > "$LOG/server.txt" 2>&1 &
 SERVER=$!
-trap stop_server EXIT
+trap 'stop_server; pack' EXIT
 wait_ready 240
 echo "server ready=$ready after $(( $(date +%s) - START )) s" | tee -a "$LOG/summary.txt"
 grep -E "fused unavailable|fused layer ready|rank group ready|warm-up|weights ready|front-end process|front end . listening|Traceback|ERROR" "$LOG/server.txt" | head -n 12 | tee -a "$LOG/summary.txt"
@@ -147,7 +153,7 @@ if [[ -n "${SLOTS2:-}" ]] && (( $(left) > 90 )); then
   grep -E "^\|" "$LOG/slots.txt"
   stop_server
 fi
-trap - EXIT
+trap pack EXIT
 
 read -ra HTTP_IMPLS <<< "${HTTP_IMPLS:-}"
 for impl in "${HTTP_IMPLS[@]}"; do

@@ -9,6 +9,9 @@
 # Read the profile with `python bench/pyspy_summary.py pyspy_<tree>.txt`.
 # Usage (device machine, repository root, web wheels installed under /tmp/site):
 #   TREES=". .base" ROUNDS=2 CELL_S=3 CONCURRENCY=4,16 [PYSPY_TREE=.] OUT=$OUT bash bench/gpu_serve_ab.sh
+# Knobs: BUDGET (s, default 400), SIZES (512), CONCURRENCY (4,16), CELL_S (3), ROUNDS (1), SITE (the
+# wheels' target, /tmp/site), PYTHON, OUT (else build/gpu_serve_ab). Everything it writes is packed
+# into ONE file, $OUT/serve_ab.tgz (also when a step fails); the summary is printed.
 # A root other than "." is a copy of another commit's tree inside this checkout (carried), e.g.
 #   git archive <commit> | (mkdir -p .base && tar -x -C .base)
 # An entry ROOT:VAR=VALUE serves ROOT with that environment variable set (e.g. ".:MOE_RANK_LOOKAHEAD=1").
@@ -17,11 +20,12 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
 PY=${PYTHON:-python3}
-LOG=${OUT:-build/gpu_serve_ab}
+DEST=${OUT:-build/gpu_serve_ab}  # one file comes back: $DEST/serve_ab.tgz (a device call returns at most 8)
+LOG=$(mktemp -d)
 BUDGET=${BUDGET:-400}
 CELL_S=${CELL_S:-3}
 read -ra TREE_LIST <<< "${TREES:-.}"
-mkdir -p "$LOG" && LOG=$(cd "$LOG" && pwd)  # absolute: the servers run in their trees
+mkdir -p "$DEST"  # LOG is absolute: the servers run in their trees
 START=$(date +%s)
 source bench/serve_lib.sh  # left, cap, wait_ready, stop_server
 PYSPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
@@ -37,7 +41,8 @@ for entry in "${TREE_LIST[@]}"; do
 done
 
 SERVER=
-trap stop_server EXIT
+pack() { tar -czf "$DEST/serve_ab.tgz.tmp" -C "$LOG" . && mv "$DEST/serve_ab.tgz.tmp" "$DEST/serve_ab.tgz"; }
+trap 'stop_server; pack' EXIT
 
 profiled=0
 for round in $(seq "${ROUNDS:-1}"); do
@@ -77,6 +82,6 @@ for round in $(seq "${ROUNDS:-1}"); do
     stop_server
   done
 done
-trap - EXIT
+trap pack EXIT
 echo "== summary: $(( $(date +%s) - START )) s"
 for f in "$LOG"/load_*.txt; do echo "${f##*/}:"; grep -E "^\| (v2|grpc)" "$f"; done

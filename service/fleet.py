@@ -73,8 +73,9 @@ def set_frontend_threads() -> None:
     """Torch threads of a front-end process: one, on every device. A front end only copies and checks
     rows, in several step threads at once, and each calling thread's parallel region gets an OpenMP
     team of its own, whose workers spin after it: with a share of the cores per process (16 // 4 on
-    an H200 host) 4 front ends ran at 300-370 % CPU each and served 95-113k tokens/s at concurrency
-    16, against 237-263k with one thread (bench/RESULTS.md, issue 11h). One thread copies a 512-row
+    an H200 host) 4 front ends ran at 290-373 % CPU each and served 95-113k tokens/s at concurrency
+    16, against 237-263k with one thread (bench/NOTES.md issue 11h; bench/RESULTS.md, the fourth
+    session of 2026-12-01, calls 3-4). One thread copies a 512-row
     bf16 request in ~0.3 ms and screens it in ~0.2 ms."""
     torch.set_num_threads(1)
 

@@ -43,7 +43,7 @@ BACKENDS = ("auto", "serial", "fused")
 @dataclasses.dataclass
 class StepState:
     """What one step leaves to be read after it: its stage timer and the host words its snapshot
-    lands in (int32, pinned on CUDA; the layout is the backend's). One per step in flight."""
+    lands in (their dtype and layout are the backend's; pinned on CUDA). One per step in flight."""
 
     timer: StageTimer
     words: torch.Tensor
