@@ -220,9 +220,13 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
         lane = step.lane
         if step.out is None:  # CUDA: the answer's copy into the slot is enqueued
             assert lane.layer_done is not None and lane.done is not None
-            lane.layer_done.synchronize()
-            device_done = now()
-            lane.done.synchronize()  # the answer is in the slot, the snapshot on the host, the stage times final
+            try:
+                lane.layer_done.synchronize()
+                device_done = now()
+                lane.done.synchronize()  # the answer is in the slot, the snapshot on the host, the stage times final
+            except Exception as exc:  # a device fault surfaces here: name the step it surfaced in
+                raise RuntimeError(f"rank {rank}, step seq {step.seq} (on the device): "
+                                   f"{type(exc).__name__}: {exc}") from exc
         else:
             device_done = step.stamps[-1]  # the CPU layer's work was all in forward (launch)
             step.slot_out.copy_(step.out)

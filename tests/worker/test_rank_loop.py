@@ -328,3 +328,29 @@ def test_copy_streams_record_and_wait_on_the_right_streams(monkeypatch):
     for i, slot in enumerate(slots[:2]):
         T = (5, 37)[i]
         assert torch.equal(slot.out[:T], (slot.x[:T].float() * (i + 1)).to(CFG.dtype))
+
+
+def test_a_device_error_at_a_steps_event_names_the_step(monkeypatch):
+    """A fault that surfaces when the rank waits for step 2's events is raised naming step 2, after
+    step 1 was answered."""
+
+    class FaultOnSecond(InstantEvent):
+        made = 0
+
+        def __init__(self, enable_timing: bool = False):
+            super().__init__()
+            FaultOnSecond.made += 1
+            self.lane = (FaultOnSecond.made - 1) // 4  # the loop makes 4 events per lane, lane by lane
+
+        def synchronize(self) -> None:
+            super().synchronize()
+            if self.lane == 0:  # lane 0 holds the even steps: step 2
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    gen = torch.Generator().manual_seed(17)
+    layer = FakeLayer()
+    answers, raised = run_loop(monkeypatch, [("step", 1, 0, 5), ("step", 2, 1, 5), ("stop",)], 2, layer,
+                               make_slots(gen, 2), event=FaultOnSecond)
+    assert isinstance(raised, RuntimeError) and "step seq 2 (on the device)" in str(raised), raised
+    assert "illegal memory access" in str(raised)
+    assert [(a[0], a[2]) for a in answers] == [("done", 1)]
