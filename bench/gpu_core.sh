@@ -107,13 +107,23 @@ step_pair() {
   cat "$LOG/core_pair.txt"
 }
 
-step_cudatile() {
-  echo "== cudatile: build, the CUDA tile's GPU tests, GEMM1 Triton vs CUDA tile at the seed share"
+# The sm_90 build with the CUDA tile (RC[build]; its kernel's registers and spills printed), and its
+# SASS in $LOG/gemm1_sm90.sass (false when cuobjdump or the object is missing).
+build_tile() {
   timeout "$(cap 150)" "$PY" csrc/build.py --arch 9.0 > "$LOG/build.txt" 2>&1
   RC[build]=$?
   grep -E "gemm1_kernel|registers|spill|Potential|skipping|built|rror" "$LOG/build.txt" | head -n 12
-  if command -v cuobjdump > /dev/null && [[ -f build/moe_csrc/gemm1_sm90.o ]]; then
-    cuobjdump --dump-sass build/moe_csrc/gemm1_sm90.o > "$LOG/gemm1_sm90.sass" 2>&1
+}
+tile_sass() {
+  command -v cuobjdump > /dev/null && [[ -f build/moe_csrc/gemm1_sm90.o ]] || return 1
+  cuobjdump --dump-sass build/moe_csrc/gemm1_sm90.o > "$LOG/gemm1_sm90.sass" 2>&1
+  return 0
+}
+
+step_cudatile() {
+  echo "== cudatile: build, the CUDA tile's GPU tests, GEMM1 Triton vs CUDA tile at the seed share"
+  build_tile
+  if tile_sass; then
     for op in HGMMA UTMALDG LDGSTS USETMAXREG WARPGROUP.DEPBAR STL LDL; do
       printf "%s=%s " "$op" "$(grep -c "$op" "$LOG/gemm1_sm90.sass")"
     done | tee -a "$LOG/build.txt"
@@ -142,14 +152,11 @@ step_cudatile() {
 
 step_cudatile2() {
   echo "== cudatile2: build, each mainloop variant's GPU tests, GEMM1 Triton vs every variant, ncu"
-  timeout "$(cap 150)" "$PY" csrc/build.py --arch 9.0 > "$LOG/build.txt" 2>&1
-  RC[build]=$?
-  grep -E "gemm1_kernel|registers|spill|Potential|skipping|built|rror" "$LOG/build.txt" | head -n 12
+  build_tile
   (( RC[build] == 0 )) || return 0
   local variants v passed=off
   variants=$("$PY" -c "from service.kernels.cuda_tile import VARIANTS; print(' '.join(VARIANTS))")
-  if command -v cuobjdump > /dev/null && [[ -f build/moe_csrc/gemm1_sm90.o ]]; then
-    cuobjdump --dump-sass build/moe_csrc/gemm1_sm90.o > "$LOG/gemm1_sm90.sass" 2>&1
+  if tile_sass; then
     # Per kernel instance (gemm1_kernel<0>, <1>, ...: the variants in VARIANTS order).
     awk '/Function :/ {f = $3} {for (i = 1; i <= NF; i++) if ($i ~ /^(HGMMA|UTMALDG|LDGSTS|ARRIVES|DEPBAR|WARPGROUP|STL|LDL)/) {
            split($i, b, "."); n[f " " b[1] "." b[2]]++; break}} END {for (k in n) print k, n[k]}' "$LOG/gemm1_sm90.sass" \

@@ -156,10 +156,10 @@ class _Lane:
     copied_in: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
     layer_done: torch.cuda.Event | None = None
     done: torch.cuda.Event | None = None
-    # copy streams only: the device buffers the rows land in ([C, H], [C, K], [C, K], copied into the
-    # layer's inputs on the device) and the answer is cast into ([C, H], read by the copy out)
+    out_dev: torch.Tensor | None = None  # CUDA: [C, H] the answer cast into the slot's dtype
+    # copy streams only: the device buffers the rows land in ([C, H], [C, K], [C, K]), copied into
+    # the layer's inputs on the device
     staged: tuple[torch.Tensor, ...] | None = None
-    out_dev: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -186,30 +186,30 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
     pipe, or arrives before n's layer is done (the rank polls both: it spins as a CUDA event's
     synchronize does), is read and step n+1 enqueued behind it before the rank finishes n, so the
     device does not wait for the host work between two steps. The layer's stream orders them: n+1's
-    copy-in into the layer's input buffers comes after n's layer read them, n's answer leaves out_dev
-    and the layer's output before n+1 overwrites them. With opts.copy_streams the rows' DMA runs on
-    an in-stream into the lane's staging buffers (the layer's stream waits for it, then copies them
-    into the inputs) and the answer's DMA on an out-stream from the lane's answer buffer (after an
-    event behind the cast); a lane's buffers are reused only once its previous step is finished.
+    copy-in into the layer's input buffers comes after n's layer read them, and n's answer leaves the
+    layer's output (cast into its lane's out_dev) before n+1 overwrites it. With opts.copy_streams
+    the rows' DMA runs on an in-stream into the lane's staging buffers (the layer's stream waits for
+    it, then copies them into the inputs) and the answer's DMA on an out-stream from the lane's
+    out_dev (after an event behind the cast); a lane's buffers are reused only once its previous
+    step is finished.
     Steps are finished (checks from their own snapshot, answer sent) in seq order; a failed check of
     step n raises here, so n+1 is never answered.
     ("ping", seq) and ("stop",) first finish what is in flight. CPU layers are synchronous: one
     step at a time."""
     cuda = inputs is not None
     depth = opts.lookahead if cuda else 1
-    out_dev = None
     streams = None  # copy streams: (rows in, answers out), beside the layer's stream
     if cuda:
         device = inputs[0].device
-        if not opts.copy_streams:  # [C, H] the answer in the slot's dtype (copy streams: one per lane)
-            out_dev = torch.empty(cfg.C, cfg.H, dtype=cfg.dtype, device=device)
+        # Per lane (a lane's previous step is finished before the lane is reused): [C, H] the answer
+        # in the slot's dtype, and with copy streams the staging buffers of its rows.
         lanes = [_Lane(layer.new_state(), (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)),
-                       torch.cuda.Event(), torch.cuda.Event()) for _ in range(depth)]
+                       torch.cuda.Event(), torch.cuda.Event(),
+                       out_dev=torch.empty(cfg.C, cfg.H, dtype=cfg.dtype, device=device)) for _ in range(depth)]
         if opts.copy_streams:
             streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-            for lane in lanes:  # per lane: a lane's previous step is finished before the lane is reused
+            for lane in lanes:
                 lane.staged = tuple(torch.empty_like(b) for b in inputs)
-                lane.out_dev = torch.empty(cfg.C, cfg.H, dtype=cfg.dtype, device=device)
     else:
         lanes = [_Lane(layer.new_state())]
     in_flight: collections.deque[_Step] = collections.deque()
@@ -312,10 +312,10 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
                     slot.out[rows].copy_(lane.out_dev[:n], non_blocking=True)
                     lane.done.record()
                 out = None
-            elif out_dev is not None and lane.layer_done is not None and lane.done is not None:
+            elif lane.out_dev is not None and lane.layer_done is not None and lane.done is not None:
                 # CUDA: cast on the device (half the bytes to move), DMA into the slot
                 lane.layer_done.record()
-                slot.out[rows].copy_(out_dev[:n].copy_(result), non_blocking=True)
+                slot.out[rows].copy_(lane.out_dev[:n].copy_(result), non_blocking=True)
                 lane.done.record()
                 out = None
             ahead = in_flight[-1].lane.layer_done if in_flight else None  # the step before, if still in flight
