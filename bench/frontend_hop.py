@@ -66,7 +66,7 @@ def _spin(stop: threading.Event) -> None:
 
 def hop(steps: int, busy: bool) -> list[float]:
     cfg = preset("cpu")
-    fleet = Fleet(Settings(), cfg, "cpu", 2, lambda: None, lambda group, exc: None)
+    fleet = Fleet(Settings(), cfg, 2, lambda: None, lambda group, exc: None)
     fleet._group, fleet._gen = InstantGroup(2 * fleet.slots), 1
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()

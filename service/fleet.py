@@ -153,9 +153,9 @@ class _Member:
 class Fleet:
     """Front ends 1..N-1: spawned, fed with steps, told the group's state, restarted, drained."""
 
-    def __init__(self, settings: Settings, cfg: LayerConfig, device: str, count: int,
+    def __init__(self, settings: Settings, cfg: LayerConfig, count: int,
                  own_snapshot: Callable[[], Snapshot], on_failure: Callable[[object, BaseException], None]):
-        self.settings, self.cfg, self.device, self.count = settings, cfg, device, count
+        self.settings, self.cfg, self.count = settings, cfg, count
         self.own_snapshot, self.on_failure = own_snapshot, on_failure
         self.slots = settings.slots
         self.http_port = self.grpc_port = 0
@@ -196,7 +196,7 @@ class Fleet:
         ctl_here, ctl_there = ctx.Pipe()
         pairs = [ctx.Pipe() for _ in range(self.slots)]
         proc = ctx.Process(target=replica_main, name=f"moe-frontend{i}", daemon=False,
-                           args=(i, self.settings, self.cfg, self.device, self.count, ctl_there, [b for _, b in pairs],
+                           args=(i, self.settings, self.cfg, ctl_there, [b for _, b in pairs],
                                  self.http_port, self.grpc_port))
         proc.start()
         ctl_there.close()

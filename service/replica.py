@@ -212,8 +212,8 @@ class Replica:
             self._scrapes.pop(request_id, None)
 
 
-def replica_main(index: int, settings: Settings, cfg: LayerConfig, device: str, frontends: int, ctl: Connection,
-                 steps: list[Connection], http_port: int, grpc_port: int) -> None:
+def replica_main(index: int, settings: Settings, cfg: LayerConfig, ctl: Connection, steps: list[Connection],
+                 http_port: int, grpc_port: int) -> None:
     """Entry point of front-end process `index` (spawned by service.fleet.Fleet)."""
     from service import logfilter
     from service.api.connections import ensure_file_limit

@@ -193,7 +193,7 @@ class Server:
         self.group_factory = group_factory or self._new_group
         self.endpoint = Endpoint(settings, cfg, settings.slots, on_failure=self._on_step_failure)
         self.metrics, self.batcher, self.fe = self.endpoint.metrics, self.endpoint.batcher, self.endpoint.fe
-        self.fleet = Fleet(settings, cfg, self.device, self.frontends, self.fe.snapshot, self._on_remote_failure) \
+        self.fleet = Fleet(settings, cfg, self.frontends, self.fe.snapshot, self._on_remote_failure) \
             if self.frontends > 1 else None
         if self.fleet is not None:
             self.fe.gather = self.fleet.gather

@@ -106,7 +106,7 @@ def test_the_owner_turns_ready_only_once_every_front_end_serves_the_group(monkey
 
     monkeypatch.setattr(fleet_mod, "ATTACH_TIMEOUT_S", 30.0)  # a loaded machine's stall is not a timeout
 
-    fleet = Fleet(Settings(slots=1), CFG, "cpu", 2, own_snapshot=lambda: None, on_failure=lambda *a: None)
+    fleet = Fleet(Settings(slots=1), CFG, 2, own_snapshot=lambda: None, on_failure=lambda *a: None)
     owner, fe = mp.Pipe()
     proc = types.SimpleNamespace(is_alive=lambda: True, pid=0)
     member = _Member(1, proc, Channel(owner), [])
@@ -152,7 +152,7 @@ def test_a_front_end_asked_for_statistics_while_it_starts_still_starts():
     http_port, grpc_port = free_port(), free_port()
     settings = Settings(host="127.0.0.1", slots=1, http_port=http_port, grpc_port=grpc_port)
     metrics = Metrics()
-    fleet = Fleet(settings, CFG, "cpu", 2, own_snapshot=lambda: Snapshot(list(metrics.registry.collect())),
+    fleet = Fleet(settings, CFG, 2, own_snapshot=lambda: Snapshot(list(metrics.registry.collect())),
                   on_failure=lambda *a: None)
     stop, answered = threading.Event(), []
 
@@ -197,7 +197,7 @@ def test_a_stop_while_a_front_end_starts_leaves_no_process_behind():
 
     ports = free_port(), free_port()
     settings = Settings(host="127.0.0.1", slots=1, http_port=ports[0], grpc_port=ports[1])
-    fleet = Fleet(settings, CFG, "cpu", 2, own_snapshot=lambda: None, on_failure=lambda *a: None)
+    fleet = Fleet(settings, CFG, 2, own_snapshot=lambda: None, on_failure=lambda *a: None)
     fleet.http_port, fleet.grpc_port = ports
     spawner = threading.Thread(target=fleet._spawn, args=(1,), daemon=True)  # as _watch's restart does
     spawner.start()
