@@ -24,7 +24,8 @@ DEST=${OUT:-build/gpu_serve_ab}  # one file comes back: $DEST/serve_ab.tgz (a de
 LOG=$(mktemp -d)
 BUDGET=${BUDGET:-400}
 CELL_S=${CELL_S:-3}
-read -ra TREE_LIST <<< "${TREES:-.}"
+# -d "": the whole value, newlines included (a TREES pasted across lines keeps its every entry)
+read -d "" -ra TREE_LIST <<< "${TREES:-.}" || true
 mkdir -p "$DEST"  # LOG is absolute: the servers run in their trees
 START=$(date +%s)
 source bench/serve_lib.sh  # left, cap, wait_ready, stop_server

@@ -160,7 +160,9 @@ def cuda_available() -> bool:
 class Settings(BaseSettings):
     """Every knob of the service; each is a flag of `moe-serve` and a `MOE_*` variable."""
 
-    model_config = SettingsConfigDict(env_prefix="MOE_", extra="ignore")
+    # env_ignore_empty: `MOE_PRESET=` (deploy/env.example's unset lines uncommented as they stand, a
+    # compose env_file) means unset, as the example says, not an empty value that fails validation.
+    model_config = SettingsConfigDict(env_prefix="MOE_", extra="ignore", env_ignore_empty=True)
 
     host: str = Field("0.0.0.0", description="address the HTTP and gRPC servers bind")
     http_port: int = Field(8000, ge=0, le=65535, description="HTTP port: `/moe/forward`, the v2 routes, `/metrics`")

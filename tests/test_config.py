@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -57,6 +60,23 @@ def test_settings_reject_impossible_values(monkeypatch, env, word):
         monkeypatch.setenv(k, v)
     with pytest.raises(ValidationError, match=word):
         Settings()
+
+
+def test_env_example_uncommented_as_it_stands_gives_the_defaults(monkeypatch):
+    """deploy/env.example says "uncomment what you change": every MOE_* line uncommented unchanged
+    (the unset ones are empty, `MOE_PRESET=`) must start the service with its defaults, not fail
+    validation on an empty string."""
+    example = Path(__file__).resolve().parents[1] / "deploy" / "env.example"
+    lines = [ln.removeprefix("# ") for ln in example.read_text().splitlines() if ln.startswith("# MOE_")]
+    assert len(lines) == len(Settings.model_fields), lines
+    assert any(ln.endswith("=") for ln in lines)  # the case this test is for is in the file
+    for name in [k for k in os.environ if k.startswith("MOE_")]:
+        monkeypatch.delenv(name)
+    defaults = Settings().model_dump()
+    for line in lines:
+        name, _, value = line.partition("=")
+        monkeypatch.setenv(name, value)
+    assert Settings().model_dump() == defaults
 
 
 def test_device_resolution_without_gpu():
