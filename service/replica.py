@@ -132,7 +132,8 @@ class Replica:
 
     def drain(self) -> None:
         if not self._draining:
-            log.info("draining (up to %.1f s)", self.settings.drain_timeout_s)
+            log.info("draining %d requests in flight (up to %.1f s)", self.batcher.pending,
+                     self.settings.drain_timeout_s)
         self._draining = True
         self.fe.set_ready(False, "the server is shutting down")
         self.batcher.refuse(GroupUnavailable("the server is shutting down"))

@@ -222,7 +222,8 @@ class Server:
 
     def request_stop(self, *_) -> None:
         if not self._stopping:
-            log.info("stop requested: draining (up to %.1f s)", self.settings.drain_timeout_s)
+            log.info("stop requested: draining %d requests in flight (up to %.1f s)", self.batcher.pending,
+                     self.settings.drain_timeout_s)
         self._stopping = True
         self.fe.set_ready(False, "the server is shutting down")
         self.batcher.refuse(GroupUnavailable("the server is shutting down"))

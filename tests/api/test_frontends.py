@@ -7,12 +7,15 @@ and a killed owner taking its front ends with it.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from http.client import HTTPConnection
 
 import grpc
 import httpx
@@ -47,16 +50,18 @@ def server(tmp_path_factory):
 http = test_e2e.http  # a client of this module's server
 
 
-def holders(port: int) -> dict[int, int]:
-    """pid -> established connections it accepted on `port` (`ss -tnp`, iproute2)."""
+def accepted_by(port: int) -> dict[int, int]:
+    """Client port -> pid of the process holding the server side, for the established connections
+    on `port` (`ss -tnp`, iproute2)."""
     out = subprocess.run(["ss", "-tnpH", "state", "established", f"( sport = :{port} )"],
                          capture_output=True, text=True, check=True).stdout
-    counts: dict[int, int] = {}
-    for line in out.splitlines():
-        for part in line.split("pid=")[1:]:
-            pid = int(part.split(",")[0])
-            counts[pid] = counts.get(pid, 0) + 1
-    return counts
+    return {int(line.split()[3].rsplit(":", 1)[1]): int(line.split("pid=")[1].split(",")[0])
+            for line in out.splitlines() if "pid=" in line}
+
+
+def holders(port: int) -> dict[int, int]:
+    """pid -> established connections it accepted on `port`."""
+    return dict(collections.Counter(accepted_by(port).values()))
 
 
 def open_clients(server, n: int) -> list[httpx.Client]:
@@ -149,37 +154,64 @@ def test_killed_frontend_is_restarted(server):
 test_killed_rank_fails_fast_then_recovers = test_e2e.test_killed_rank_fails_fast_then_recovers
 
 
+def post_on(conn: HTTPConnection, x, ids, w) -> tuple[int, bytes]:
+    """A safetensors /moe/forward request on the kept-alive connection `conn`: (status, body)."""
+    blob = safetensors.torch.save({"hidden_states": x, "topk_ids": ids, "topk_weights": w})
+    conn.request("POST", "/moe/forward", body=blob, headers={"Content-Type": "application/x-safetensors"})
+    answer = conn.getresponse()
+    return answer.status, answer.read()
+
+
 def test_sigterm_drains_every_front_end(tmp_path):
+    """SIGTERM with requests in flight on both processes: every one is answered, both drain, exit 0."""
     proc = ServerProcess.module(tmp_path / "server.log", *FLAGS)
+    conns: list[HTTPConnection] = []
     try:
         proc.wait_ready()
         (fe1,) = proc.frontend_pids()
         tree = {proc.pid, *descendants(proc.pid)}
-        big = [inputs(3 * test_e2e.STEP + i, seed=700 + i) for i in range(8)]  # several steps each
+        for i in range(CONNECTIONS):  # each accepted by one process or the other: a request answered
+            conns.append(HTTPConnection("127.0.0.1", proc.http_port, timeout=60))
+            assert post_on(conns[-1], *inputs(1 + i, seed=600 + i))[0] == 200
+        by_pid = accepted_by(proc.http_port)
+        on = {pid: [c for c in conns if by_pid.get(c.sock.getsockname()[1]) == pid] for pid in (proc.pid, fe1)}
+        assert all(on.values()), {pid: len(c) for pid, c in on.items()}  # P(not) = 2 * 2**-24
+        chosen = on[proc.pid][:4] + on[fe1][:4]  # 4 requests in flight on each process
+        big = [inputs(3 * test_e2e.STEP + i, seed=700 + i) for i in range(len(chosen))]  # several steps each
+        with httpx.Client(base_url=proc.url, timeout=60) as c:
+            answered = value(scrape(c)["moe_requests"], "moe_requests_total", protocol="http_safetensors",
+                             status="200")
 
-        def one(case):
-            with httpx.Client(base_url=proc.url, timeout=60) as c:
-                return post_safetensors(c, *case)
-
-        steps = value(scrape(httpx.Client(base_url=proc.url))["moe_steps"], "moe_steps_total")
         with concurrent.futures.ThreadPoolExecutor(len(big)) as pool:
-            futures = [pool.submit(one, case) for case in big]
-            deadline = time.monotonic() + 30
-            while value(scrape(httpx.Client(base_url=proc.url))["moe_steps"], "moe_steps_total") == steps:
-                assert time.monotonic() < deadline
+            futures = [pool.submit(post_on, conn, *case) for conn, case in zip(chosen, big, strict=True)]
+            # SIGTERM once every request is accepted (queued, running or answered; one still on its
+            # way would be refused 503 by the drain, rightly); they take several steps each, so
+            # some are in flight on both processes (the drain logs below say how many).
+            deadline = time.monotonic() + 60
+            while True:
+                with httpx.Client(base_url=proc.url, timeout=60) as c:
+                    fams = scrape(c)
+                accepted = value(fams["moe_inflight_requests"], "moe_inflight_requests") + value(
+                    fams["moe_requests"], "moe_requests_total", protocol="http_safetensors", status="200") - answered
+                if accepted >= len(big):
+                    break
+                assert time.monotonic() < deadline, f"{accepted} of {len(big)} requests accepted"
                 time.sleep(0.005)
-            held = holders(proc.http_port)
             proc.proc.send_signal(signal.SIGTERM)
             answers = [f.result(timeout=60) for f in futures]
-        assert held.get(fe1, 0) and held.get(proc.pid, 0), held  # in flight on both processes
-        for case, r in zip(big, answers, strict=True):
-            assert r.status_code == 200, r.text
-            check(safetensors.torch.load(r.content)["output"], *case)
+        for case, (status, body) in zip(big, answers, strict=True):
+            assert status == 200, body
+            check(safetensors.torch.load(body)["output"], *case)
         assert proc.proc.wait(60) == 0, proc.log()[-3000:]
         log = proc.log()
+        for who in ("moe-serve: stop requested:", "frontend1 INFO moe-serve.frontend:"):
+            in_flight = re.search(who + r" draining (\d+) requests in flight", log)
+            assert in_flight and int(in_flight.group(1)) >= 1, (who, log[-3000:])
         assert "frontend1 INFO moe-serve.frontend: drain complete" in log, log[-3000:]
         assert not leftovers(tree, 10), "processes left behind"
     finally:
+        for conn in conns:
+            conn.close()
         proc.stop()
 
 
