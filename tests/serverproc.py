@@ -46,6 +46,13 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time process `pid` has used so far (all its threads, user + system), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
 def rss_bytes(pid: int) -> int:
     """Resident memory of process `pid`, from /proc."""
     with open(f"/proc/{pid}/status") as f:

@@ -16,7 +16,7 @@ from service.moe.reference import full_weights, moe_reference
 from service.worker.group import WorkerGroup
 from service.worker.rank import rank_range
 from tests.helpers import rel_err, routing, tolerance
-from tests.serverproc import LOOPBACK, listening
+from tests.serverproc import LOOPBACK, cpu_seconds, listening
 
 SEED = 3
 
@@ -163,12 +163,6 @@ def test_killed_rank_fails_the_step_without_hanging():
         assert time.monotonic() - t0 < 10
 
 
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
 def test_rank_killed_mid_step_fails_it_and_its_peers_do_not_spin():
     """Rank 1 stopped, a step sent: its peers publish their rows and wait in the step's first barrier
     (asleep: no CPU time while they wait); rank 1 killed: the step fails at once, nothing hangs."""
@@ -181,9 +175,9 @@ def test_rank_killed_mid_step_fails_it_and_its_peers_do_not_spin():
             step = pool.submit(g.forward, *_batch(SMALL.tokens_per_step, 4))
             time.sleep(1.0)  # the other ranks reach the barrier
             peers = [g.pids[r] for r in (0, 2, 3)]
-            cpu0 = [_cpu_seconds(p) for p in peers]
+            cpu0 = [cpu_seconds(p) for p in peers]
             time.sleep(1.0)
-            spent = [_cpu_seconds(p) - c for p, c in zip(peers, cpu0, strict=True)]
+            spent = [cpu_seconds(p) - c for p, c in zip(peers, cpu0, strict=True)]
             assert max(spent) < 0.2, spent  # waiting ranks sleep in the kernel
             assert not step.done()
             t0 = time.monotonic()
