@@ -18,7 +18,10 @@ from tests.api.test_e2e import post_safetensors, scrape, value
 from tests.serverproc import ServerProcess, free_port
 
 QUEUE_TOKENS = 64
-DELAY_MS = 600  # every request waits this long in the queue (the budget is never filled; idle wait on)
+# Every request waits this long in the queue (the budget is never filled; idle wait on): long enough
+# that what the tests do meanwhile (a rejection's round trip, a readiness probe) fits well within it
+# on a loaded 2-core machine, where a GET can take 0.6 s.
+DELAY_MS = 1500
 
 
 METRICS_PORT = free_port()
@@ -52,11 +55,19 @@ def http(server):
         yield client
 
 
+def wait_for(http, gauge: str, level: float, timeout_s: float = 30) -> None:
+    """Poll /metrics until `gauge` reads `level`."""
+    deadline = time.monotonic() + timeout_s
+    while (now := value(scrape(http)[gauge], gauge)) != level:
+        assert time.monotonic() < deadline, f"{gauge} is {now}, not {level}, after {timeout_s} s"
+        time.sleep(0.01)
+
+
 def test_overload_rejects_at_once_while_accepted_requests_succeed(http):
     first = inputs(40, seed=1)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         accepted = pool.submit(post_safetensors, http, *first)
-        time.sleep(0.2)  # the first request now sits in the queue for the rest of the delay
+        wait_for(http, "moe_queued_tokens", 40)  # the first request now sits in the queue for the delay
         t0 = time.monotonic()
         r = post_safetensors(http, *inputs(40, seed=2))
         assert r.status_code == 503, r.text
@@ -95,10 +106,12 @@ def test_sigterm_drains_then_exits_zero(server, http):
     x, ids, w = inputs(16, seed=5)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         inflight = pool.submit(post_safetensors, http, x, ids, w)
-        time.sleep(0.2)
+        wait_for(http, "moe_inflight_requests", 1)  # accepted: it sits in the queue for the delay
         server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.1)
-        assert http.get("/v2/health/ready").status_code == 503
+        deadline = time.monotonic() + 10
+        while http.get("/v2/health/ready").status_code != 503:  # until the signal is handled
+            assert time.monotonic() < deadline, "still ready 10 s after SIGTERM"
+            time.sleep(0.01)
         r = post_safetensors(http, *inputs(4, seed=6))
         assert r.status_code == 503 and "shutting down" in r.json()["error"]
         r = inflight.result(timeout=30)
