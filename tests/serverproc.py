@@ -20,10 +20,21 @@ STOP_TIMEOUT_S = 60.0
 POLL_S = 0.2
 
 
+_GIVEN: set[int] = set()  # every port free_port() has handed out in this process
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing is bound to, never one this process was given before: the kernel
+    hands a just-closed port out again (1 in ~20,000 calls here returned the previous call's port),
+    so a server's HTTP and gRPC ports, or a module's metrics port picked at import and a later
+    server's, could otherwise be the same."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def descendants(pid: int) -> list[int]:
