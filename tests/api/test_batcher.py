@@ -383,8 +383,11 @@ def test_close_joins_steps_in_flight(timeout_s, steps):
     async def main():
         b = await started(group, delay_s=0.0, slots=2)
         pending = [asyncio.create_task(b.submit(*batch(BUDGET, i), timeout_s=10)) for i in range(2)]
-        await asyncio.sleep(0.05)  # step 1 is in run(), step 2 waits for the slot
-        await b.close(timeout_s=timeout_s)
+        deadline = time.monotonic() + 10
+        while not group.inside:  # step 1 is in run() (a fixed 50 ms sleep assumed it: a thread start on a loaded box)
+            assert time.monotonic() < deadline, "no step reached group.run"
+            await asyncio.sleep(0.001)
+        await b.close(timeout_s=timeout_s)  # step 2 waits for the slot, or has not started
         assert group.inside == 0, "close() returned while a step thread was inside group.run"
         group.closed = True
         await asyncio.gather(*pending, return_exceptions=True)
