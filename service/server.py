@@ -236,6 +236,7 @@ class Server:
         s = self.settings
         self._loop = loop = asyncio.get_running_loop()
         self._stop, self._wake = asyncio.Event(), asyncio.Event()
+        self._fleet_started = asyncio.Event()  # every other front end listens (or their start failed)
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
                 loop.add_signal_handler(sig, self.request_stop)
@@ -264,6 +265,8 @@ class Server:
                 log.error("%s", err)
                 self.exit_code = 1
                 self.request_stop()
+            finally:
+                self._fleet_started.set()
         await self._stop.wait()
 
         drain_end = time.monotonic() + (s.drain_timeout_s if self.exit_code == 0 else 0.0)
@@ -334,6 +337,13 @@ class Server:
             first = False
             self.metrics.use_backend(group.backend)
             generation += 1
+            if self.fleet is not None:
+                # The first group may be up before the other front ends are (each imports, then
+                # listens); attach only knows those started, so the owner would turn ready while
+                # they do not listen yet, and every client would reach it alone.
+                await self._fleet_started.wait()
+                if self._stopping:
+                    return  # serve() closes self.group
             self._attached = (group if self.fleet is None  # the fleet's: once every front end serves it
                               else await asyncio.to_thread(self.fleet.attach, group, generation))
             self.batcher.attach(self._attached)
