@@ -110,6 +110,9 @@ class Endpoint:
                                      idle_timeout_s=s.idle_timeout_s, max_connections=s.max_connections)
         config = uvicorn.Config(create_app(self.fe), host=s.host, port=http_port, log_config=None,
                                 access_log=False, lifespan="off", http=protocol,
+                                # a kept-alive connection lives --idle-timeout-s after its last
+                                # response, as ConnectionBounds says (uvicorn's own 5 s cut it first)
+                                timeout_keep_alive=s.idle_timeout_s,  # type: ignore[arg-type]
                                 timeout_graceful_shutdown=max(1, int(s.drain_timeout_s)))
         self._http = _Uvicorn(config)
         sockets = None
@@ -344,6 +347,14 @@ class Server:
                 await self._fleet_started.wait()
                 if self._stopping:
                     return  # serve() closes self.group
+                if not group.poll():  # a rank died during that wait (seconds): never turn ready on it
+                    log.error("a rank process of the group exited while the front ends started; restarting it")
+                    self.group = None
+                    await asyncio.to_thread(group.close)
+                    failures += 1
+                    self.metrics.worker_restarts.inc()
+                    await self._pause(self._backoff(failures))
+                    continue
             self._attached = (group if self.fleet is None  # the fleet's: once every front end serves it
                               else await asyncio.to_thread(self.fleet.attach, group, generation))
             self.batcher.attach(self._attached)

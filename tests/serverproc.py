@@ -28,13 +28,14 @@ def free_port() -> int:
     hands a just-closed port out again (1 in ~20,000 calls here returned the previous call's port),
     so a server's HTTP and gRPC ports, or a module's metrics port picked at import and a later
     server's, could otherwise be the same."""
-    while True:
+    for _ in range(10_000):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         if port not in _GIVEN:
             _GIVEN.add(port)
             return port
+    raise RuntimeError(f"no loopback port left that this process was not given before ({len(_GIVEN)} given)")
 
 
 def descendants(pid: int) -> list[int]:

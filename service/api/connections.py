@@ -1,9 +1,10 @@
 """HTTP connections with bounds: uvicorn's HTTP protocols (httptools or h11) plus the two limits they lack.
 
-uvicorn closes a keep-alive connection `timeout_keep_alive` after a response, but a connection
-that never sends a request, or trickles its headers a byte at a time, stays open forever, and
-there is no cap on how many stay open (256 idle sockets starved /v2/health/live; at the process's
-file limit every accept() failed and was logged). Here:
+uvicorn closes a keep-alive connection `timeout_keep_alive` after a response (the server sets it
+to `idle_timeout_s`, so both bounds are one), but a connection that never sends a request, or
+trickles its headers a byte at a time, stays open forever, and there is no cap on how many stay
+open (256 idle sockets starved /v2/health/live; at the process's file limit every accept() failed
+and was logged). Here:
 - a connection with no request in flight is closed `idle_timeout_s` after it opened or after its
   last response (a request in flight is bounded by its deadline: see http.read_body);
 - at `max_connections` a new connection closes the longest-idle one to make room; when every one

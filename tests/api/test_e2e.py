@@ -534,6 +534,23 @@ def test_metrics_move(http):
     assert value(after["moe_queued_tokens"], "moe_queued_tokens") == 0
 
 
+def test_a_kept_alive_connection_lives_the_idle_timeout(server):
+    """A connection idle after a response is kept --idle-timeout-s (30 s by default), not uvicorn's
+    own 5 s keep-alive: a client that pauses 6 s between requests reuses its connection."""
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    request = f"GET /v2/health/live HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        for pause in (0.0, 6.0):
+            time.sleep(pause)
+            sock.sendall(request)
+            answer = b""
+            while b'{"live":true}' not in answer:
+                chunk = sock.recv(1 << 16)
+                assert chunk, f"the server closed the connection after a {pause:g} s pause"
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+
+
 def test_books_start_at_the_first_byte(server, http):
     """A v2 binary request whose headers trickle in (a few bytes, a pause, the rest with the body) is
     timed from its first byte: moe_request_duration_seconds and its receive part hold the pause, and
