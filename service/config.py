@@ -219,6 +219,11 @@ class Settings(BaseSettings):
     frontends: int | None = Field(None, ge=1, le=32,
         description="front-end processes serving the HTTP and gRPC ports (SO_REUSEPORT), each with its own batcher and "
                     "slots, all feeding the one rank group; default min(4, CPU cores // 2) on a GPU host, 1 on the CPU")
+    shared_memory: Literal["off", "system"] = Field("off",
+        description="Triton's system shared-memory extension for clients on this host: `system` lets a client "
+                    "register POSIX shared-memory objects (/dev/shm) and pass tensors through them instead of the "
+                    "request and response bodies; `off` (default) refuses those calls, since the server then reads "
+                    "and writes memory a client names")
     max_connections: int = Field(1000, ge=1,
         description="open connections per protocol; at the limit HTTP closes the longest-idle one, gRPC refuses new "
                     "ones")

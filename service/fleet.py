@@ -154,8 +154,10 @@ class Fleet:
     """Front ends 1..N-1: spawned, fed with steps, told the group's state, restarted, drained."""
 
     def __init__(self, settings: Settings, cfg: LayerConfig, count: int,
-                 own_snapshot: Callable[[], Snapshot], on_failure: Callable[[object, BaseException], None]):
+                 own_snapshot: Callable[[], Snapshot], on_failure: Callable[[object, BaseException], None],
+                 regions_fd: int | None = None):
         self.settings, self.cfg, self.count = settings, cfg, count
+        self.regions_fd = regions_fd  # the shared-memory registry's file (service.api.regions), if on
         self.own_snapshot, self.on_failure = own_snapshot, on_failure
         self.slots = settings.slots
         self.http_port = self.grpc_port = 0
@@ -338,7 +340,10 @@ class Fleet:
         """The group's state to a front end that has just started (under the lock)."""
         if self._stopping:  # stop() began while it started (drain() may not have seen it): the
             m.ctl.send(("drain",))  # drain alone, so it never learns a state and never binds
-        elif self._group is not None:
+            return
+        if self.regions_fd is not None:  # before the state: it binds its ports only after that
+            m.ctl.send(("regions",), fds=[self.regions_fd])
+        if self._group is not None:
             self._send_attach(m, self._group, self._gen)
         else:
             m.ctl.send(("detach", self._why))

@@ -22,6 +22,7 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
+from service.api.regions import Regions, RegionTable
 from service.config import LayerConfig, Settings
 from service.errors import GroupUnavailable, WorkerError
 from service.fleet import FRONTEND_STOP_GRACE_S, Channel, name_process, set_frontend_threads
@@ -187,6 +188,8 @@ class Replica:
                 group = RemoteGroup(gen, backend, slots, self.steps, self.sent,
                                     self.settings.step_timeout_s + STEP_ANSWER_MARGIN_S)
                 call(self._attach, group)
+            elif kind == "regions":  # the shared-memory registry (before the group's state)
+                self.fe.regions = Regions(RegionTable(self.ctl.recv_fds(1)[0]))
             elif kind == "detach":
                 call(self._detach, msg[1])
             elif kind == "drain":

@@ -40,6 +40,7 @@ from service.api.connections import bounded_protocol, ensure_file_limit
 from service.api.frontend import Frontend
 from service.api.grpc import GrpcServer
 from service.api.http import create_app
+from service.api.regions import Regions, RegionTable
 from service.config import LayerConfig, Settings
 from service.errors import ConfigError, GroupUnavailable, MoEError, WorkerError
 from service.fleet import (
@@ -196,7 +197,12 @@ class Server:
         self.group_factory = group_factory or self._new_group
         self.endpoint = Endpoint(settings, cfg, settings.slots, on_failure=self._on_step_failure)
         self.metrics, self.batcher, self.fe = self.endpoint.metrics, self.endpoint.batcher, self.endpoint.fe
-        self.fleet = Fleet(settings, cfg, self.frontends, self.fe.snapshot, self._on_remote_failure) \
+        # Triton's system shared memory: one registry for every front end (service.api.regions)
+        self.regions = RegionTable.create() if settings.shared_memory == "system" else None
+        if self.regions is not None:
+            self.fe.regions = Regions(self.regions)
+        self.fleet = Fleet(settings, cfg, self.frontends, self.fe.snapshot, self._on_remote_failure,
+                           regions_fd=self.regions.fd if self.regions is not None else None) \
             if self.frontends > 1 else None
         if self.fleet is not None:
             self.fe.gather = self.fleet.gather
@@ -338,6 +344,8 @@ class Server:
                 await self._pause(delay)
                 continue
             first = False
+            if self.regions is not None:  # its slots are never a client's region (their rows are others')
+                self.regions.reserve(slot.owner_fd for slot in group.slots if slot.owner_fd >= 0)
             self.metrics.use_backend(group.backend)
             generation += 1
             if self.fleet is not None:

@@ -41,6 +41,7 @@ from collections.abc import Callable
 import torch
 
 from service.api.codecs import rows_error
+from service.api.regions import Rows, copy_rows
 from service.errors import DeadlineExceeded, GroupUnavailable, InvalidInput, Overloaded, WorkerError
 from service.metrics import Metrics
 
@@ -54,10 +55,10 @@ _REJECT_LOCK = threading.Lock()  # guards a request's bad-row mark, set by step 
 class _Job:
     """One request: its tensors, its answer and how far its rows have got."""
 
-    x: torch.Tensor    # [T, H] as the request sent it; converted to the group's dtype in the slot
+    x: Rows            # [T, H] as sent (or in its shared-memory region); converted to the group's dtype in the slot
     ids: torch.Tensor  # [T, K] int32
     w: torch.Tensor    # [T, K] float32
-    out: torch.Tensor  # [T, H] the answer in the request's dtype, filled piece by piece
+    out: Rows          # [T, H] the answer in the request's dtype (or its output region), filled piece by piece
     future: asyncio.Future
     arrival: float
     deadline: float
@@ -178,11 +179,12 @@ class Batcher:
 
     # ---- requests --------------------------------------------------------------------------
 
-    async def submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, timeout_s: float,
-                     out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    async def submit(self, x: Rows, ids: torch.Tensor, w: torch.Tensor, timeout_s: float,
+                     out_dtype: torch.dtype | None = None, out: Rows | None = None) -> Rows:
         """Answer one request (validated but for hidden_states' values, checked in the slot):
         [T, H] in `out_dtype` (default x's dtype), written into `out` when given (the response's
-        buffer: the answer's one copy out of the slot lands where it is sent from)."""
+        buffer, or the client's shared-memory output region: the answer's one copy out of the slot
+        lands where it is sent from). x may be rows in a shared-memory region (read in the step)."""
         if self._refusal is not None:
             raise self._refusal
         T = x.shape[0]
@@ -345,10 +347,13 @@ class Batcher:
                 at = slice(p.at, p.at + p.rows)
                 job = p.job
                 if job.invalid is None:
-                    slot.x[at].copy_(job.x[rows])
-                    slot.ids[at].copy_(job.ids[rows])
-                    slot.w[at].copy_(job.w[rows])
-                    bad = rows_error(slot.x[at], job.x[rows], p.start)
+                    try:
+                        copy_rows(slot.x[at], job.x[rows])
+                        slot.ids[at].copy_(job.ids[rows])
+                        slot.w[at].copy_(job.w[rows])
+                        bad = rows_error(slot.x[at], job.x[rows], p.start)
+                    except InvalidInput as err:  # its shared-memory object shrank since it was registered
+                        bad = p.start, err
                     if bad is not None:
                         job.reject(*bad)
                 # (another step's thread may have marked it meanwhile: the mark only ever goes on, so a
@@ -362,7 +367,10 @@ class Batcher:
             t2 = time.perf_counter()
             for p in pieces:
                 if p.job.invalid is None:
-                    p.job.out[p.start:p.start + p.rows].copy_(slot.out[p.at:p.at + p.rows])
+                    try:
+                        copy_rows(p.job.out[p.start:p.start + p.rows], slot.out[p.at:p.at + p.rows])
+                    except InvalidInput as err:  # its output region's object shrank since it was registered
+                        p.job.reject(p.start, err)
             return stats, (t1 - t0, t2 - t1, time.perf_counter() - t2)
         finally:
             try:

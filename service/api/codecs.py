@@ -18,6 +18,7 @@ import itertools
 import json
 import math
 import time
+import typing
 import warnings
 
 import numpy as np
@@ -26,6 +27,7 @@ import torch
 
 from service.api.error_map import ModelNotFound, PayloadTooLarge
 from service.api.proto import grpc_predict_v2_pb2 as pb
+from service.api.regions import RegionRows, Regions, Rows, refuse, sent_row
 from service.config import DTYPE_NAMES, LayerConfig
 from service.errors import InvalidInput
 
@@ -44,6 +46,7 @@ V2_ACCEPTED = {"hidden_states": ("FP32", "FP16", "BF16"), "topk_ids": ("INT32", 
 
 US_PER_S = 1e6  # the v2 `timeout` parameter is in microseconds (Triton's convention)
 MAX_DIM = 2**31 - 1  # a declared dimension past int32 is refused before any size arithmetic
+X = typing.TypeVar("X", bound=Rows)  # hidden_states: a tensor, or rows in a shared-memory region
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,13 +68,15 @@ class ModelSpec:
 class Decoded:
     """A validated request, ready for the batcher."""
 
-    x: torch.Tensor     # [T, H] as sent (float32/16, bf16), contiguous; converted into the slot
+    x: Rows             # [T, H] as sent (float32/16, bf16), contiguous, or rows in a shared-memory
+                        # region (service.api.regions); converted into the slot
     ids: torch.Tensor   # [T, K] int32
     w: torch.Tensor     # [T, K] float32
     out_dtype: torch.dtype  # the answer's dtype: that of hidden_states as sent
     request_id: str | None = None
     timeout_s: float | None = None  # per-request deadline override
     binary_output: bool = False     # v2 HTTP: answer with the binary tensor extension
+    out_region: RegionRows | None = None  # the answer's rows in the client's output region, if it asked
 
     @property
     def T(self) -> int:
@@ -88,7 +93,7 @@ def all_finite(t: torch.Tensor) -> bool:
     return t.numel() == 0 or all(math.isfinite(float(v)) for v in torch.aminmax(t))
 
 
-def rows_error(rows: torch.Tensor, sent: torch.Tensor, first: int = 0) -> tuple[int, InvalidInput] | None:
+def rows_error(rows: torch.Tensor, sent: Rows, first: int = 0) -> tuple[int, InvalidInput] | None:
     """The check of hidden_states' values, made on `rows` [n, H] as the step's slot holds them (the
     one copy in, converted from `sent`, the request's rows `first`.. as they came): None when every
     element is finite. The screen is one sum of the rows: a NaN or an infinity anywhere makes it
@@ -101,18 +106,17 @@ def rows_error(rows: torch.Tensor, sent: torch.Tensor, first: int = 0) -> tuple[
         return None
     bad = int((~torch.isfinite(rows)).any(dim=1).nonzero()[0])  # NaN, infinity or out of range there
     row = first + bad
-    if all_finite(sent[bad]):
+    if all_finite(sent_row(sent, bad)):
         return row, InvalidInput(f"hidden_states has values outside the range of {_name(rows.dtype)} (row {row})")
     return row, InvalidInput(f"hidden_states contains NaN or infinity (row {row})")
 
 
-def validate(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, spec: ModelSpec
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def validate(x: X, ids: torch.Tensor, w: torch.Tensor, spec: ModelSpec) -> tuple[X, torch.Tensor, torch.Tensor]:
     """Check one request's tensors against the model: everything but hidden_states' values, which
     the batcher checks on the step's slot rows as it copies them in (`rows_error`: the one pass over
     them besides the one copy). x is returned as it came (a view of the request's bytes where it
-    can be: the batcher converts it to spec.dtype in that copy); ids become int32 and w float32
-    ([T, K], small)."""
+    can be, or its rows in a shared-memory region: the batcher converts it to spec.dtype in that
+    copy); ids become int32 and w float32 ([T, K], small)."""
     if x.dtype not in FLOAT_DTYPES:
         raise InvalidInput(f"hidden_states must be float32, float16 or bfloat16, got {_name(x.dtype)}")
     if ids.dtype not in INT_DTYPES:
@@ -139,7 +143,9 @@ def validate(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, spec: ModelSpe
         raise InvalidInput(f"topk_ids[{t}, {k}] = {bad} is not an expert id in [0, {spec.E})")
     if not all_finite(w):
         raise InvalidInput("topk_weights contains NaN or infinity")
-    return x.contiguous(), ids.to(torch.int32).contiguous(), w.to(torch.float32).contiguous()
+    if isinstance(x, torch.Tensor):
+        x = typing.cast(X, x.contiguous())
+    return x, ids.to(torch.int32).contiguous(), w.to(torch.float32).contiguous()
 
 
 def parse_timeout_s(value: str | float | int | None, what: str) -> float | None:
@@ -178,7 +184,7 @@ def join_chunks(body: Body) -> bytes | memoryview:
 
 
 def decode_forward_json(body: Body, spec: ModelSpec) -> Decoded:
-    doc = _json_object(join_chunks(body))
+    doc = json_object(join_chunks(body))
     _require_keys(doc, INPUT_NAMES, "the JSON body")
     x = _json_array(doc["hidden_states"], "hidden_states", np.float32)
     ids = _json_array(doc["topk_ids"], "topk_ids", None)
@@ -211,8 +217,10 @@ def encode_safetensors(out: torch.Tensor) -> bytes:
 # Open Inference Protocol v2 over HTTP
 
 
-def decode_v2_http(body: Body, header_length: str | None, spec: ModelSpec) -> Decoded:
-    """A v2 infer body: JSON, or a JSON header of `header_length` bytes followed by blobs."""
+def decode_v2_http(body: Body, header_length: str | None, spec: ModelSpec, regions: Regions | None = None
+                   ) -> Decoded:
+    """A v2 infer body: JSON, or a JSON header of `header_length` bytes followed by blobs; tensors
+    may also be in shared-memory regions registered with `regions` (None: the extension is off)."""
     view = memoryview(join_chunks(body))
     if header_length is None:
         header, blobs = view, view[len(view):]
@@ -224,11 +232,11 @@ def decode_v2_http(body: Body, header_length: str | None, spec: ModelSpec) -> De
         if not 0 < n <= len(view):
             raise InvalidInput(f"Inference-Header-Content-Length = {n} does not fit a body of {len(view)} bytes")
         header, blobs = view[:n], view[n:]
-    doc = _json_object(header)
+    doc = json_object(header)
     inputs = doc.get("inputs")
     if not isinstance(inputs, list):
         raise InvalidInput("the request must have an 'inputs' list")
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, Rows] = {}
     offset = 0
     for item in inputs:
         if not isinstance(item, dict):
@@ -238,7 +246,13 @@ def decode_v2_http(body: Body, header_length: str | None, spec: ModelSpec) -> De
         if not isinstance(params, dict):
             raise InvalidInput(f"input '{name}': 'parameters' must be an object")
         size = params.get("binary_data_size")
-        if size is not None:
+        shm = _shm_params(params, f"input '{name}'")
+        if shm is not None:
+            if size is not None or "data" in item:
+                raise InvalidInput(f"input '{name}' is in a shared-memory region: it must have neither 'data' "
+                                   f"nor binary_data_size")
+            tensors[name] = _shm_input(regions, shm, dtype, shape, name)
+        elif size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise InvalidInput(f"input '{name}': binary_data_size must be a non-negative integer")
             if offset + size > len(blobs):
@@ -248,7 +262,8 @@ def decode_v2_http(body: Body, header_length: str | None, spec: ModelSpec) -> De
         elif "data" in item:
             tensors[name] = _v2_json_data(item["data"], dtype, shape, name)
         else:
-            raise InvalidInput(f"input '{name}' has neither 'data' nor a binary_data_size parameter")
+            raise InvalidInput(f"input '{name}' has neither 'data' nor a binary_data_size or "
+                               f"shared_memory_region parameter")
     if offset != len(blobs):
         raise InvalidInput(f"the body has {len(blobs) - offset} bytes of binary data that no input claims")
     _require_keys(tensors, INPUT_NAMES, "the request's inputs")
@@ -256,11 +271,11 @@ def decode_v2_http(body: Body, header_length: str | None, spec: ModelSpec) -> De
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
         raise InvalidInput("'parameters' must be an object")
-    binary = _requested_binary(doc.get("outputs"), params.get("binary_data_output", False))
+    binary, out_shm = _requested_binary(doc.get("outputs"), params.get("binary_data_output", False))
     request_id = doc.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidInput("'id' must be a string")
-    decoded = _decoded_v2(tensors, spec, request_id, _v2_timeout(params.get("timeout")))
+    decoded = _decoded_v2(tensors, spec, request_id, _v2_timeout(params.get("timeout")), regions, out_shm)
     decoded.binary_output = binary
     return decoded
 
@@ -277,13 +292,18 @@ def v2_http_decode_work(body: Body, header_length: str | None) -> int:
     return size // 4
 
 
-def encode_v2_http(out: torch.Tensor, req: Decoded, model_name: str) -> tuple[list, int | None]:
+def encode_v2_http(out: Rows, req: Decoded, model_name: str) -> tuple[list, int | None]:
     """The response body as parts to send one after the other (the output's bytes are a view of
-    `out`, not a copy) and, with binary output, the JSON header's length."""
+    `out`, not a copy) and, with binary output, the JSON header's length. An answer written into
+    the client's output region is its metadata alone (name, datatype, shape), as Triton answers:
+    no data and no parameters (perf_analyzer's HTTP client reads binary_data_size from any output
+    that has parameters)."""
     tensor: dict[str, object] = {"name": OUTPUT_NAME, "datatype": V2_NAMES[out.dtype], "shape": list(out.shape)}
     doc: dict = {"model_name": model_name, "outputs": [tensor]}
     if req.request_id is not None:
         doc["id"] = req.request_id
+    if isinstance(out, RegionRows):
+        return [json.dumps(doc).encode()], None
     if not req.binary_output:
         tensor["data"] = out.float().reshape(-1).tolist()
         return [_json_answer(doc)], None
@@ -364,31 +384,43 @@ def parse_grpc_request(data: bytes) -> GrpcInferRequest:
     return GrpcInferRequest(pb.ModelInferRequest.FromString(b"".join(rest)), raw, received)
 
 
-def decode_grpc(request: pb.ModelInferRequest | GrpcInferRequest, spec: ModelSpec) -> Decoded:
+def decode_grpc(request: pb.ModelInferRequest | GrpcInferRequest, spec: ModelSpec,
+                regions: Regions | None = None) -> Decoded:
+    """A ModelInferRequest; an input in a shared-memory region has no raw_input_contents entry
+    (raw_input_contents holds the other inputs', in order), as tritonclient sends it."""
     if isinstance(request, GrpcInferRequest):
         request, raw = request.message, request.raw or request.message.raw_input_contents
     else:
         raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
-        raise InvalidInput(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs")
-    tensors: dict[str, torch.Tensor] = {}
-    for i, item in enumerate(request.inputs):
+    shms = [_shm_params(_grpc_params(item.parameters), f"input '{item.name}'") for item in request.inputs]
+    on_wire = sum(shm is None for shm in shms)
+    if raw and len(raw) != on_wire:
+        raise InvalidInput(f"raw_input_contents has {len(raw)} entries for {on_wire} inputs")
+    tensors: dict[str, Rows] = {}
+    blobs = iter(raw)
+    for item, shm in zip(request.inputs, shms, strict=True):
         name, dtype, shape = _v2_tensor_header(item.name, item.datatype, list(item.shape), tensors)
-        if raw:
+        if shm is not None:
+            if item.HasField("contents"):
+                raise InvalidInput(f"input '{name}' is in a shared-memory region: it must have no contents")
+            tensors[name] = _shm_input(regions, shm, dtype, shape, name)
+        elif raw:
             if item.HasField("contents"):
                 raise InvalidInput(f"input '{name}' has contents although raw_input_contents is used")
-            tensors[name] = _from_bytes(memoryview(raw[i]), dtype, shape, name)
+            tensors[name] = _from_bytes(memoryview(next(blobs)), dtype, shape, name)
         else:
             tensors[name] = _grpc_contents(item.contents, dtype, shape, name)
     _require_keys(tensors, INPUT_NAMES, "the request's inputs")
+    out_shm = None
     for out in request.outputs:
         if out.name != OUTPUT_NAME:
             raise InvalidInput(f"unknown output '{out.name}'; the model has one output, '{OUTPUT_NAME}'")
+        out_shm = _shm_params(_grpc_params(out.parameters), f"output '{OUTPUT_NAME}'")
     timeout = None
     if "timeout" in request.parameters:
         param = request.parameters["timeout"]
         timeout = _v2_timeout(getattr(param, param.WhichOneof("parameter_choice") or "int64_param"))
-    return _decoded_v2(tensors, spec, request.id or None, timeout)
+    return _decoded_v2(tensors, spec, request.id or None, timeout, regions, out_shm)
 
 
 def grpc_decode_work(request: GrpcInferRequest | pb.ModelInferRequest) -> int:
@@ -413,7 +445,7 @@ class GrpcInferResponse:
     memoryview is refused, so there was a join of the answer on the event loop before)."""
 
     data: bytes
-    out: torch.Tensor
+    out: Rows  # or the answer's rows in the client's output region (then `data` holds no rows)
 
     def to_message(self) -> pb.ModelInferResponse:
         """The whole message (tests and in-process callers)."""
@@ -425,6 +457,12 @@ def grpc_response(req: Decoded, model_name: str) -> GrpcInferResponse:
     T, H = req.x.shape
     response = pb.ModelInferResponse(model_name=model_name, id=req.request_id or "")
     response.outputs.add(name=OUTPUT_NAME, datatype=V2_NAMES[req.out_dtype], shape=[T, H])
+    if req.out_region is not None:
+        # The answer goes into the client's region: its metadata and an empty raw_output_contents
+        # entry, as Triton answers (clients index raw_output_contents by output: perf_analyzer's
+        # gRPC client crashes without it).
+        response.raw_output_contents.append(b"")
+        return GrpcInferResponse(response.SerializeToString(), req.out_region)
     size = T * H * req.out_dtype.itemsize
     head = response.SerializeToString() + _key_and_length(_RAW_OUTPUTS, size)
     data = _bytes_to_fill(len(head) + size)
@@ -498,7 +536,7 @@ def _json_answer(doc: dict) -> bytes:
                            "inputs); JSON cannot carry them: send smaller values, or use a binary format") from None
 
 
-def _json_object(body: bytes | memoryview) -> dict:
+def json_object(body: bytes | memoryview) -> dict:
     try:
         doc = json.loads(bytes(body))
     except (UnicodeDecodeError, ValueError) as e:
@@ -645,14 +683,15 @@ def _v2_timeout(value) -> float | None:
     return parse_timeout_s(seconds, "parameter 'timeout'")
 
 
-def _requested_binary(outputs, default) -> bool:
+def _requested_binary(outputs, default) -> tuple[bool, tuple | None]:
+    """Whether the answer goes in the binary extension, and its shared-memory parameters if any."""
     if not isinstance(default, bool):
         raise InvalidInput("parameter 'binary_data_output' must be a boolean")
     if outputs is None:
-        return default
+        return default, None
     if not isinstance(outputs, list):
         raise InvalidInput("'outputs' must be a list")
-    binary = default
+    binary, shm = default, None
     for out in outputs:
         if not isinstance(out, dict) or out.get("name") != OUTPUT_NAME:
             name = out.get("name") if isinstance(out, dict) else out
@@ -663,15 +702,64 @@ def _requested_binary(outputs, default) -> bool:
         flag = params.get("binary_data", default)
         if not isinstance(flag, bool):
             raise InvalidInput("output parameter 'binary_data' must be a boolean")
-        binary = flag
-    return binary
+        shm = _shm_params(params, f"output '{OUTPUT_NAME}'")
+        if shm is not None and params.get("binary_data") is True:
+            raise InvalidInput(f"output '{OUTPUT_NAME}' cannot set both 'shared_memory_region' and 'binary_data'")
+        binary = flag and shm is None
+    return binary, shm
 
 
-def _decoded_v2(tensors: dict[str, torch.Tensor], spec: ModelSpec, request_id, timeout) -> Decoded:
+def _decoded_v2(tensors: dict[str, Rows], spec: ModelSpec, request_id, timeout,
+                regions: Regions | None = None, out_shm: tuple | None = None) -> Decoded:
     x, ids, w = (tensors[n] for n in INPUT_NAMES)
+    assert isinstance(ids, torch.Tensor) and isinstance(w, torch.Tensor)  # (read at once: _shm_input)
     out_dtype = x.dtype
     x, ids, w = validate(x, ids, w, spec)
-    return Decoded(x, ids, w, out_dtype=out_dtype, request_id=request_id, timeout_s=timeout)
+    decoded = Decoded(x, ids, w, out_dtype=out_dtype, request_id=request_id, timeout_s=timeout)
+    if out_shm is not None:
+        region, offset, size = out_shm
+        if regions is None:
+            raise refuse()
+        decoded.out_region = regions.rows(region, offset, size, out_dtype, list(x.shape), f"output '{OUTPUT_NAME}'",
+                                          output=True)
+    return decoded
+
+
+SHM_REGION, SHM_OFFSET, SHM_SIZE = "shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"
+
+
+def _shm_params(params: dict, what: str) -> tuple[str, int, int] | None:
+    """A tensor's shared-memory parameters (region, offset, byte size), or None when it names no
+    region. Region and byte size go together (Triton's rule); the offset defaults to 0."""
+    if SHM_REGION not in params and SHM_SIZE not in params:
+        if SHM_OFFSET in params:
+            raise InvalidInput(f"{what} has shared_memory_offset without shared_memory_region")
+        return None
+    if SHM_REGION not in params or SHM_SIZE not in params:
+        raise InvalidInput(f"{what}: shared_memory_region and shared_memory_byte_size must be given together")
+    region, size, offset = params[SHM_REGION], params[SHM_SIZE], params.get(SHM_OFFSET, 0)
+    if not isinstance(region, str) or not region:
+        raise InvalidInput(f"{what}: shared_memory_region must be a region's name, got {region!r}")
+    for key, value in ((SHM_SIZE, size), (SHM_OFFSET, offset)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidInput(f"{what}: {key} must be a non-negative integer, got {value!r}")
+    return region, offset, size
+
+
+def _shm_input(regions: Regions | None, shm: tuple, dtype: torch.dtype, shape: list[int], name: str) -> Rows:
+    """An input in a region: hidden_states stays there until its step copies it into the slot;
+    the routing ([T, K], whose values `validate` checks) is read now."""
+    if regions is None:
+        raise refuse()
+    region, offset, size = shm
+    rows = regions.rows(region, offset, size, dtype, shape, f"input '{name}'")
+    return rows if name == "hidden_states" else rows.read()
+
+
+def _grpc_params(params) -> dict:
+    """A protobuf map of InferParameter as plain values."""
+    return {key: getattr(p, p.WhichOneof("parameter_choice")) for key, p in params.items()
+            if p.WhichOneof("parameter_choice") is not None}
 
 
 MODEL_VERSION = "1"  # the one version of the model (Triton's tools need a numeric one to key statistics)

@@ -32,6 +32,23 @@ class BodyTimeout(InvalidInput):
     """The request body did not arrive within the request's deadline (a slow or stalled client)."""
 
 
+class SharedMemoryOff(InvalidInput):
+    """A shared-memory call (register, status, unregister, or a tensor in a region) while the
+    `shared_memory` setting is off."""
+
+
+class RegionNotFound(InvalidInput):
+    """A shared-memory region name that is not registered."""
+
+
+class RegionExists(InvalidInput):
+    """A register call for a region name that is registered already."""
+
+
+class TooManyRegions(InvalidInput):
+    """A register call past the cap on registered regions (service.api.regions.MAX_REGIONS)."""
+
+
 class ClientGone(MoEError):
     """The client closed the connection before its request was read."""
 
@@ -44,6 +61,10 @@ _TABLE: tuple[tuple[type[BaseException], int, grpc.StatusCode], ...] = (
     (PayloadTooLarge, 413, grpc.StatusCode.INVALID_ARGUMENT),
     (ModelNotFound, 404, grpc.StatusCode.NOT_FOUND),
     (BodyTimeout, 408, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (SharedMemoryOff, 400, grpc.StatusCode.FAILED_PRECONDITION),
+    (RegionNotFound, 404, grpc.StatusCode.NOT_FOUND),
+    (RegionExists, 409, grpc.StatusCode.ALREADY_EXISTS),
+    (TooManyRegions, 400, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (InvalidInput, 400, grpc.StatusCode.INVALID_ARGUMENT),
     (Overloaded, 503, grpc.StatusCode.UNAVAILABLE),
     (GroupUnavailable, 503, grpc.StatusCode.UNAVAILABLE),

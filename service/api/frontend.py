@@ -16,10 +16,9 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-import torch
-
 from service.api.batcher import Batcher
 from service.api.codecs import INPUT_NAMES, MODEL_VERSION, OUTPUT_NAME, V2_NAMES, Decoded, ModelSpec
+from service.api.regions import Regions, Rows, refuse
 from service.config import LayerConfig, Settings
 from service.errors import GroupUnavailable
 from service.metrics import PROTOCOLS, Metrics, Snapshot, merge
@@ -44,6 +43,9 @@ class Frontend:
         # Every front-end process's snapshot, this one's included (blocking; run in a thread);
         # None: this process is the only front end.
         self.gather: Callable[[], list[Snapshot]] | None = None
+        # The system shared-memory registry (service.api.regions) when Settings.shared_memory is
+        # "system": set by the owner (service.server), or from the table it hands a front end.
+        self.regions: Regions | None = None
         metrics.ready.set(0)
         for protocol in PROTOCOLS:
             metrics.requests.labels(protocol, "200")  # export the zero series up front
@@ -61,18 +63,26 @@ class Frontend:
             for callback in self.on_ready_change:
                 callback(ready)
 
+    def shared_memory(self) -> Regions:
+        """The shared-memory registry; SharedMemoryOff when the extension is off."""
+        if self.regions is None:
+            raise refuse()
+        return self.regions
+
     async def infer(self, req: Decoded, transport_timeout_s: float | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-        """The layer's answer [T, H] in the request's dtype (written into `out` when given)."""
+                    out: Rows | None = None) -> Rows:
+        """The layer's answer [T, H] in the request's dtype (written into `out` when given, else
+        into the request's output region when it named one)."""
         if not self._ready:
             raise GroupUnavailable(self._why_not)
         timeout = req.timeout_s or self.settings.request_timeout_s
         if transport_timeout_s is not None:
             timeout = min(timeout, transport_timeout_s)
-        out = await self.batcher.submit(req.x, req.ids, req.w, timeout, out_dtype=req.out_dtype, out=out)
-        self._inference_count += out.shape[0]
+        answer = await self.batcher.submit(req.x, req.ids, req.w, timeout, out_dtype=req.out_dtype,
+                                           out=req.out_region if out is None else out)
+        self._inference_count += answer.shape[0]
         self._last_inference_ms = time.time_ns() // 1_000_000
-        return out
+        return answer
 
     async def offload(self, size: int, fn, *args):
         """fn(*args), in a thread when the tensor is large enough to stall the event loop."""
@@ -107,7 +117,8 @@ class Frontend:
             ver = version("moe-serve")
         except PackageNotFoundError:
             ver = "unknown"
-        return {"name": SERVER_NAME, "version": ver, "extensions": EXTENSIONS}
+        extensions = EXTENSIONS + (["system_shared_memory"] if self.settings.shared_memory == "system" else [])
+        return {"name": SERVER_NAME, "version": ver, "extensions": extensions}
 
     def model_metadata(self) -> dict:
         cfg = self.cfg

@@ -142,7 +142,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             message = request.message if isinstance(request, codecs.GrpcInferRequest) else request
             codecs.check_model(message.model_name, message.model_version, fe.model_name)
-            req = await fe.offload(codecs.grpc_decode_work(request), codecs.decode_grpc, request, fe.spec)
+            req = await fe.offload(codecs.grpc_decode_work(request), codecs.decode_grpc, request, fe.spec, fe.regions)
             response = codecs.grpc_response(req, fe.model_name)  # the answer's rows are written into it
             await fe.infer(req, transport_timeout_s=context.time_remaining(), out=response.out)
         except Exception as exc:  # noqa: BLE001  mapped to a code in one place
@@ -151,6 +151,32 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return _reject(context, code, text)
         fe.observe("grpc", 200, started)
         return response
+
+    # ---- Triton's system shared-memory extension (service.api.regions) ---------------------
+
+    async def SystemSharedMemoryStatus(self, request, context):
+        try:
+            regions = self.fe.shared_memory().status(request.name)
+        except Exception as exc:  # noqa: BLE001
+            return _reject(context, *_failure(exc)[1:])
+        response = pb.SystemSharedMemoryStatusResponse()
+        for r in regions:
+            response.regions[r["name"]].CopyFrom(pb.SystemSharedMemoryStatusResponse.RegionStatus(**r))
+        return response
+
+    async def SystemSharedMemoryRegister(self, request, context):
+        try:
+            self.fe.shared_memory().register(request.name, request.key, request.offset, request.byte_size)
+        except Exception as exc:  # noqa: BLE001
+            return _reject(context, *_failure(exc)[1:])
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(self, request, context):
+        try:
+            self.fe.shared_memory().unregister(request.name)
+        except Exception as exc:  # noqa: BLE001
+            return _reject(context, *_failure(exc)[1:])
+        return pb.SystemSharedMemoryUnregisterResponse()
 
 
 class _Handlers:

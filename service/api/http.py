@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -33,7 +34,7 @@ from service.api.error_map import (
     message,
 )
 from service.api.frontend import Frontend
-from service.errors import MoEError
+from service.errors import InvalidInput, MoEError
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ SAFETENSORS = "application/x-safetensors"
 OCTET_STREAM = "application/octet-stream"
 HEADER_LENGTH = "inference-header-content-length"
 TIMEOUT_HEADER = "x-request-timeout"
+REGISTER_BODY_LIMIT = 4096  # bytes of a shared-memory register request ({"key", "offset", "byte_size"})
 
 
 class PartsResponse(Response):
@@ -171,6 +173,7 @@ def create_app(fe: Frontend) -> FastAPI:
             req = await fe.offload(sum(map(len, body)) // 4, decode, body, fe.spec)
             req.timeout_s = timeout
             out = await fe.infer(req)
+            assert isinstance(out, torch.Tensor)  # (no shared memory on /moe/forward)
             if media == SAFETENSORS:
                 return Response(await fe.offload(out.numel(), codecs.encode_safetensors, out),
                                 media_type=SAFETENSORS)
@@ -227,11 +230,11 @@ def create_app(fe: Frontend) -> FastAPI:
             body = await read_body(request, limit, timeout or fe.settings.request_timeout_s)
             received(protocol, request)
             work = codecs.v2_http_decode_work(body, header_length)
-            req = await fe.offload(work, codecs.decode_v2_http, body, header_length, fe.spec)
+            req = await fe.offload(work, codecs.decode_v2_http, body, header_length, fe.spec, fe.regions)
             req.timeout_s = timeout or req.timeout_s
             out = await fe.infer(req)
             # Binary output is a JSON header and a view of `out`: nothing worth a thread hop.
-            work = 0 if req.binary_output else out.numel()
+            work = 0 if req.binary_output or req.out_region is not None else out.shape.numel()
             parts, json_length = await fe.offload(work, codecs.encode_v2_http, out, req, fe.model_name)
             sent = fe.metrics.response_send.labels(protocol).observe
             if json_length is None:
@@ -240,6 +243,40 @@ def create_app(fe: Frontend) -> FastAPI:
                                  headers={"Inference-Header-Content-Length": str(json_length)})
 
         return await answer(protocol, request, handle)
+
+    # ---- Triton's system shared-memory extension (service.api.regions) ---------------------
+
+    @app.get("/v2/systemsharedmemory/status")
+    @app.get("/v2/systemsharedmemory/region/{name}/status")
+    async def shm_status(name: str = "") -> Response:
+        try:
+            return JSONResponse(fe.shared_memory().status(name))
+        except Exception as exc:  # noqa: BLE001  mapped to a status in one place
+            return error_response(exc)
+
+    @app.post("/v2/systemsharedmemory/region/{name}/register")
+    async def shm_register(name: str, request: Request) -> Response:
+        try:
+            regions = fe.shared_memory()
+            body = await read_body(request, REGISTER_BODY_LIMIT, fe.settings.request_timeout_s)
+            doc = codecs.json_object(b"".join(body))
+            unknown = sorted(set(doc) - {"key", "offset", "byte_size"})
+            if unknown or "key" not in doc or "byte_size" not in doc:
+                raise InvalidInput(f"a register request is {{\"key\", \"offset\", \"byte_size\"}}; got the keys "
+                                   f"{sorted(doc)}")
+            regions.register(name, doc["key"], doc.get("offset", 0), doc["byte_size"])
+            return Response(b"", media_type=JSON)
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc)
+
+    @app.post("/v2/systemsharedmemory/unregister")
+    @app.post("/v2/systemsharedmemory/region/{name}/unregister")
+    async def shm_unregister(name: str = "") -> Response:
+        try:
+            fe.shared_memory().unregister(name)
+            return Response(b"", media_type=JSON)
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc)
 
     # ---- metrics ---------------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ ALIGN = 64  # bytes; each field starts on a cache line
 PREFIX = "moe-slot-"
 
 
-def _shm_dir() -> str:
+def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
@@ -144,7 +144,7 @@ def _create_locked(directory: str, path: str, size: int) -> int:
 def create_slots(cfg: LayerConfig, count: int) -> list[Slot]:
     """Create `count` slot files sized for one full step, locked by this process, and map them."""
     _, size = _layout(cfg)
-    directory = _shm_dir()
+    directory = shm_dir()
     slots = []
     for i in range(count):
         path = os.path.join(directory, f"{PREFIX}{uuid.uuid4().hex}-{i}")
@@ -157,7 +157,7 @@ def create_slots(cfg: LayerConfig, count: int) -> list[Slot]:
 
 def remove_stale_slots() -> None:
     """Remove slot files whose creator is gone: those nobody holds the lock of."""
-    directory = _shm_dir()
+    directory = shm_dir()
     for name in os.listdir(directory):
         if not name.startswith(PREFIX):
             continue

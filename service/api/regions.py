@@ -1,0 +1,418 @@
+"""Triton's system shared-memory extension: the regions clients registered, shared by every front end.
+
+T tokens, H hidden (see service.config).
+
+A client on this host creates a POSIX shared-memory object (shm_open: /dev/shm/<key>), registers a
+part of it as a named region (key, offset, byte_size), and names the region in a tensor's
+parameters (shared_memory_region, shared_memory_byte_size, shared_memory_offset) instead of sending
+the tensor's bytes. hidden_states' rows are read from the object straight into the step's slot (the
+one copy in, `copy_rows`, in the batcher's step thread, before the check of their values there) and
+the answer is written from the slot straight into the client's output region (the one copy out);
+topk_ids and topk_weights ([T, K], small) are read when the request is decoded, since `validate`
+checks their values.
+
+Several front-end processes serve one server's ports (service.fleet), and a region registered
+through one connection must be usable on any of them as soon as the register call has returned,
+and gone from all once unregister returns. So the registry is one small file that every front end
+holds (`RegionTable`; unnamed, in /dev/shm; the owner creates it and hands its descriptor to each
+front end before the group's state, service.fleet): the table as JSON behind a version counter,
+written under an exclusive flock and read under a shared one, reparsed only when the version moved
+(a lookup is otherwise one flock and one 8-byte pread). Each process opens an object itself when a
+request first names its region and keeps the descriptor while the region stays registered; the
+object's (device, inode) recorded at register time must still be the one behind the key, so a
+name that now points to another object is refused, never read.
+
+Reads and writes are pread / pwrite on that descriptor, not a mapping: a client that truncates its
+object would turn a read of a mapped page past the new end into a SIGBUS that kills the front end;
+pread returns short instead, an error for that request alone. (Measured on the dev VM: pread of
+4 MiB from tmpfs costs about what a memcpy of a mapped region does, 0.3-0.5 ms.)
+
+Safety (the server reads and writes memory that a client names):
+- off unless `--shared-memory system` (Settings.shared_memory): every call is refused, naming it;
+- a key is one POSIX shm name ("/name": no other "/", not "." or ".."), opened with O_NOFOLLOW and
+  O_NONBLOCK and required to be a regular file; names starting with OWN_PREFIX are the server's
+  own, and its own files (the slots, this table) are refused by inode too (a hard link under
+  another name would otherwise let one client read another's rows);
+- offset + byte_size lie within the object when registered and within the region when used; an
+  input's byte size equals its shape x dtype; an output region smaller than the answer is an error
+  before the step runs, never a short write;
+- at most MAX_REGIONS regions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import fcntl
+import json
+import os
+import stat
+import struct
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+
+from service.api.error_map import RegionExists, RegionNotFound, SharedMemoryOff, TooManyRegions
+from service.errors import InvalidInput
+from service.worker.shm import shm_dir
+
+MAX_REGIONS = 64       # registered regions per server (each front end may hold a descriptor of each)
+MAX_NAME = 255         # characters of a region name, and of a key (NAME_MAX)
+SHM_ROOT = "/dev/shm"  # where shm_open's names live on Linux
+OWN_PREFIX = "moe-"    # names of the server's own files there (service.worker.shm.PREFIX among them)
+OFF = ("system shared memory is off on this server; start it with --shared-memory system "
+       "(MOE_SHARED_MEMORY=system) to register regions")
+
+_VERSION = struct.Struct("<Q")  # the table file: version, then the table's JSON
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """A registered region: bytes [offset, offset + byte_size) of the object behind `key`."""
+
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+    dev: int     # the object's device and inode when it was registered
+    ino: int
+    serial: int  # numbers registrations: a name registered again is a new region
+
+    def status(self) -> dict:
+        return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
+
+
+@dataclasses.dataclass
+class _State:
+    regions: dict[str, Region]
+    reserved: set[tuple[int, int]]  # (device, inode) of the server's own files
+    serial: int                     # the last registration's
+
+
+class RegionTable:
+    """The registry file every front end of one server shares (see the module docstring)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self._version = -1
+        self._state = _State({}, set(), 0)
+        self._lock = threading.Lock()  # the cached state, among this process's threads
+
+    @classmethod
+    def create(cls) -> RegionTable:
+        """A new, empty table in an unnamed file (O_TMPFILE): nothing to remove, nothing to open by name."""
+        directory = shm_dir()
+        try:
+            fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        except (AttributeError, OSError):  # no O_TMPFILE here: a named file, unlinked at once
+            path = os.path.join(directory, f"{OWN_PREFIX}regions-{os.urandom(16).hex()}")
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            os.unlink(path)
+        table = cls(fd)
+        table.update(lambda state: state.reserved.add(_identity(fd)))
+        return table
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def reserve(self, fds: Iterable[int]) -> None:
+        """Refuse the files behind `fds` (the server's own: a rank group's slots) as regions."""
+        own = {_identity(fd) for fd in fds}
+        self.update(lambda state: state.reserved.update(own))
+
+    def state(self) -> _State:
+        """The current table (reparsed only when another process changed it)."""
+        with self._lock, self._flocked(fcntl.LOCK_SH):
+            return self._load()
+
+    def update(self, change: Callable[[_State], object]):
+        """Apply `change` to the current table and store it, all under the exclusive lock."""
+        with self._lock, self._flocked(fcntl.LOCK_EX):
+            state = self._load()
+            result = change(state)
+            doc = {"regions": [dataclasses.asdict(r) for r in state.regions.values()],
+                   "reserved": sorted(state.reserved), "serial": state.serial}
+            data = json.dumps(doc).encode()
+            self._version += 1
+            os.ftruncate(self.fd, _VERSION.size + len(data))
+            os.pwrite(self.fd, data, _VERSION.size)
+            os.pwrite(self.fd, _VERSION.pack(self._version), 0)
+            return result
+
+    @contextlib.contextmanager
+    def _flocked(self, how: int) -> Iterator[None]:
+        fcntl.flock(self.fd, how)
+        try:
+            yield
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def _load(self) -> _State:
+        head = os.pread(self.fd, _VERSION.size, 0)
+        if len(head) < _VERSION.size:  # a new file: nothing written yet
+            self._version, self._state = 0, _State({}, set(), 0)
+            return self._state
+        (version,) = _VERSION.unpack(head)
+        if version != self._version:
+            size = os.fstat(self.fd).st_size - _VERSION.size
+            doc = json.loads(os.pread(self.fd, size, _VERSION.size))
+            regions = {r["name"]: Region(**r) for r in doc["regions"]}
+            self._version = version
+            self._state = _State(regions, {tuple(x) for x in doc["reserved"]}, doc["serial"])
+        return self._state
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+class _Object:
+    """This process's descriptor of one registered region's object (closed when nothing holds it)."""
+
+    def __init__(self, region: Region, fd: int):
+        self.region, self.fd = region, fd
+        weakref.finalize(self, os.close, fd)
+
+    def read_into(self, buf: memoryview, at: int) -> None:
+        done = 0
+        while done < len(buf):
+            n = os.preadv(self.fd, [buf[done:]], at + done)
+            if n == 0:
+                raise InvalidInput(f"shared-memory region '{self.region.name}': its object {self.region.key} ends at "
+                                   f"byte {at + done}, before the data (it was truncated after it was registered)")
+            done += n
+
+    def write(self, buf: memoryview, at: int) -> None:
+        if os.fstat(self.fd).st_size < at + len(buf):  # pwrite would grow the object, not fail
+            raise InvalidInput(f"shared-memory region '{self.region.name}': its object {self.region.key} is now "
+                               f"shorter than byte {at + len(buf)} (it was truncated after it was registered)")
+        done = 0
+        while done < len(buf):
+            done += os.pwritev(self.fd, [buf[done:]], at + done)
+
+
+class RegionRows:
+    """Rows [T, H] of `dtype` in a region, from byte `at` of its object: what a request's tensor is
+    when it travels in shared memory (Decoded.x, the answer's destination)."""
+
+    def __init__(self, obj: _Object, at: int, dtype: torch.dtype, shape: Iterable[int]):
+        self.obj, self.at, self.dtype = obj, at, dtype
+        self.shape = torch.Size(shape)
+        self.row_bytes = self.shape[1] * dtype.itemsize if len(self.shape) == 2 else 0
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, rows: slice) -> RegionRows:
+        start, stop, step = rows.indices(self.shape[0])
+        assert step == 1, rows
+        return RegionRows(self.obj, self.at + start * self.row_bytes, self.dtype, (stop - start, *self.shape[1:]))
+
+    def read(self) -> torch.Tensor:
+        """The rows as a new tensor."""
+        t = torch.empty(self.shape, dtype=self.dtype)
+        self.obj.read_into(_memory(t), self.at)
+        return t
+
+    def read_into(self, dst: torch.Tensor) -> None:
+        """Copy the rows into `dst` (same shape, contiguous), converting to its dtype: straight
+        from the object into dst's memory when the dtypes agree, through one tensor otherwise."""
+        assert dst.shape == self.shape and dst.is_contiguous(), (dst.shape, self.shape)
+        if dst.dtype == self.dtype:
+            self.obj.read_into(_memory(dst), self.at)
+        else:
+            dst.copy_(self.read())
+
+    def write_from(self, src: torch.Tensor) -> None:
+        """Write `src` (same shape) into the region, converted to the region's dtype."""
+        assert src.shape == self.shape, (src.shape, self.shape)
+        if src.dtype != self.dtype or not src.is_contiguous():
+            src = src.to(self.dtype).contiguous()
+        self.obj.write(_memory(src), self.at)
+
+
+Rows = torch.Tensor | RegionRows
+
+
+def copy_rows(dst: Rows, src: Rows) -> None:
+    """dst <- src, either one a tensor or rows in a region (the batcher's copies in and out)."""
+    if isinstance(src, RegionRows):
+        assert isinstance(dst, torch.Tensor)
+        src.read_into(dst)
+    elif isinstance(dst, RegionRows):
+        dst.write_from(src)
+    else:
+        dst.copy_(src)
+
+
+def sent_row(rows: Rows, i: int) -> torch.Tensor:
+    """Row i of `rows` as a tensor (read from the region for RegionRows)."""
+    return rows[i:i + 1].read()[0] if isinstance(rows, RegionRows) else rows[i]
+
+
+def _memory(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable, whatever its dtype (bf16 has no numpy twin)."""
+    assert t.is_contiguous() and t.device.type == "cpu", (t.is_contiguous(), t.device)
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+class Regions:
+    """One front-end process's side of the registry: register, unregister, status, and a request's
+    tensors in regions."""
+
+    def __init__(self, table: RegionTable):
+        self.table = table
+        self._objects: dict[str, _Object] = {}
+        self._seen = -1  # the table version the descriptors were last pruned at
+        self._lock = threading.Lock()
+
+    # ---- the extension's calls -------------------------------------------------------------
+
+    def register(self, name, key, offset, byte_size) -> None:
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME:
+            raise InvalidInput(f"a region name must be a string of 1 to {MAX_NAME} characters, got {name!r}")
+        path = _key_path(key)
+        offset = _count(offset, "offset", 0)
+        byte_size = _count(byte_size, "byte_size", 1)
+        fd = _open(path, key)
+        try:
+            st = os.fstat(fd)
+            if offset + byte_size > st.st_size:
+                raise InvalidInput(f"shared-memory region '{name}': offset {offset} + byte_size {byte_size} runs past "
+                                   f"the end of {key} ({st.st_size} bytes)")
+
+            def add(state: _State) -> Region:
+                if (st.st_dev, st.st_ino) in state.reserved:
+                    raise InvalidInput(f"{key} is this server's own shared memory; it cannot be registered")
+                if name in state.regions:
+                    raise RegionExists(f"a shared-memory region named '{name}' is registered already; "
+                                       f"unregister it first")
+                if len(state.regions) >= MAX_REGIONS:
+                    raise TooManyRegions(f"{MAX_REGIONS} shared-memory regions are registered, the most this server "
+                                         f"keeps; unregister one first")
+                state.serial += 1
+                region = Region(name, key, offset, byte_size, st.st_dev, st.st_ino, state.serial)
+                state.regions[name] = region
+                return region
+
+            region = self.table.update(add)
+        except BaseException:
+            os.close(fd)
+            raise
+        with self._lock:
+            self._objects[name] = _Object(region, fd)
+
+    def unregister(self, name: str) -> None:
+        """Unregister `name`, or every region when it is empty."""
+        def remove(state: _State) -> None:
+            if not name:
+                state.regions.clear()
+            elif state.regions.pop(name, None) is None:
+                raise RegionNotFound(f"no shared-memory region named '{name}' is registered")
+
+        self.table.update(remove)
+        self._prune(self.table.state())
+
+    def status(self, name: str) -> list[dict]:
+        """The status of `name`, or of every region when it is empty."""
+        regions = self.table.state().regions
+        if not name:
+            return [r.status() for r in regions.values()]
+        if name not in regions:
+            raise RegionNotFound(f"no shared-memory region named '{name}' is registered")
+        return [regions[name].status()]
+
+    # ---- a request's tensors ---------------------------------------------------------------
+
+    def rows(self, name: str, offset: int, byte_size: int, dtype: torch.dtype, shape: list[int],
+             what: str, output: bool = False) -> RegionRows:
+        """`what`'s rows of `shape` and `dtype` in region `name` at `offset`: an input's byte size
+        must be exactly its shape's, an output's at least that."""
+        need = shape[0] * shape[1] * dtype.itemsize if len(shape) == 2 else 0
+        if output and byte_size < need:
+            raise InvalidInput(f"{what} needs {need} bytes; its shared_memory_byte_size is {byte_size}")
+        if not output and byte_size != need:
+            raise InvalidInput(f"{what} has shared_memory_byte_size {byte_size}; shape {shape} of its datatype "
+                               f"needs {need}")
+        state = self.table.state()
+        region = state.regions.get(name)
+        if region is None:
+            raise RegionNotFound(f"{what}: no shared-memory region named '{name}' is registered")
+        if offset + byte_size > region.byte_size:
+            raise InvalidInput(f"{what}: shared_memory_offset {offset} + byte_size {byte_size} runs past the end "
+                               f"of region '{name}' ({region.byte_size} bytes)")
+        return RegionRows(self._object(region, state), region.offset + offset, dtype, shape)
+
+    def _object(self, region: Region, state: _State) -> _Object:
+        self._prune(state)
+        with self._lock:
+            obj = self._objects.get(region.name)
+            if obj is not None and obj.region.serial == region.serial:
+                return obj
+        fd = _open(_key_path(region.key), region.key)
+        if _identity(fd) in state.reserved:  # (reserved after it was registered: a group started since)
+            os.close(fd)
+            raise InvalidInput(f"{region.key} is this server's own shared memory; it cannot be used as a region")
+        if _identity(fd) != (region.dev, region.ino):
+            os.close(fd)
+            raise InvalidInput(f"shared-memory region '{region.name}': {region.key} is no longer the object that was "
+                               f"registered (it was removed or replaced); register the region again")
+        obj = _Object(region, fd)
+        with self._lock:
+            self._objects[region.name] = obj
+        return obj
+
+    def _prune(self, state: _State) -> None:
+        """Drop the descriptors of regions no longer registered, or whose object the server has
+        since reserved (an in-flight request keeps its own)."""
+        with self._lock:
+            if self._seen == self.table._version:
+                return
+            self._seen = self.table._version
+            for name, obj in list(self._objects.items()):
+                now = state.regions.get(name)
+                if now is None or now.serial != obj.region.serial or (now.dev, now.ino) in state.reserved:
+                    del self._objects[name]
+
+
+def refuse() -> SharedMemoryOff:
+    return SharedMemoryOff(OFF)
+
+
+def _count(value, what: str, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise InvalidInput(f"'{what}' must be an integer >= {least}, got {value!r}")
+    return value
+
+
+def _key_path(key) -> str:
+    """The file behind a POSIX shared-memory name ("/name")."""
+    if not isinstance(key, str):
+        raise InvalidInput(f"'key' must be a string, got {key!r}")
+    name = key[1:] if key.startswith("/") else key
+    if not name or "/" in name or name in (".", "..") or "\0" in name or len(name) > MAX_NAME:
+        raise InvalidInput(f"key {key!r} is not a POSIX shared-memory name ('/name', without any other '/', "
+                           f"not '.' or '..', at most {MAX_NAME} characters)")
+    if name.startswith(OWN_PREFIX):
+        raise InvalidInput(f"key {key!r}: names starting with '/{OWN_PREFIX}' are this server's own shared memory")
+    return os.path.join(SHM_ROOT, name)
+
+
+def _open(path: str, key: str) -> int:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise InvalidInput(f"no shared-memory object {key} exists on this host") from None
+    except OSError as e:
+        raise InvalidInput(f"cannot open the shared-memory object {key}: {e.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise InvalidInput(f"{key} is not a shared-memory object (not a regular file)")
+    return fd

@@ -1,0 +1,589 @@
+"""Triton's system shared-memory extension (service.api.regions), as tritonclient and perf_analyzer
+use it against a real CPU server started with `--shared-memory system`: answers equal the wire's
+bit for bit and the reference, inputs and outputs in regions or on the wire in any mix, every bad
+register / status / unregister / infer call refused with its own error while the rest keeps
+serving, concurrent shm and wire requests never mixing, a region registered through one front end
+served by the other (`--frontends 2`), and the extension off by default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import subprocess
+import uuid
+
+import grpc
+import httpx
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
+from fastapi.testclient import TestClient
+from tritonclient.utils import InferenceServerException
+
+from service.api import codecs, regions
+from service.api.error_map import classify
+from service.api.grpc import InferenceServicer
+from service.api.http import create_app
+from service.config import Settings
+from tests.api.common import CFG, check, inputs
+from tests.api.test_ecosystem import PERF_ANALYZER_TIMEOUT_S, input_data, perf_analyzer_env
+from tests.api.test_frontend import make_frontend
+from tests.api.test_frontends import holders
+from tests.helpers import external_tool
+from tests.serverproc import ServerProcess
+
+MODEL = "moe"
+PROTOCOLS = ("http", "grpc")
+TRITON_DTYPES = {torch.float32: "FP32", torch.bfloat16: "BF16", torch.int32: "INT32"}
+NAN = float("nan")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with ServerProcess.serving(tmp_path_factory.mktemp("shm") / "server.log", "--shared-memory", "system") as proc:
+        yield proc
+
+
+def _key() -> str:
+    return f"/moe11s-test-{uuid.uuid4().hex[:16]}"  # (not "/moe-": the server's own names)
+
+
+class Object:
+    """A client's POSIX shared-memory object (tritonclient.utils.shared_memory)."""
+
+    def __init__(self, size: int):
+        self.key = _key()
+        self.size = size
+        self.handle = shm.create_shared_memory_region(self.key[1:], self.key, size)
+
+    def write(self, t: torch.Tensor, offset: int = 0) -> None:
+        shm.set_shared_memory_region(self.handle, [_numpy(t)], offset=offset)
+
+    def read(self, dtype: torch.dtype, shape, offset: int = 0) -> torch.Tensor:
+        np_dtype = np.int16 if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
+        arr = shm.get_contents_as_numpy(self.handle, np_dtype, list(shape), offset=offset).copy()
+        return torch.from_numpy(arr).view(dtype)
+
+    def close(self) -> None:
+        shm.destroy_shared_memory_region(self.handle)
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.contiguous()
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+@pytest.fixture
+def objects():
+    """Make objects (closed at the end) and unregister whatever the test registered."""
+    made: list[Object] = []
+
+    def make(size: int) -> Object:
+        made.append(Object(size))
+        return made[-1]
+
+    yield make
+    for obj in made:
+        obj.close()
+
+
+def client(server, protocol: str):
+    if protocol == "http":
+        return httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    return grpcclient.InferenceServerClient(server.grpc_url)
+
+
+def error_of(call) -> tuple[str, str]:
+    """(status, message) of a tritonclient call that must fail: the HTTP code or the gRPC code name."""
+    with pytest.raises(InferenceServerException) as info:
+        call()
+    return str(info.value.status()).removeprefix("StatusCode."), info.value.message()
+
+
+@pytest.fixture(autouse=True)
+def unregister_all(request):
+    yield
+    if "server" in request.fixturenames:
+        client(request.getfixturevalue("server"), "http").unregister_system_shared_memory()
+
+
+def infer(c, protocol: str, x, ids, w, *, inputs_in=None, output_in=None, request_id=""):
+    """One request with tritonclient. inputs_in: name -> (region, offset, byte_size) for inputs in
+    shared memory (the rest travel on the wire); output_in: (region, byte_size, offset) for the
+    answer in shared memory. The answer when it came on the wire, else None."""
+    mod = httpclient if protocol == "http" else grpcclient
+    tensors = {"hidden_states": x, "topk_ids": ids.to(torch.int32), "topk_weights": w}
+    items = []
+    for name, t in tensors.items():
+        item = mod.InferInput(name, list(t.shape), TRITON_DTYPES[t.dtype])
+        if inputs_in and name in inputs_in:
+            region, offset, size = inputs_in[name]
+            item.set_shared_memory(region, size, offset=offset)
+        elif protocol == "http":
+            item.set_data_from_numpy(_numpy(t) if t.dtype != torch.bfloat16 else _bf16(t), binary_data=True)
+        else:
+            item.set_data_from_numpy(_numpy(t) if t.dtype != torch.bfloat16 else _bf16(t))
+        items.append(item)
+    out = mod.InferRequestedOutput("output", binary_data=True) if protocol == "http" else mod.InferRequestedOutput(
+        "output")
+    if output_in is not None:
+        region, size, offset = output_in
+        out.set_shared_memory(region, size, offset=offset)
+    result = c.infer(MODEL, items, outputs=[out], request_id=request_id)
+    if output_in is not None:
+        return None, result
+    answer = np.array(result.as_numpy("output"), dtype=np.float32)  # (BF16: ml_dtypes.bfloat16)
+    return torch.from_numpy(answer).to(x.dtype), result
+
+
+def _bf16(t: torch.Tensor) -> np.ndarray:
+    """What tritonclient takes for BF16: an ml_dtypes.bfloat16 array."""
+    return t.float().numpy().astype(ml_dtypes.bfloat16)
+
+
+def register_inputs(c, obj: Object, x, ids, w, name: str, at: int = 0) -> dict:
+    """Write x, ids, w one after the other into obj from byte `at`, register that span as region
+    `name`; the inputs_in for `infer`."""
+    parts = (("hidden_states", x), ("topk_ids", ids.to(torch.int32)), ("topk_weights", w))
+    spec, offset = {}, 0
+    for tensor_name, t in parts:
+        obj.write(t, at + offset)
+        size = t.numel() * t.element_size()
+        spec[tensor_name] = (name, offset, size)
+        offset += size
+    c.register_system_shared_memory(name, obj.key, offset, offset=at)
+    return spec
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ---- answers ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_answers_equal_the_wire_and_the_reference(server, objects, dtype):
+    """T=1, odd T and T past one step (R*C = 512), fp32 (rows read straight into the slot) and bf16
+    (converted there), over HTTP and gRPC: the answer in the output region, poisoned with NaN
+    before each run, equals the wire's bit for bit and the fp32 reference within tolerance."""
+    for T in (1, 37, 700):
+        x, ids, w = inputs(T, seed=T + 11, dtype=dtype, kind="empty_expert" if T == 37 else "balanced")
+        wire, _ = infer(client(server, "http"), "http", x, ids, w)
+        check(wire, x, ids, w)
+        for protocol in PROTOCOLS:
+            c = client(server, protocol)
+            obj_in, obj_out = objects(nbytes(x) + nbytes(ids.to(torch.int32)) + nbytes(w)), objects(nbytes(x) + 64)
+            spec = register_inputs(c, obj_in, x, ids, w, f"in-{protocol}-{T}")
+            c.register_system_shared_memory(f"out-{protocol}-{T}", obj_out.key, obj_out.size)
+            obj_out.write(torch.full((obj_out.size // 4,), NAN))
+            none, result = infer(c, protocol, x, ids, w, inputs_in=spec,
+                                 output_in=(f"out-{protocol}-{T}", obj_out.size, 0))
+            assert none is None
+            answer = obj_out.read(dtype, x.shape)
+            assert torch.equal(answer, wire), (protocol, T, dtype)
+            tail = obj_out.read(torch.float32, (16,), offset=nbytes(x))
+            assert tail.isnan().all(), "bytes past the answer were written"
+            output = result.get_output("output")  # metadata alone, as Triton answers
+            if protocol == "http":
+                assert output == {"name": "output", "datatype": TRITON_DTYPES[dtype], "shape": [T, CFG.H]}, output
+            else:
+                meta = (output.name, output.datatype, list(output.shape))
+                assert meta == ("output", TRITON_DTYPES[dtype], [T, CFG.H]), meta
+                assert not output.parameters and not output.HasField("contents")
+                assert list(result.get_response().raw_output_contents) == [b""]  # no data on the wire
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_mixed_shared_memory_and_wire(server, objects, protocol):
+    """Input in a region, answer on the wire; input on the wire, answer in a region; only the
+    routing in a region; tensors at non-zero offsets of a region that starts inside its object."""
+    c = client(server, protocol)
+    x, ids, w = inputs(29, seed=5, kind="skewed")
+    wire, _ = infer(c, protocol, x, ids, w)
+    check(wire, x, ids, w)
+    size = nbytes(x) + nbytes(ids.to(torch.int32)) + nbytes(w)
+    obj = objects(4096 + size + nbytes(x))
+    spec = register_inputs(c, obj, x, ids, w, "in", at=4096)
+    c.register_system_shared_memory("out", obj.key, nbytes(x), offset=4096 + size)
+
+    answer, _ = infer(c, protocol, x, ids, w, inputs_in=spec)
+    assert torch.equal(answer, wire)
+    obj.write(torch.full(x.shape, NAN), 4096 + size)
+    infer(c, protocol, x, ids, w, output_in=("out", nbytes(x), 0))
+    assert torch.equal(obj.read(torch.float32, x.shape, 4096 + size), wire)
+    routing = {k: v for k, v in spec.items() if k != "hidden_states"}
+    answer, _ = infer(c, protocol, x, ids, w, inputs_in=routing)
+    assert torch.equal(answer, wire)
+    only_x = {"hidden_states": spec["hidden_states"]}
+    obj.write(torch.full(x.shape, NAN), 4096 + size)
+    infer(c, protocol, x, ids, w, inputs_in=only_x, output_in=("out", nbytes(x), 0))
+    assert torch.equal(obj.read(torch.float32, x.shape, 4096 + size), wire)
+
+
+def test_status_and_metadata(server, objects):
+    """Server metadata lists the extension; status as Triton's (HTTP: a list; gRPC: a map by name),
+    for every region or one; unregister of one, then of all."""
+    h, g = client(server, "http"), client(server, "grpc")
+    assert "system_shared_memory" in h.get_server_metadata()["extensions"]
+    assert "system_shared_memory" in g.get_server_metadata().extensions
+    a, b = objects(1000), objects(2000)
+    h.register_system_shared_memory("a", a.key, 600, offset=100)
+    g.register_system_shared_memory("b", b.key, 2000)
+    want = {"a": {"name": "a", "key": a.key, "offset": 100, "byte_size": 600},
+            "b": {"name": "b", "key": b.key, "offset": 0, "byte_size": 2000}}
+    assert sorted(h.get_system_shared_memory_status(), key=lambda r: r["name"]) == [want["a"], want["b"]]
+    assert h.get_system_shared_memory_status("b") == [want["b"]]
+    status = g.get_system_shared_memory_status().regions
+    assert {k: {f: getattr(v, f) for f in ("name", "key", "offset", "byte_size")} for k, v in status.items()} == want
+    assert list(g.get_system_shared_memory_status("a").regions) == ["a"]
+    g.unregister_system_shared_memory("a")
+    assert [r["name"] for r in h.get_system_shared_memory_status()] == ["b"]
+    h.unregister_system_shared_memory()
+    assert h.get_system_shared_memory_status() == [] and not g.get_system_shared_memory_status().regions
+
+
+# ---- bad calls ----------------------------------------------------------------------------------
+
+
+def bad_registers(obj: Object, other: Object) -> list:
+    """(name, key, offset, byte_size) -> (HTTP status, gRPC code, words of the error)."""
+    inside = "/" + os.path.basename(obj.key) + "/x"
+    return [
+        (("r1", inside, 0, 8), ("400", "INVALID_ARGUMENT", "not a POSIX shared-memory name")),
+        (("r1", "/..", 0, 8), ("400", "INVALID_ARGUMENT", "not a POSIX shared-memory name")),
+        (("r1", "/", 0, 8), ("400", "INVALID_ARGUMENT", "not a POSIX shared-memory name")),
+        (("r1", "/moe-slot-0123", 0, 8), ("400", "INVALID_ARGUMENT", "this server's own")),
+        (("r1", _key(), 0, 8), ("400", "INVALID_ARGUMENT", "no shared-memory object")),
+        (("r1", obj.key, 0, obj.size + 1), ("400", "INVALID_ARGUMENT", "runs past the end")),
+        (("r1", obj.key, obj.size, 1), ("400", "INVALID_ARGUMENT", "runs past the end")),
+        (("r1", obj.key, 0, 0), ("400", "INVALID_ARGUMENT", "'byte_size' must be an integer >= 1")),
+        (("dup", other.key, 0, 8), ("409", "ALREADY_EXISTS", "registered already")),
+    ]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_bad_register_status_unregister(server, objects, protocol, tmp_path):
+    """Each bad call gets its own error (Triton's codes: NOT_FOUND, ALREADY_EXISTS, INVALID_ARGUMENT);
+    the registered regions are unchanged after it, and a good request is still answered."""
+    c = client(server, protocol)
+    obj, other = objects(4096), objects(4096)
+    c.register_system_shared_memory("dup", obj.key, 4096)
+    link = f"/dev/shm/{_key()[1:]}"
+    os.symlink(f"/dev/shm/{os.path.basename(obj.key)}", link)
+    try:
+        cases = bad_registers(obj, other)
+        cases.append((("r1", "/" + os.path.basename(link), 0, 8), ("400", "INVALID_ARGUMENT", "cannot open")))
+        for args, (status, code, words) in cases:
+            got, text = error_of(lambda args=args: c.register_system_shared_memory(args[0], args[1], args[3],
+                                                                                     offset=args[2]))
+            assert got == (status if protocol == "http" else code) and words in text, (args, got, text)
+    finally:
+        os.unlink(link)
+    for call in (lambda: c.unregister_system_shared_memory("nope"), lambda: c.get_system_shared_memory_status("nope")):
+        got, text = error_of(call)
+        assert got == ("404" if protocol == "http" else "NOT_FOUND") and "'nope'" in text, (got, text)
+    names = [r["name"] for r in client(server, "http").get_system_shared_memory_status()]
+    assert names == ["dup"], names
+    x, ids, w = inputs(3, seed=1)
+    answer, _ = infer(c, protocol, x, ids, w)
+    check(answer, x, ids, w)
+
+
+def test_register_caps_the_regions(server, objects):
+    h = client(server, "http")
+    obj = objects(regions.MAX_REGIONS * 8)
+    for i in range(regions.MAX_REGIONS):
+        h.register_system_shared_memory(f"r{i}", obj.key, 8, offset=8 * i)
+    status, text = error_of(lambda: h.register_system_shared_memory("one-more", obj.key, 8))
+    assert status == "400" and f"{regions.MAX_REGIONS} shared-memory regions" in text, text
+    status, _ = error_of(lambda: client(server, "grpc").register_system_shared_memory("one-more", obj.key, 8))
+    assert status == "RESOURCE_EXHAUSTED"
+    h.unregister_system_shared_memory("r0")
+    h.register_system_shared_memory("one-more", obj.key, 8)  # room again
+
+
+def bad_infers(x, ids, w, obj: Object) -> list:
+    """(inputs_in, output_in) of requests that must fail -> (HTTP status, gRPC code, words)."""
+    sx, sid, sw = nbytes(x), nbytes(ids.to(torch.int32)), nbytes(w)
+    good = {"hidden_states": ("in", 0, sx), "topk_ids": ("in", sx, sid), "topk_weights": ("in", sx + sid, sw)}
+    return [
+        ({**good, "hidden_states": ("nope", 0, sx)}, None, ("404", "NOT_FOUND", "region named 'nope'")),
+        ({**good, "hidden_states": ("in", 0, sx - 4)}, None, ("400", "INVALID_ARGUMENT", f"needs {sx}")),
+        ({**good, "topk_weights": ("in", sx + sid + 4, sw)}, None, ("400", "INVALID_ARGUMENT", "runs past the end")),
+        (good, ("out", sx - 1, 0), ("400", "INVALID_ARGUMENT", f"needs {sx} bytes")),
+        (good, ("out", sx, 8), ("400", "INVALID_ARGUMENT", "runs past the end")),
+        (good, ("nope", sx, 0), ("404", "NOT_FOUND", "'nope'")),
+    ]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_bad_infer_calls(server, objects, protocol):
+    """A tensor in an unknown region, a byte size other than its shape's, data past the region,
+    an output region too small (refused before the step: the region is not written): each is an
+    error of its own, and the next request is answered."""
+    c = client(server, protocol)
+    x, ids, w = inputs(9, seed=21)
+    obj_in = objects(nbytes(x) * 2)
+    size = nbytes(x) + nbytes(ids.to(torch.int32)) + nbytes(w)
+    register_inputs(c, obj_in, x, ids, w, "in")
+    out = objects(nbytes(x))
+    c.register_system_shared_memory("out", out.key, nbytes(x))
+    assert size < obj_in.size
+    for inputs_in, output_in, (status, code, words) in bad_infers(x, ids, w, obj_in):
+        out.write(torch.full(x.shape, NAN))
+        got, text = error_of(lambda i=inputs_in, o=output_in: infer(c, protocol, x, ids, w, inputs_in=i, output_in=o))
+        assert got == (status if protocol == "http" else code) and words in text, (inputs_in, output_in, got, text)
+        assert out.read(torch.float32, x.shape).isnan().all()
+    answer, _ = infer(c, protocol, x, ids, w)
+    check(answer, x, ids, w)
+
+
+def test_bad_v2_json_combinations(server, objects):
+    """What the JSON header can get wrong that tritonclient never sends: a region with data or a
+    binary blob, a region without its byte size, an offset alone, an output with both a region and
+    binary_data, a negative offset."""
+    x, ids, w = inputs(2, seed=3)
+    h = client(server, "http")
+    obj = objects(nbytes(x))
+    obj.write(x)
+    h.register_system_shared_memory("in", obj.key, nbytes(x))
+    region = {"shared_memory_region": "in", "shared_memory_byte_size": nbytes(x)}
+
+    def body(x_item: dict, output: dict | None = None) -> dict:
+        doc = {"inputs": [{"name": "hidden_states", "datatype": "FP32", "shape": [2, CFG.H], **x_item},
+                          {"name": "topk_ids", "datatype": "INT64", "shape": [2, CFG.K], "data": ids.tolist()},
+                          {"name": "topk_weights", "datatype": "FP32", "shape": [2, CFG.K], "data": w.tolist()}]}
+        if output is not None:
+            doc["outputs"] = [{"name": "output", "parameters": output}]
+        return doc
+
+    cases = [
+        (body({"parameters": region, "data": x.tolist()}), "neither 'data' nor binary_data_size"),
+        (body({"parameters": {"shared_memory_region": "in"}}), "must be given together"),
+        (body({"parameters": {"shared_memory_offset": 0}, "data": x.tolist()}), "without shared_memory_region"),
+        (body({"parameters": {**region, "shared_memory_offset": -4}}), "non-negative integer"),
+        (body({"parameters": region}, {"shared_memory_region": "in", "shared_memory_byte_size": nbytes(x),
+                                       "binary_data": True}), "both 'shared_memory_region' and 'binary_data'"),
+    ]
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for doc, words in cases:
+            r = http.post(f"/v2/models/{MODEL}/infer", json=doc)
+            assert r.status_code == 400 and words in r.json()["error"], (doc["inputs"][0], r.text)
+        r = http.post(f"/v2/models/{MODEL}/infer", json=body({"parameters": region}))
+        assert r.status_code == 200, r.text
+        check(torch.tensor(r.json()["outputs"][0]["data"]).reshape(2, CFG.H), x, ids, w)
+
+
+# ---- requests that fail alone, concurrency ------------------------------------------------------
+
+
+def test_concurrent_shm_and_wire_requests_never_mix(server, objects):
+    """Requests in regions and on the wire at once, over both protocols, some of them bad (a NaN row
+    in a region, an object truncated after it was registered), merged into the same steps: the bad
+    ones fail alone with their own 400, every other answer equals its solo run (same input, alone)."""
+    cases = []
+    for i, T in enumerate((1, 7, 130, 300, 2, 513, 64, 9, 200, 33, 77, 5)):
+        x, ids, w = inputs(T, seed=900 + i, kind=("balanced", "skewed", "empty_expert")[i % 3])
+        bad = {3: "nan", 7: "truncated"}.get(i)
+        if bad == "nan":
+            x[T // 2, 3] = NAN
+        cases.append((PROTOCOLS[i % 2], "shm" if i % 3 else "wire", bad, x, ids, w))
+    setup = []
+    h = client(server, "http")
+    for i, (_, path, bad, x, ids, w) in enumerate(cases):
+        if path == "wire" and bad is None:
+            setup.append(None)
+            continue
+        obj_in = objects(nbytes(x) + nbytes(ids.to(torch.int32)) + nbytes(w))
+        obj_out = objects(nbytes(x))
+        spec = register_inputs(h, obj_in, x, ids, w, f"in{i}")
+        h.register_system_shared_memory(f"out{i}", obj_out.key, nbytes(x))
+        obj_out.write(torch.full(x.shape, NAN))
+        if bad == "truncated":  # hidden_states alone in the region, read by the step thread: past the end now
+            spec = {"hidden_states": spec["hidden_states"]}
+            os.truncate(f"/dev/shm/{os.path.basename(obj_in.key)}", nbytes(x) // 2)
+        setup.append((spec, obj_out, f"out{i}"))
+
+    def run(i):
+        protocol, path, bad, x, ids, w = cases[i]
+        c = client(server, protocol)
+        try:
+            if setup[i] is None:
+                return "ok", infer(c, protocol, x, ids, w)[0], ""
+            spec, obj_out, out_name = setup[i]
+            infer(c, protocol, x, ids, w, inputs_in=spec, output_in=(out_name, nbytes(x), 0))
+            return "ok", obj_out.read(torch.float32, x.shape), ""
+        except InferenceServerException as e:
+            return str(e.status()).removeprefix("StatusCode."), None, e.message()
+
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(run, range(len(cases))))
+    for (protocol, path, bad, x, ids, w), (status, out, text) in zip(cases, answers, strict=True):
+        if bad:
+            assert status in ("400", "INVALID_ARGUMENT"), (bad, status, text)
+            assert ("NaN" if bad == "nan" else "truncated") in text, text
+            continue
+        assert status == "ok", (protocol, path, x.shape, status, text)
+        check(out, x, ids, w)
+        solo, _ = infer(client(server, "grpc"), "grpc", x, ids, w)  # alone: a step of its own
+        assert (out - solo).abs().max() <= 1e-4 * solo.abs().max(), (protocol, path, x.shape)  # rows of another: ~1
+
+
+# ---- several front ends -------------------------------------------------------------------------
+
+CLIENTS = 24  # connections per protocol: P(all on one of 2 processes) = 2 * 2**-24
+
+
+@pytest.fixture(scope="module")
+def two_frontends(tmp_path_factory):
+    with ServerProcess.serving(tmp_path_factory.mktemp("shm2") / "server.log", "--shared-memory", "system",
+                               "--frontends", "2") as proc:
+        yield proc
+
+
+def test_region_registered_on_one_front_end_serves_on_every_one(two_frontends, objects):
+    """Register through one connection, then infer at once through 24 HTTP and 24 gRPC connections
+    spread over both front-end processes: every one is served from the region; unregister through
+    one connection, and at once every connection gets NOT_FOUND."""
+    server = two_frontends
+    x, ids, w = inputs(11, seed=77)
+    first = client(server, "grpc")
+    wire, _ = infer(first, "grpc", x, ids, w)
+    with contextlib.ExitStack() as stack:
+        clients = [(p, client(server, p)) for p in PROTOCOLS for _ in range(CLIENTS)]
+        for _, c in clients:
+            stack.callback(c.close)
+            assert c.is_server_ready()  # connected
+        pids = set()
+        for port in (server.http_port, server.grpc_port):
+            pids |= set(holders(port))
+        assert len(pids) == 2, f"the connections all landed on one process: {pids}"
+        objs = []
+        for i, (protocol, c) in enumerate(clients):
+            obj_in, obj_out = objects(nbytes(x) + nbytes(ids.to(torch.int32)) + nbytes(w)), objects(nbytes(x))
+            register = clients[(i + 1) % len(clients)][1]  # through another connection than the infer's
+            spec = register_inputs(register, obj_in, x, ids, w, f"in{i}")
+            register.register_system_shared_memory(f"out{i}", obj_out.key, nbytes(x))
+            obj_out.write(torch.full(x.shape, NAN))
+            infer(c, protocol, x, ids, w, inputs_in=spec, output_in=(f"out{i}", nbytes(x), 0))
+            assert torch.equal(obj_out.read(torch.float32, x.shape), wire), (i, protocol)
+            c.unregister_system_shared_memory(f"out{i}")  # (48 input regions stay: under MAX_REGIONS)
+            objs.append(spec)
+        first.unregister_system_shared_memory()
+        for i, (protocol, c) in enumerate(clients):
+            status, text = error_of(lambda c=c, p=protocol, s=objs[i]: infer(c, p, x, ids, w, inputs_in=s))
+            assert status in ("404", "NOT_FOUND") and f"'in{i}'" in text, (i, status, text)
+
+
+# ---- off by default -----------------------------------------------------------------------------
+
+
+def test_off_by_default():
+    """Without --shared-memory system every call of the extension is refused with a 400 (gRPC
+    FAILED_PRECONDITION) naming the flag, and the server metadata does not list it."""
+    assert Settings().shared_memory == "off"
+    fe = make_frontend()
+    assert "system_shared_memory" not in fe.server_metadata()["extensions"]
+    with TestClient(create_app(fe)) as http:
+        for method, path, body in (("GET", "/v2/systemsharedmemory/status", None),
+                                   ("GET", "/v2/systemsharedmemory/region/a/status", None),
+                                   ("POST", "/v2/systemsharedmemory/region/a/register",
+                                    {"key": "/a", "offset": 0, "byte_size": 8}),
+                                   ("POST", "/v2/systemsharedmemory/unregister", None),
+                                   ("POST", "/v2/systemsharedmemory/region/a/unregister", None)):
+            r = http.request(method, path, json=body)
+            assert r.status_code == 400 and "--shared-memory system" in r.json()["error"], (path, r.text)
+    x, ids, w = inputs(2, seed=1)
+    request = codecs.pb.ModelInferRequest(model_name=MODEL)
+    for name, dt, t in zip(codecs.INPUT_NAMES, ("FP32", "INT64", "FP32"), (x, ids, w), strict=True):
+        item = request.inputs.add(name=name, datatype=dt, shape=list(t.shape))
+        if name == "hidden_states":
+            item.parameters["shared_memory_region"].string_param = "a"
+            item.parameters["shared_memory_byte_size"].int64_param = nbytes(x)
+        else:
+            request.raw_input_contents.append(codecs.to_bytes(t))
+    with pytest.raises(regions.SharedMemoryOff) as info:
+        codecs.decode_grpc(codecs.parse_grpc_request(request.SerializeToString()), fe.spec, fe.regions)
+    assert classify(info.value) == (400, grpc.StatusCode.FAILED_PRECONDITION)
+
+    class Context:
+        code = None
+
+        def set_code(self, code):
+            self.code = code
+
+        def set_details(self, text):
+            self.details = text
+
+    servicer = InferenceServicer(fe)
+    for call, message in ((servicer.SystemSharedMemoryStatus, codecs.pb.SystemSharedMemoryStatusRequest()),
+                          (servicer.SystemSharedMemoryRegister, codecs.pb.SystemSharedMemoryRegisterRequest(
+                              name="a", key="/a", byte_size=8)),
+                          (servicer.SystemSharedMemoryUnregister, codecs.pb.SystemSharedMemoryUnregisterRequest())):
+        context = Context()
+        assert asyncio.run(call(message, context)) is None
+        assert context.code == grpc.StatusCode.FAILED_PRECONDITION and "--shared-memory system" in context.details
+
+
+def test_the_servers_own_files_are_refused(tmp_path):
+    """A hard link to one of the server's own files (a slot, the registry) under a client's name is
+    refused by inode, at register and at use (reserved after the region was registered)."""
+    table = regions.RegionTable.create()
+    own = regions.Regions(table)
+    try:
+        slot_fd = os.open(f"/dev/shm/{_key()[1:]}", os.O_CREAT | os.O_RDWR, 0o600)  # stands for a slot
+        os.ftruncate(slot_fd, 4096)
+        slot_path = os.readlink(f"/proc/self/fd/{slot_fd}")
+        alias = _key()
+        os.link(slot_path, f"/dev/shm/{alias[1:]}")
+        own.register("early", alias, 0, 64)  # before the group that owns the file started
+        x = own.rows("early", 0, 64, torch.float32, [1, 16], "input 'hidden_states'")
+        assert x.read().shape == (1, 16)
+        table.reserve([slot_fd])
+        with pytest.raises(regions.InvalidInput, match="this server's own"):
+            own.register("late", alias, 0, 64)
+        for view in (own, regions.Regions(table)):  # (own held a descriptor of it already)
+            with pytest.raises(regions.InvalidInput, match="this server's own"):
+                view.rows("early", 0, 64, torch.float32, [1, 16], "input 'hidden_states'")
+    finally:
+        for path in (slot_path, f"/dev/shm/{alias[1:]}"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        os.close(slot_fd)
+        table.close()
+
+
+# ---- perf_analyzer ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_perf_analyzer_with_system_shared_memory(server, protocol, tmp_path):
+    """perf_analyzer --shared-memory system runs unchanged: it registers its regions, every request
+    reads its inputs and writes its output there, none fails, and it unregisters them at the end."""
+    binary = external_tool("perf_analyzer")
+    data = tmp_path / "input.json"
+    input_data(data)
+    url = server.http_hostport if protocol == "http" else server.grpc_url
+    cmd = [binary, "-m", MODEL, "-u", url, "-i", protocol, "-b", "1", "--input-data", str(data),
+           "--shared-memory", "system", "--output-shared-memory-size", str(CFG.H * 4),
+           "--measurement-mode", "count_windows", "--measurement-request-count", "10",
+           "--stability-percentage", "1000", "--max-trials", "3"]
+    before = httpx.get(f"{server.url}/v2/models/{MODEL}/stats", timeout=10).json()["model_stats"][0]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=PERF_ANALYZER_TIMEOUT_S,
+                         env=perf_analyzer_env())
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    after = httpx.get(f"{server.url}/v2/models/{MODEL}/stats", timeout=10).json()["model_stats"][0]
+    stats = {k: after["inference_stats"][k]["count"] - before["inference_stats"][k]["count"]
+             for k in ("success", "fail")}
+    assert stats["success"] >= 10 and stats["fail"] == 0, (stats, out)
+    assert client(server, "http").get_system_shared_memory_status() == [], "perf_analyzer's regions are left"
