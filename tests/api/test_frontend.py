@@ -39,9 +39,9 @@ def test_grpc_decodes_large_typed_contents_off_the_event_loop(monkeypatch):
     decoded_on: list[tuple[int, bool, threading.Thread]] = []
     decode = codecs.decode_grpc
 
-    def recording(request, spec):
+    def recording(request, spec, regions=None):
         decoded_on.append((request.message.inputs[0].shape[0], bool(request.raw), threading.current_thread()))
-        return decode(request, spec)
+        return decode(request, spec, regions)
 
     async def echo(req, transport_timeout_s=None, out=None):
         return out.copy_(req.x)
