@@ -1,6 +1,6 @@
 """The real front end, no GPU: where a request's milliseconds go outside the layer.
 
-    python bench/frontend_load.py [--protocols v2_binary,grpc] [--sizes 512,2048] [--concurrency 1,4]
+    python bench/frontend_load.py [--protocols v2_binary,grpc,v2_shm,grpc_shm] [--sizes 512,2048] [--concurrency 1,4]
         [--step-ms 1.4] [--seconds 3] [--client raw|stock] [--timeline] [--server-flags "..."]
         [--trees floor,floor@sync,floor@server=V@client=V,BASE,.,.@uvloop] [--reps 2]
 
@@ -12,8 +12,10 @@ one step at a time (as on one GPU), each sleeping --step-ms (the H200's layer ti
 bench/serve_load.py's closed-loop client processes (one per concurrent caller); `--client raw`
 replaces its HTTP client (http.client) with a raw-socket one (sendall the prepared request,
 recv_into one preallocated buffer) so that the load generator is not what is timed (its gRPC client
-is grpc's own, bytes in, bytes out). The server keeps torch's default thread count, as a GPU
-server's front end does (a CPU server pins one).
+is grpc's own, bytes in, bytes out). v2_shm and grpc_shm are Triton's system shared memory
+(serve_load.ShmJob: the tensors in the client's regions, the request and answer without data; the
+servers then get `--shared-memory system`). The server keeps torch's default thread count, as a
+GPU server's front end does (a CPU server pins one).
 
 `--trees` starts one server per entry and alternates every cell between them (`--reps` rounds):
 a checkout's root (its `service` is imported: before/after in one run), `PATH@uvloop` (that server
@@ -187,7 +189,7 @@ CLIENT_EVENTS = ("send_start", "sent", "first_answer_byte", "answer_read")
 def timeline_table(records: list[dict], stamps: list[tuple], proto: str) -> list[tuple[str, float, float]]:
     """(gap, median us, p90 us) of consecutive events, each server record matched to the client
     request whose [send start, answer read] holds its first event."""
-    events = HTTP_EVENTS if proto == "v2_binary" else GRPC_EVENTS
+    events = HTTP_EVENTS if proto.startswith("v2") else GRPC_EVENTS
     joined = []
     recs = sorted(records, key=lambda r: min(r.values()))
     i = 0
@@ -306,6 +308,8 @@ def main() -> int:
     trees = args.trees.split(",") if args.trees else [None]
     if args.timeline:
         conc, trees = [1], trees[:1]
+    if set(args.protocols.split(",")) & set(serve_load.SHM_PROTOCOLS) and "--shared-memory" not in args.server_flags:
+        args.server_flags += " --shared-memory system"
     settings = parse_settings(["--device", "cpu", "--preset", "seed", "--world-size", "1",
                                *args.server_flags.split()])
     cfg = settings.layer_config("cpu")
@@ -321,13 +325,14 @@ def main() -> int:
         for T in sizes:
             tensors = serve_load._tensors(cfg, T, seed=T, wire="bf16")
             bodies = {"v2_binary": serve_load.v2_binary_body("moe", tensors),
-                      "grpc": (serve_load.grpc_body("moe", tensors), 0)}
+                      "grpc": (serve_load.grpc_body("moe", tensors), 0),
+                      **{proto: (tensors, 0) for proto in serve_load.SHM_PROTOCOLS}}  # (each client makes its regions)
             for proto in args.protocols.split(","):
                 body, header_len = bodies[proto]
                 for c in conc:
                     for rep in range(args.reps):
                         for tree, (_, url, grpc_target, _) in zip(trees, servers, strict=True):
-                            target = grpc_target if proto == "grpc" else url
+                            target = grpc_target if proto in ("grpc", "grpc_shm") else url
                             job = (proto, target, "/v2/models/moe/infer", body, header_len, T * cfg.H * 2,
                                    serve_load.WIRE_BITS["bf16"][1])
                             lats, wall, stamps = clients.run(c, job, args.seconds)

@@ -1,6 +1,6 @@
 """Served tokens/s and latency against the layer alone at the same step shape, in one run.
 
-    python bench/serve_load.py [--url http://HOST:8000 --grpc HOST:8001] [--protocols v2_binary,grpc]
+    python bench/serve_load.py [--url http://HOST:8000 --grpc HOST:8001] [--protocols v2_binary,grpc,v2_shm,grpc_shm]
         [--sizes 512,2048] [--concurrency 1,4,16] [--wire-dtype bf16] [--seconds 5] [moe-serve flags ...]
 
 Without --url a `moe-serve` process is started with the remaining flags (`python -m service ...`,
@@ -13,6 +13,14 @@ load generator is not the bottleneck. Request bodies are built before the timed 
 the JSON header and the raw tensors; gRPC: the serialized ModelInferRequest sent as bytes), so a
 cell times the wire, the server and reading the answer, not client-side tensor conversion. Each
 answer's size is checked; one answer per cell is checked for finite values.
+
+v2_shm and grpc_shm: Triton's system shared-memory extension (the server needs `--shared-memory
+system`; one is added to the flags of a server started here). Each client process creates its own
+input and output objects in /dev/shm, writes the tensors once, registers both regions (over HTTP
+or gRPC, before the timed loop) and then sends requests that carry only the regions' names (a JSON
+body; a small ModelInferRequest): the answer lands in its output region, which is what the client
+then reads (as a view: a client on the same host reads it in place). Regions are unregistered at
+the end of each cell.
 
 Direct: the same layer (preset, backend, C, synthetic weights of the same seed) built in this
 process on R=1, fed the way the rank feeds it (rows already in the layer's input buffers), timed
@@ -44,6 +52,7 @@ WIRE = {"bf16": "BF16", "fp16": "FP16", "fp32": "FP32"}
 WIRE_BITS = {"bf16": (2, ("uint16", 0x7FFF, 0x7F80)), "fp16": (2, ("uint16", 0x7FFF, 0x7C00)),
              "fp32": (4, ("uint32", 0x7FFFFFFF, 0x7F800000))}
 START_TIMEOUT_S = 300.0
+SHM_PROTOCOLS = ("v2_shm", "grpc_shm")  # Triton's system shared memory over HTTP, gRPC
 
 
 # ---- request bodies (built once, before any timing) ---------------------------------------------
@@ -80,6 +89,91 @@ def grpc_body(model: str, tensors) -> bytes:
     return r.SerializeToString()
 
 
+# ---- system shared memory (a client on the same host) -------------------------------------------
+
+
+class ShmJob:
+    """A client's shared-memory objects for one cell: the inputs written once, both regions registered;
+    `body` is the request naming them, `answer` a view of the output region."""
+
+    def __init__(self, proto: str, target, path: str, tensors, out_bytes: int):
+        import mmap
+        import uuid
+
+        self.proto, self.target = proto, target
+        tag = f"bench-shm-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # (not "/moe-...": the server's own names)
+        self.names = (f"{tag}-in", f"{tag}-out")
+        size_in = sum(len(b) for *_, b in tensors)
+        self.files, self.maps = [], []
+        for name, size in zip(self.names, (size_in, out_bytes), strict=True):
+            fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.ftruncate(fd, size)
+            self.maps.append(mmap.mmap(fd, size))
+            os.close(fd)
+            self.files.append(f"/dev/shm/{name}")
+        at, inputs = 0, []
+        for name, dtype, shape, raw in tensors:
+            self.maps[0][at:at + len(raw)] = raw
+            inputs.append((name, dtype, shape, at, len(raw)))
+            at += len(raw)
+        self.answer = memoryview(self.maps[1])
+        model = path.split("/")[3]  # /v2/models/{model}/infer
+        for name, size in zip(self.names, (size_in, out_bytes), strict=True):
+            self._call("register", name, {"key": f"/{name}", "offset": 0, "byte_size": size})
+        region = lambda name, offset, size: {"shared_memory_region": name, "shared_memory_offset": offset,  # noqa: E731
+                                             "shared_memory_byte_size": size}
+        if proto == "v2_shm":
+            self.body = json.dumps({"inputs": [{"name": n, "datatype": d, "shape": s, "parameters": region(
+                self.names[0], o, b)} for n, d, s, o, b in inputs],
+                "outputs": [{"name": "output", "parameters": region(self.names[1], 0, out_bytes)}]}).encode()
+        else:
+            from service.api.proto import grpc_predict_v2_pb2 as pb
+
+            r = pb.ModelInferRequest(model_name=model)
+            for n, d, s, o, b in inputs:
+                item = r.inputs.add(name=n, datatype=d, shape=s)
+                _grpc_region(item.parameters, self.names[0], o, b)
+            _grpc_region(r.outputs.add(name="output").parameters, self.names[1], 0, out_bytes)
+            self.body = r.SerializeToString()
+
+    def _call(self, what: str, name: str, doc: dict | None = None) -> None:
+        """register (doc: key, offset, byte_size) or unregister region `name`, over the cell's protocol."""
+        if self.proto == "v2_shm":
+            req = urllib.request.Request(f"{self.target}/v2/systemsharedmemory/region/{name}/{what}", method="POST",
+                                         data=json.dumps(doc or {}).encode() if doc else b"")
+            with urllib.request.urlopen(req, timeout=30) as r:
+                r.read()
+            return
+        from service.api.proto import grpc_predict_v2_pb2 as pb
+
+        channel = grpc_channel(self.target)
+        try:
+            method = f"/inference.GRPCInferenceService/SystemSharedMemory{what.capitalize()}"
+            message = (pb.SystemSharedMemoryRegisterRequest(name=name, **doc) if doc
+                       else pb.SystemSharedMemoryUnregisterRequest(name=name))
+            channel.unary_unary(method)(message.SerializeToString(), timeout=30)
+        finally:
+            channel.close()
+
+    def close(self) -> None:
+        for name in self.names:
+            try:
+                self._call("unregister", name)
+            except Exception:  # noqa: BLE001  the server may be gone; the files go anyway
+                pass
+        self.answer.release()
+        for m in self.maps:
+            m.close()
+        for f in self.files:
+            os.unlink(f)
+
+
+def _grpc_region(params, name: str, offset: int, size: int) -> None:
+    params["shared_memory_region"].string_param = name
+    params["shared_memory_offset"].int64_param = offset
+    params["shared_memory_byte_size"].int64_param = size
+
+
 # ---- client processes ---------------------------------------------------------------------------
 
 
@@ -104,33 +198,41 @@ def _client(conn) -> None:
         if job is None:
             return
         proto, target, path, body, header_len, out_bytes, finite, start_at, stop_at = job
-        if proto == "grpc":
+        shm = ShmJob(proto, target, path, body, out_bytes) if proto in SHM_PROTOCOLS else None
+        if shm is not None:
+            body, header_len = shm.body, len(shm.body)
+        if proto in ("grpc", "grpc_shm"):
             channel = grpc_channel(target)
             call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")  # bytes in, bytes out
 
-            def once(call=call, body=body, out_bytes=out_bytes) -> bytes:  # bound: B023
-                return call(body, timeout=120)[-out_bytes:]
+            def once(call=call, body=body, out_bytes=out_bytes, shm=shm) -> bytes:  # bound: B023
+                got = call(body, timeout=120)
+                return shm.answer if shm is not None else got[-out_bytes:]
         else:
             host, port = target.removeprefix("http://").split(":")
             c = http.client.HTTPConnection(host, int(port), timeout=120)
             headers = {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(header_len)}
 
-            def once(c=c, path=path, body=body, headers=headers) -> bytes:  # bound: B023
+            def once(c=c, path=path, body=body, headers=headers, shm=shm) -> bytes:  # bound: B023
                 c.request("POST", path, body=body, headers=headers)
                 r = c.getresponse()
                 data = r.read()
                 if r.status != 200:
                     raise RuntimeError(f"HTTP {r.status}: {data[:300]!r}")
+                if shm is not None:
+                    return shm.answer
                 return data[int(r.getheader("Inference-Header-Content-Length")):]
         try:
             conn.send(("ok", timed_calls(once, out_bytes, finite, start_at, stop_at), time.time()))
         except Exception as e:  # noqa: BLE001  reported by the parent
             conn.send(("error", f"{type(e).__name__}: {e}", time.time()))
         finally:
-            if proto == "grpc":
+            if proto in ("grpc", "grpc_shm"):
                 channel.close()
             else:
                 c.close()
+            if shm is not None:
+                shm.close()
 
 
 def timed_calls(once, out_bytes: int, finite, start_at: float, stop_at: float) -> list[float]:
@@ -177,12 +279,12 @@ def _raw_once(sock: socket.socket, request: bytes, view: memoryview, stamps: lis
         raise RuntimeError(f"{headers[0]}: {bytes(buf[end:n])[:300]!r}")
     fields = dict(h.split(": ", 1) for h in headers[1:])
     total = end + 4 + int(fields["content-length"])
+    json_len = int(fields.get("inference-header-content-length", total - end - 4))  # (none: JSON alone)
     if total > len(buf):
         raise RuntimeError(f"an answer of {total} bytes, more than expected")
     while n < total:
         n += sock.recv_into(view[n:total])
     stamps.append((t0, t1, t2, time.perf_counter()))
-    json_len = int(fields["inference-header-content-length"])
     return bytes(view[end + 4 + json_len:total])
 
 
@@ -196,19 +298,23 @@ def raw_client(conn) -> None:
             return
         proto, target, path, body, header_len, out_bytes, finite, start_at, stop_at = job
         stamps: list[tuple] = []
-        closing = []
+        closing: list = []
         try:
-            if proto == "grpc":
+            shm = ShmJob(proto, target, path, body, out_bytes) if proto in SHM_PROTOCOLS else None
+            if shm is not None:
+                closing.append(shm)
+                body, header_len = shm.body, len(shm.body)
+            if proto in ("grpc", "grpc_shm"):
                 channel = grpc_channel(target)
                 closing.append(channel)
                 call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
 
-                def once(call=call, body=body, stamps=stamps, out_bytes=out_bytes) -> bytes:  # bound: B023
+                def once(call=call, body=body, stamps=stamps, out_bytes=out_bytes, shm=shm) -> bytes:  # bound: B023
                     t0 = time.perf_counter()
                     got = call(body, timeout=120)
                     t3 = time.perf_counter()
                     stamps.append((t0, t0, t3, t3))
-                    return got[-out_bytes:]
+                    return shm.answer if shm is not None else got[-out_bytes:]
             else:
                 host, port = target.removeprefix("http://").split(":")
                 sock = socket.create_connection((host, int(port)))
@@ -218,14 +324,15 @@ def raw_client(conn) -> None:
                         f"Inference-Header-Content-Length: {header_len}\r\nContent-Length: {len(body)}\r\n\r\n")
                 request, view = head.encode() + body, memoryview(bytearray(out_bytes + (1 << 16)))
 
-                def once(sock=sock, request=request, view=view, stamps=stamps) -> bytes:  # bound: B023
-                    return _raw_once(sock, request, view, stamps)
+                def once(sock=sock, request=request, view=view, stamps=stamps, shm=shm) -> bytes:  # bound: B023
+                    got = _raw_once(sock, request, view, stamps)
+                    return shm.answer if shm is not None else got
             lats = timed_calls(once, out_bytes, finite, start_at, stop_at)
             conn.send(("ok", lats, time.time(), stamps[1:]))  # stamps[0]: the warm-up call
         except Exception as e:  # noqa: BLE001  reported by the parent
             conn.send(("error", f"{type(e).__name__}: {e}", time.time(), []))
         finally:
-            for c in closing:
+            for c in reversed(closing):  # the connection first, then the regions
                 c.close()
 
 
@@ -378,7 +485,8 @@ def main() -> int:
     p.add_argument("--url", help="a running server's HTTP base URL (else one is started)")
     p.add_argument("--grpc", help="the running server's gRPC host:port")
     p.add_argument("--model", default="moe")
-    p.add_argument("--protocols", default="v2_binary,grpc", help="v2_binary and/or grpc")
+    p.add_argument("--protocols", default="v2_binary,grpc",
+                   help="v2_binary, grpc, v2_shm, grpc_shm (Triton's system shared memory: a client on this host)")
     p.add_argument("--sizes", default="512,2048", help="tokens per request T, comma-separated")
     p.add_argument("--concurrency", default="1,4,16", help="concurrent client processes, comma-separated")
     p.add_argument("--wire-dtype", default="bf16", choices=sorted(WIRE),
@@ -397,6 +505,8 @@ def main() -> int:
 
     from service.cli import parse_settings
 
+    if set(protocols) & set(SHM_PROTOCOLS) and not args.url and "--shared-memory" not in serve_flags:
+        serve_flags += ["--shared-memory", "system"]
     settings = parse_settings(serve_flags)
     device, why = settings.resolve_device()
     cfg = settings.layer_config(device)
@@ -419,10 +529,11 @@ def main() -> int:
         wire_size, finite = WIRE_BITS[args.wire_dtype]
         for T in sizes:
             tensors = _tensors(cfg, T, seed=T, wire=args.wire_dtype)
-            bodies = {"v2_binary": v2_binary_body(args.model, tensors), "grpc": (grpc_body(args.model, tensors), 0)}
+            bodies = {"v2_binary": v2_binary_body(args.model, tensors), "grpc": (grpc_body(args.model, tensors), 0),
+                      **{proto: (tensors, 0) for proto in SHM_PROTOCOLS}}  # (each client makes its regions)
             for proto in protocols:
                 body, header_len = bodies[proto]
-                target = grpc_target if proto == "grpc" else url
+                target = grpc_target if proto in ("grpc", "grpc_shm") else url
                 job = (proto, target, f"/v2/models/{args.model}/infer", body, header_len, T * cfg.H * wire_size,
                        finite)
                 for c in conc:
