@@ -28,7 +28,9 @@
 # step 2's HTTP client a raw socket (serve_load --client raw: what the server alone costs) instead of
 # http.client (the default, what a user's script runs); CLIENT="stock raw" loads the same server with
 # each in turn (the second's files get a _<client> suffix). SIZES (default 512,2048) and CONCURRENCY
-# (default 1,4,16) set step 2's cells; PYSPY_PROTOCOLS step 1's protocols.
+# (default 1,4,16) set step 2's cells, PROTOCOLS (default v2_binary,grpc) its protocols: add v2_shm,grpc_shm
+# (Triton's system shared memory, issue 11s) with SERVE_FLAGS="--shared-memory system"; PYSPY_PROTOCOLS
+# step 1's protocols.
 # Files (packed into ONE file, $OUT/serve.tgz, else build/gpu_serve/serve.tgz: a device call returns
 # at most 8 files): server.txt pyspy.txt serve_load.txt serve_load.json load.txt
 # split_<protocol>_c<concurrency>.txt group.txt costs.txt slots.txt http_<impl>.txt http_<impl>.json
@@ -42,6 +44,9 @@
 #   the same, ending in `MAIN=0 COSTS=0 HTTP_IMPLS="h11 httptools" OUT=$OUT bash bench/gpu_serve.sh`
 # A step's split between the owner of the rank group and rank 0 (issue 11e, ~3 min):
 #   the same, ending in `BUDGET=200 PROFILE=0 COSTS=0 LOAD=0 GROUP=1 SPLIT_CONC="1 4" OUT=$OUT bash bench/gpu_serve.sh`
+# System shared memory against the wire, with the layer alone in the same run (issue 11s, ~4 min):
+#   the same, ending in `BUDGET=260 CELL_S=3 PROFILE=0 SPLIT=0 COSTS=0 SERVE_FLAGS="--shared-memory system"
+#   PROTOCOLS=v2_binary,v2_shm,grpc,grpc_shm OUT=$OUT bash bench/gpu_serve.sh`
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
@@ -118,7 +123,7 @@ echo "== 2. bench/serve_load.py (bf16, $client HTTP client)"
 suffix=$([[ "$client" == "${CLIENT_LIST[0]}" ]] || echo "_$client")
 timeout -k 10 "$(cap 240)" "$PY" bench/serve_load.py --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
   --sizes "${SIZES:-512,2048}" --concurrency "${CONCURRENCY:-1,4,16}" --seconds "$CELL_S" --wire-dtype bf16 \
-  --json "$LOG/serve_load$suffix.json" --client "$client" \
+  --protocols "${PROTOCOLS:-v2_binary,grpc}" --json "$LOG/serve_load$suffix.json" --client "$client" \
   "${SERVE_FLAGS[@]}" > "$LOG/serve_load$suffix.txt" 2>&1
 SL_RC=$?
 tail -n 20 "$LOG/serve_load$suffix.txt"
