@@ -9,7 +9,8 @@ owner:
     owner = front end 0 (service.server)                front end i = 1..N-1 (service.replica)
       the rank group; group.run numbers the steps         HTTP + gRPC on the same ports, a batcher,
       control channel, one per front end   <---------->   its slots of the group (mapped through
-        ("attach", gen, backend) + the slots' fds,          the descriptors the owner sends)
+        ("regions",) + the registry's fd (shm on),          the descriptors the owner sends)
+        ("attach", gen, backend) + the slots' fds,
         ("detach", why), ("drain",), ("collect", id),      ("started", pid), ("listening", pid),
         ("scraped", id, [Snapshot])                        ("attached", gen), ("scrape", id),
                                                              ("collected", id, Snapshot)

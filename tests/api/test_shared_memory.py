@@ -14,6 +14,7 @@ import contextlib
 import os
 import subprocess
 import uuid
+from pathlib import Path
 
 import grpc
 import httpx
@@ -559,6 +560,26 @@ def test_the_servers_own_files_are_refused(tmp_path):
                 os.unlink(path)
         os.close(slot_fd)
         table.close()
+
+
+def test_readme_example_runs(server):
+    """The README's tritonclient example, as a user pastes it (its keys made unique, its address
+    this server's): the answer it reads from its output region is the layer's."""
+    lines = (Path(__file__).parents[2] / "README.md").read_text().splitlines()
+    start = lines.index("`GET /v2`'s extensions. With tritonclient:") + 2
+    block = []
+    for line in lines[start:]:
+        if not line.startswith("    "):
+            break
+        block.append(line[4:])
+    code = "\n".join(block)
+    tag = uuid.uuid4().hex[:8]
+    code = code.replace("localhost:8000", server.url.removeprefix("http://"))
+    code = code.replace('"/my_in"', f'"/my_in_{tag}"').replace('"/my_out"', f'"/my_out_{tag}"')
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    x, ids, w = (torch.from_numpy(scope[k]) for k in ("x", "ids", "w"))
+    check(torch.from_numpy(np.array(scope["answer"])), x, ids, w)
 
 
 # ---- perf_analyzer ------------------------------------------------------------------------------
