@@ -65,6 +65,7 @@ PYSPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOG/summary.txt"
 git_commit=$(cat COMMIT 2>/dev/null || echo unknown)
+df -h /dev/shm | tail -n 1 | tee -a "$LOG/summary.txt"  # the shm protocols' objects live there (PROTOCOLS)
 echo "commit $git_commit; torch $($PY -c 'import torch; print(torch.__version__)'); $(nproc) CPU cores" | tee -a "$LOG/summary.txt"
 
 SL_RC=skipped LOAD_RC=skipped

@@ -107,7 +107,7 @@ class ShmJob:
         self.files, self.maps = [], []
         for name, size in zip(self.names, (size_in, out_bytes), strict=True):
             fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)  # a full /dev/shm fails here (ENOSPC), not as a SIGBUS later
             self.maps.append(mmap.mmap(fd, size))
             os.close(fd)
             self.files.append(f"/dev/shm/{name}")

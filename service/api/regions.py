@@ -180,7 +180,7 @@ class _Object:
     def read_into(self, buf: memoryview, at: int) -> None:
         done = 0
         while done < len(buf):
-            n = os.preadv(self.fd, [buf[done:]], at + done)
+            n = self._io(os.preadv, buf[done:], at + done)
             if n == 0:
                 raise InvalidInput(f"shared-memory region '{self.region.name}': its object {self.region.key} ends at "
                                    f"byte {at + done}, before the data (it was truncated after it was registered)")
@@ -192,7 +192,16 @@ class _Object:
                                f"shorter than byte {at + len(buf)} (it was truncated after it was registered)")
         done = 0
         while done < len(buf):
-            done += os.pwritev(self.fd, [buf[done:]], at + done)
+            done += self._io(os.pwritev, buf[done:], at + done)
+
+    def _io(self, call, buf: memoryview, at: int) -> int:
+        """One preadv / pwritev; an error of the client's object (ENOSPC in a full /dev/shm, EIO)
+        is that request's InvalidInput, never a failure of the step its batch-mates share."""
+        try:
+            return call(self.fd, [buf], at)
+        except OSError as e:
+            raise InvalidInput(f"shared-memory region '{self.region.name}': {self.region.key} at byte {at}: "
+                               f"{e.strerror}") from None
 
 
 class RegionRows:
