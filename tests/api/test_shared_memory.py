@@ -388,12 +388,12 @@ def test_bad_v2_json_combinations(server, objects):
 
 def test_concurrent_shm_and_wire_requests_never_mix(server, objects):
     """Requests in regions and on the wire at once, over both protocols, some of them bad (a NaN row
-    in a region, an object truncated after it was registered), merged into the same steps: the bad
-    ones fail alone with their own 400, every other answer equals its solo run (same input, alone)."""
+    in a region, an input or output object truncated after it was registered), merged into the same
+    steps: the bad ones fail alone with their own 400, every other answer equals its solo run."""
     cases = []
     for i, T in enumerate((1, 7, 130, 300, 2, 513, 64, 9, 200, 33, 77, 5)):
         x, ids, w = inputs(T, seed=900 + i, kind=("balanced", "skewed", "empty_expert")[i % 3])
-        bad = {3: "nan", 7: "truncated"}.get(i)
+        bad = {3: "nan", 7: "truncated", 10: "output truncated"}.get(i)
         if bad == "nan":
             x[T // 2, 3] = NAN
         cases.append((PROTOCOLS[i % 2], "shm" if i % 3 else "wire", bad, x, ids, w))
@@ -411,6 +411,8 @@ def test_concurrent_shm_and_wire_requests_never_mix(server, objects):
         if bad == "truncated":  # hidden_states alone in the region, read by the step thread: past the end now
             spec = {"hidden_states": spec["hidden_states"]}
             os.truncate(f"/dev/shm/{os.path.basename(obj_in.key)}", nbytes(x) // 2)
+        if bad == "output truncated":  # found when the answer is written, after the step
+            os.truncate(f"/dev/shm/{os.path.basename(obj_out.key)}", nbytes(x) // 2)
         setup.append((spec, obj_out, f"out{i}"))
 
     def run(i):
