@@ -45,8 +45,8 @@
 # A step's split between the owner of the rank group and rank 0 (issue 11e, ~3 min):
 #   the same, ending in `BUDGET=200 PROFILE=0 COSTS=0 LOAD=0 GROUP=1 SPLIT_CONC="1 4" OUT=$OUT bash bench/gpu_serve.sh`
 # System shared memory against the wire, with the layer alone in the same run (issue 11s, ~4 min):
-#   the same, ending in `BUDGET=260 CELL_S=3 PROFILE=0 SPLIT=0 COSTS=0 SERVE_FLAGS="--shared-memory system"
-#   PROTOCOLS=v2_binary,v2_shm,grpc,grpc_shm OUT=$OUT bash bench/gpu_serve.sh`
+#   the same, ending in (one line)
+#   `BUDGET=240 CELL_S=3 PROFILE=0 SPLIT=0 COSTS=0 SERVE_FLAGS="--shared-memory system" PROTOCOLS=v2_binary,v2_shm,grpc,grpc_shm OUT=$OUT bash bench/gpu_serve.sh`
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
