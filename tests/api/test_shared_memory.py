@@ -13,6 +13,7 @@ import concurrent.futures
 import contextlib
 import os
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -38,7 +39,7 @@ from tests.api.test_ecosystem import PERF_ANALYZER_TIMEOUT_S, input_data, perf_a
 from tests.api.test_frontend import make_frontend
 from tests.api.test_frontends import holders
 from tests.helpers import external_tool
-from tests.serverproc import ServerProcess
+from tests.serverproc import ServerProcess, listening
 
 MODEL = "moe"
 PROTOCOLS = ("http", "grpc")
@@ -443,12 +444,21 @@ def test_concurrent_shm_and_wire_requests_never_mix(server, objects):
 # ---- several front ends -------------------------------------------------------------------------
 
 CLIENTS = 24  # connections per protocol: P(all on one of 2 processes) = 2 * 2**-24
+FRONTEND_LISTEN_S = 60.0
 
 
 @pytest.fixture(scope="module")
 def two_frontends(tmp_path_factory):
     with ServerProcess.serving(tmp_path_factory.mktemp("shm2") / "server.log", "--shared-memory", "system",
                                "--frontends", "2") as proc:
+        # Ready is the owner's word; the other front end binds its ports once it knows the group's
+        # state, which may be a moment later on a busy machine.
+        (fe1,) = proc.frontend_pids()
+        deadline = time.monotonic() + FRONTEND_LISTEN_S
+        ports = {f":{proc.http_port}", f":{proc.grpc_port}"}
+        while not all(any(a.endswith(p) for a in listening({fe1})) for p in ports):
+            assert time.monotonic() < deadline, f"front end 1 (pid {fe1}) does not listen on {ports}"
+            time.sleep(0.2)
         yield proc
 
 
