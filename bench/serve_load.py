@@ -118,8 +118,12 @@ class ShmJob:
             at += len(raw)
         self.answer = memoryview(self.maps[1])
         model = path.split("/")[3]  # /v2/models/{model}/infer
-        for name, size in zip(self.names, (size_in, out_bytes), strict=True):
-            self._call("register", name, {"key": f"/{name}", "offset": 0, "byte_size": size})
+        try:
+            for name, size in zip(self.names, (size_in, out_bytes), strict=True):
+                self._call("register", name, {"key": f"/{name}", "offset": 0, "byte_size": size})
+        except BaseException:  # no files left behind in /dev/shm
+            self.close()
+            raise
         region = lambda name, offset, size: {"shared_memory_region": name, "shared_memory_offset": offset,  # noqa: E731
                                              "shared_memory_byte_size": size}
         if proto == "v2_shm":
