@@ -91,12 +91,15 @@ class Endpoint:
         self._grpc: GrpcServer | None = None
         self._http: _Uvicorn | None = None
         self._http_task: asyncio.Task | None = None
+        self._prune_task: asyncio.Task | None = None
 
     async def start(self, http_port: int, grpc_port: int, reuse_port: bool = False) -> bool:
         """Start the batcher and both servers; False (logged) if one cannot listen."""
         s = self.settings
         loop = asyncio.get_running_loop()
         self.batcher.start()
+        if self.fe.regions is not None:  # (set before start: by the owner, or from its ("regions",))
+            self._prune_task = loop.create_task(self.fe.regions.keep_pruned(), name="moe-regions")
         try:
             self._grpc = GrpcServer(self.fe, s.host, grpc_port)
         except OSError as err:
@@ -138,6 +141,8 @@ class Endpoint:
     async def stop(self, drain_end: float) -> None:
         """Let the steps in flight finish until `drain_end` (monotonic), then stop everything."""
         await self.batcher.close(timeout_s=max(0.0, drain_end - time.monotonic()))
+        if self._prune_task is not None:
+            self._prune_task.cancel()
         if self._http is not None:
             self._http.should_exit = True
         if self._grpc is not None:

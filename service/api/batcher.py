@@ -243,19 +243,25 @@ class Batcher:
                 continue
             await self._slots.acquire()
             await self._fill(head)
-            pieces, T = self._take()
-            group = self._group
-            if not pieces:
-                self._slots.release()
-                continue
-            if group is None:
-                self._slots.release()
-                for p in pieces:
-                    p.job.fail(self._refusal or GroupUnavailable("the rank group is not running"))
-                continue
-            task = asyncio.create_task(self._step(group, pieces, T))
-            self._steps.add(task)
-            task.add_done_callback(self._steps.discard)
+            self._launch()
+
+    def _launch(self) -> None:
+        """Start the next step with the rows at the head of the queue (holding a slot). (A method
+        of its own: the dispatch loop keeps no reference to a request while it waits, which would
+        keep a shared-memory region's object open after its unregister.)"""
+        pieces, T = self._take()
+        group = self._group
+        if not pieces:
+            self._slots.release()
+            return
+        if group is None:
+            self._slots.release()
+            for p in pieces:
+                p.job.fail(self._refusal or GroupUnavailable("the rank group is not running"))
+            return
+        task = asyncio.create_task(self._step(group, pieces, T))
+        self._steps.add(task)
+        task.add_done_callback(self._steps.discard)
 
     def _head(self) -> _Job | None:
         while self._queue and self._queue[0].sent == self._queue[0].T:

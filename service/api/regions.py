@@ -13,14 +13,23 @@ checks their values.
 
 Several front-end processes serve one server's ports (service.fleet), and a region registered
 through one connection must be usable on any of them as soon as the register call has returned,
-and gone from all once unregister returns. So the registry is one small file that every front end
-holds (`RegionTable`; unnamed, in /dev/shm; the owner creates it and hands its descriptor to each
-front end before the group's state, service.fleet): the table as JSON behind a version counter,
-written under an exclusive flock and read under a shared one, reparsed only when the version moved
-(a lookup is otherwise one flock and one 8-byte pread). Each process opens an object itself when a
-request first names its region and keeps the descriptor while the region stays registered; the
-object's (device, inode) recorded at register time must still be the one behind the key, so a
-name that now points to another object is refused, never read.
+and refused by all to new requests once unregister returns. So the registry is one small file that
+every front end holds (`RegionTable`; unnamed, in /dev/shm; the owner creates it and hands its
+descriptor to each front end before the group's state, service.fleet): the table as JSON behind a
+version counter, written under an exclusive flock and read under a shared one, reparsed only when
+the version moved (a lookup is otherwise one flock and one 8-byte pread). A flock belongs to an
+open file description, and a descriptor passed over SCM_RIGHTS shares the sender's: so each
+process opens the file again (/proc/self/fd/N) for a description of its own, or every LOCK_EX would
+succeed at once and any LOCK_UN drop them all (lost updates, one name registered twice).
+
+Each process opens an object itself when a request first names its region and keeps the descriptor
+while the region stays registered; the object's (device, inode) recorded at register time must
+still be the one behind the key, so a name that now points to another object is refused, never
+read. The descriptors of unregistered regions are dropped at the next lookup and, on a front end
+without traffic, by `Regions.keep_pruned` (every PRUNE_PERIOD_S): an idle front end never pins an
+unlinked object's pages. A request that named a region before it was unregistered keeps its own
+descriptor and still reads and writes the object until it is answered (Triton defers the
+unregister instead).
 
 Reads and writes are pread / pwrite on that descriptor, not a mapping: a client that truncates its
 object would turn a read of a mapped page past the new end into a SIGBUS that kills the front end;
@@ -41,11 +50,13 @@ Safety (the server reads and writes memory that a client names):
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import dataclasses
 import fcntl
 import json
+import logging
 import os
 import stat
 import struct
@@ -59,8 +70,11 @@ from service.api.error_map import RegionExists, RegionNotFound, SharedMemoryOff,
 from service.errors import InvalidInput
 from service.worker.shm import shm_dir
 
+log = logging.getLogger(__name__)
+
 MAX_REGIONS = 64       # registered regions per server (each front end may hold a descriptor of each)
 MAX_NAME = 255         # characters of a region name, and of a key (NAME_MAX)
+PRUNE_PERIOD_S = 1.0   # how often an idle front end drops the descriptors of unregistered regions
 SHM_ROOT = "/dev/shm"  # where shm_open's names live on Linux
 OWN_PREFIX = "moe-"    # names of the server's own files there (service.worker.shm.PREFIX among them)
 OFF = ("system shared memory is off on this server; start it with --shared-memory system "
@@ -87,18 +101,28 @@ class Region:
 
 @dataclasses.dataclass
 class _State:
+    """One version of the table (never changed once loaded or stored: `update` changes a copy)."""
+
     regions: dict[str, Region]
     reserved: set[tuple[int, int]]  # (device, inode) of the server's own files
     serial: int                     # the last registration's
+    version: int                    # the table file's version this state was read at or written as
+
+    def copy(self) -> _State:
+        return _State(dict(self.regions), set(self.reserved), self.serial, self.version)
 
 
 class RegionTable:
-    """The registry file every front end of one server shares (see the module docstring)."""
+    """The registry file every front end of one server shares (see the module docstring).
+
+    Takes over `fd` (the table file: the owner's, or one received from it over SCM_RIGHTS): it
+    opens the file again for an open file description of this object's own, whose flock excludes
+    every other process's, and closes `fd`."""
 
     def __init__(self, fd: int):
-        self.fd = fd
-        self._version = -1
-        self._state = _State({}, set(), 0)
+        self.fd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        os.close(fd)
+        self._state = _State({}, set(), 0, -1)
         self._lock = threading.Lock()  # the cached state, among this process's threads
 
     @classmethod
@@ -112,7 +136,7 @@ class RegionTable:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
             os.unlink(path)
         table = cls(fd)
-        table.update(lambda state: state.reserved.add(_identity(fd)))
+        table.update(lambda state: state.reserved.add(_identity(table.fd)))
         return table
 
     def close(self) -> None:
@@ -129,17 +153,19 @@ class RegionTable:
             return self._load()
 
     def update(self, change: Callable[[_State], object]):
-        """Apply `change` to the current table and store it, all under the exclusive lock."""
+        """Apply `change` to a copy of the current table and store it as the next version, all
+        under the exclusive lock; `change`'s result."""
         with self._lock, self._flocked(fcntl.LOCK_EX):
-            state = self._load()
+            state = self._load().copy()
             result = change(state)
             doc = {"regions": [dataclasses.asdict(r) for r in state.regions.values()],
                    "reserved": sorted(state.reserved), "serial": state.serial}
             data = json.dumps(doc).encode()
-            self._version += 1
+            version = state.version + 1
             os.ftruncate(self.fd, _VERSION.size + len(data))
             os.pwrite(self.fd, data, _VERSION.size)
-            os.pwrite(self.fd, _VERSION.pack(self._version), 0)
+            os.pwrite(self.fd, _VERSION.pack(version), 0)
+            self._state = dataclasses.replace(state, version=version)
             return result
 
     @contextlib.contextmanager
@@ -153,15 +179,14 @@ class RegionTable:
     def _load(self) -> _State:
         head = os.pread(self.fd, _VERSION.size, 0)
         if len(head) < _VERSION.size:  # a new file: nothing written yet
-            self._version, self._state = 0, _State({}, set(), 0)
+            self._state = _State({}, set(), 0, 0)
             return self._state
         (version,) = _VERSION.unpack(head)
-        if version != self._version:
+        if version != self._state.version:
             size = os.fstat(self.fd).st_size - _VERSION.size
             doc = json.loads(os.pread(self.fd, size, _VERSION.size))
             regions = {r["name"]: Region(**r) for r in doc["regions"]}
-            self._version = version
-            self._state = _State(regions, {tuple(x) for x in doc["reserved"]}, doc["serial"])
+            self._state = _State(regions, {tuple(x) for x in doc["reserved"]}, doc["serial"], version)
         return self._state
 
 
@@ -319,15 +344,32 @@ class Regions:
             self._objects[name] = _Object(region, fd)
 
     def unregister(self, name: str) -> None:
-        """Unregister `name`, or every region when it is empty."""
+        """Unregister `name`, or every region when it is empty; a name not registered is no error
+        (as Triton's: clients unregister twice). New requests refuse the region at once; one that
+        named it before keeps reading and writing its object until it is answered."""
         def remove(state: _State) -> None:
-            if not name:
+            if name:
+                state.regions.pop(name, None)
+            else:
                 state.regions.clear()
-            elif state.regions.pop(name, None) is None:
-                raise RegionNotFound(f"no shared-memory region named '{name}' is registered")
 
         self.table.update(remove)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Drop the descriptors of regions unregistered since (one flock and one 8-byte pread when
+        the table has not changed)."""
         self._prune(self.table.state())
+
+    async def keep_pruned(self, period_s: float = PRUNE_PERIOD_S) -> None:
+        """`refresh` every `period_s` until cancelled (each front end's loop runs it: a front end
+        without traffic would otherwise pin the pages of an unregistered, unlinked object)."""
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                self.refresh()
+            except Exception:  # noqa: BLE001  a failed check is retried at the next one; say it
+                log.exception("checking the shared-memory registry for unregistered regions failed")
 
     def status(self, name: str) -> list[dict]:
         """The status of `name`, or of every region when it is empty."""
@@ -375,16 +417,17 @@ class Regions:
                                f"registered (it was removed or replaced); register the region again")
         obj = _Object(region, fd)
         with self._lock:
-            self._objects[region.name] = obj
+            if state.version >= self._seen:  # else pruned past `state` meanwhile: the request's alone
+                self._objects[region.name] = obj
         return obj
 
     def _prune(self, state: _State) -> None:
         """Drop the descriptors of regions no longer registered, or whose object the server has
         since reserved (an in-flight request keeps its own)."""
         with self._lock:
-            if self._seen == self.table._version:
+            if state.version <= self._seen:  # (another thread pruned at this version or a later one)
                 return
-            self._seen = self.table._version
+            self._seen = state.version
             for name, obj in list(self._objects.items()):
                 now = state.regions.get(name)
                 if now is None or now.serial != obj.region.serial or (now.dev, now.ino) in state.reserved:
