@@ -24,7 +24,11 @@ the group overlaps one step's copies with another's compute (service.worker.grou
 
 Admission is bounded in tokens: a request that would push the queued tokens past
 `queue_tokens` fails at once with Overloaded. A request past its deadline fails with
-DeadlineExceeded; its rows that were not yet sent to a slot are dropped.
+DeadlineExceeded; its rows that were not yet sent to a slot are dropped. Once a request has its
+answer or its error (or its caller is cancelled: a disconnect, a gRPC cancel), no step writes into
+its output any more (`_Job.abandoned`), before any response is sent: a step already running computes
+its rows and discards them. A request of several steps that fails may have had its earlier steps'
+rows written (its output's bytes are then unspecified, as Triton's).
 """
 
 from __future__ import annotations
@@ -71,6 +75,11 @@ class _Job:
     # pieces may be checked by several step threads at once); the loop fails it
     invalid: InvalidInput | None = None
     invalid_row: int = -1
+    # set by `_forget` (the request has its answer or its error) under `lock`, under which a step
+    # thread writes each piece of the answer: nothing is written into `out` once the caller may
+    # send a response (a client that got its error may reuse its output region at once)
+    abandoned: bool = False
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     @property
     def T(self) -> int:
@@ -220,6 +229,11 @@ class Batcher:
             job.sent = job.T
 
     def _forget(self, job: _Job) -> None:
+        """The request is done with (answered, failed, timed out, cancelled): before its caller
+        answers, so that no step writes into its `out` after that (waits for a write under way:
+        at most one piece's)."""
+        with job.lock:
+            job.abandoned = True
         self._drop(job)
         if not job.future.done():
             job.future.cancel()  # nobody waits for it any more
@@ -372,7 +386,9 @@ class Batcher:
             stats = group.run(slot, T)
             t2 = time.perf_counter()
             for p in pieces:
-                if p.job.invalid is None:
+                with p.job.lock:
+                    if p.job.invalid is not None or p.job.abandoned:
+                        continue
                     try:
                         copy_rows(p.job.out[p.start:p.start + p.rows], slot.out[p.at:p.at + p.rows])
                     except InvalidInput as err:  # its output region's object shrank since it was registered

@@ -37,7 +37,10 @@ from service.api.error_map import classify
 from service.api.grpc import InferenceServicer
 from service.api.http import create_app
 from service.config import Settings
+from service.errors import DeadlineExceeded, InvalidInput
 from tests.api.common import CFG, check, inputs
+from tests.api.test_batcher import BUDGET, FakeGroup, batch, started
+from tests.api.test_batcher import CFG as BATCHER_CFG
 from tests.api.test_ecosystem import PERF_ANALYZER_TIMEOUT_S, input_data, perf_analyzer_env
 from tests.api.test_frontend import make_frontend
 from tests.api.test_frontends import holders
@@ -611,6 +614,53 @@ def test_idle_descriptors_are_pruned_against_their_own_state():
         os.unlink(path)
         table.close()
         other.table.close()
+
+
+# ---- nothing written after the error ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["timeout", "timeout in the second step", "cancelled", "NaN in the second step"])
+def test_no_write_into_the_output_region_after_the_error(objects, case):
+    """A request whose answer goes into its output region and that fails (its deadline passes while
+    a step runs, its caller is cancelled: a disconnect, or a bad row in a later piece) never has its
+    region written once the error is out: the client may reuse it at once. (Rows of an earlier
+    step may have been written: unspecified, as with Triton.)"""
+    T = 3 if case in ("timeout", "cancelled") else BUDGET + 5  # one step, or two
+    x, ids, w = batch(T, seed=61)
+    if case.startswith("NaN"):
+        x[BUDGET + 2, 1] = NAN
+    table = regions.RegionTable.create()
+    obj = objects(nbytes(x))
+    gen = torch.Generator().manual_seed(62)
+
+    async def main():
+        own = regions.Regions(table)
+        own.register("out", obj.key, 0, nbytes(x))
+        obj.write(torch.full(x.shape, NAN))
+        out = own.rows("out", 0, nbytes(x), torch.float32, list(x.shape), "output 'output'", output=True)
+        b = await started(FakeGroup(BATCHER_CFG, slots=1, step_s=STEP_S), slots=1)
+        submit = b.submit(x, ids, w, timeout_s=LATE_TIMEOUT_S[T > BUDGET] if "timeout" in case else 5.0, out=out)
+        if case == "cancelled":
+            task = asyncio.ensure_future(submit)
+            await asyncio.sleep(STEP_S / 4)  # in its step
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        else:
+            with pytest.raises(DeadlineExceeded if "timeout" in case else InvalidInput):
+                await submit
+        reuse = torch.randn(x.shape, generator=gen)  # the client's next request, at once
+        obj.write(reuse)
+        await b.close(timeout_s=10 * STEP_S)  # every step has finished
+        return reuse
+
+    reuse = asyncio.run(main())
+    assert torch.equal(obj.read(torch.float32, x.shape), reuse), "the output region was written after the error"
+    table.close()
+
+
+STEP_S = 0.4  # the fake group's step
+LATE_TIMEOUT_S = {False: 0.1, True: 1.5 * STEP_S}  # one step: during it; two: during the second
 
 
 # ---- off by default -----------------------------------------------------------------------------
