@@ -111,18 +111,11 @@ def rows_error(rows: torch.Tensor, sent: Rows, first: int = 0) -> tuple[int, Inv
     return row, InvalidInput(f"hidden_states contains NaN or infinity (row {row})")
 
 
-def validate(x: X, ids: torch.Tensor, w: torch.Tensor, spec: ModelSpec) -> tuple[X, torch.Tensor, torch.Tensor]:
-    """Check one request's tensors against the model: everything but hidden_states' values, which
-    the batcher checks on the step's slot rows as it copies them in (`rows_error`: the one pass over
-    them besides the one copy). x is returned as it came (a view of the request's bytes where it
-    can be, or its rows in a shared-memory region: the batcher converts it to spec.dtype in that
-    copy); ids become int32 and w float32 ([T, K], small)."""
-    if x.dtype not in FLOAT_DTYPES:
-        raise InvalidInput(f"hidden_states must be float32, float16 or bfloat16, got {_name(x.dtype)}")
-    if ids.dtype not in INT_DTYPES:
-        raise InvalidInput(f"topk_ids must be int32 or int64, got {_name(ids.dtype)}")
-    if w.dtype not in FLOAT_DTYPES:
-        raise InvalidInput(f"topk_weights must be float32, float16 or bfloat16, got {_name(w.dtype)}")
+def check_shapes(x: Rows, ids: Rows, w: Rows, spec: ModelSpec) -> None:
+    """The tensors' shapes against the model: hidden_states [T, H] with 1 <= T <= max_tokens,
+    topk_ids and topk_weights [T, K]. Needs only their shapes: a routing tensor in a shared-memory
+    region is checked before it is read (a small request must never make the server read a large
+    region)."""
     if x.dim() in (1, 2) and x.shape[0] == 0:
         raise InvalidInput("hidden_states has no rows (T = 0)")
     if x.dim() != 2 or x.shape[1] != spec.H:
@@ -136,6 +129,21 @@ def validate(x: X, ids: torch.Tensor, w: torch.Tensor, spec: ModelSpec) -> tuple
             raise InvalidInput(f"{name} must have shape [T, {spec.K}] (K = {spec.K}), got {list(t.shape)}")
         if t.shape[0] != T:
             raise InvalidInput(f"{name} has {t.shape[0]} rows but hidden_states has T = {T}")
+
+
+def validate(x: X, ids: torch.Tensor, w: torch.Tensor, spec: ModelSpec) -> tuple[X, torch.Tensor, torch.Tensor]:
+    """Check one request's tensors against the model: everything but hidden_states' values, which
+    the batcher checks on the step's slot rows as it copies them in (`rows_error`: the one pass over
+    them besides the one copy). x is returned as it came (a view of the request's bytes where it
+    can be, or its rows in a shared-memory region: the batcher converts it to spec.dtype in that
+    copy); ids become int32 and w float32 ([T, K], small)."""
+    if x.dtype not in FLOAT_DTYPES:
+        raise InvalidInput(f"hidden_states must be float32, float16 or bfloat16, got {_name(x.dtype)}")
+    if ids.dtype not in INT_DTYPES:
+        raise InvalidInput(f"topk_ids must be int32 or int64, got {_name(ids.dtype)}")
+    if w.dtype not in FLOAT_DTYPES:
+        raise InvalidInput(f"topk_weights must be float32, float16 or bfloat16, got {_name(w.dtype)}")
+    check_shapes(x, ids, w, spec)
     lo, hi = (int(v) for v in torch.aminmax(ids))
     if lo < 0 or hi >= spec.E:
         bad = lo if lo < 0 else hi
@@ -712,7 +720,9 @@ def _requested_binary(outputs, default) -> tuple[bool, tuple | None]:
 def _decoded_v2(tensors: dict[str, Rows], spec: ModelSpec, request_id, timeout,
                 regions: Regions | None = None, out_shm: tuple | None = None) -> Decoded:
     x, ids, w = (tensors[n] for n in INPUT_NAMES)
-    assert isinstance(ids, torch.Tensor) and isinstance(w, torch.Tensor)  # (read at once: _shm_input)
+    if isinstance(ids, RegionRows) or isinstance(w, RegionRows):  # read only once their shapes fit
+        check_shapes(x, ids, w, spec)
+    ids, w = (t.read() if isinstance(t, RegionRows) else t for t in (ids, w))
     out_dtype = x.dtype
     x, ids, w = validate(x, ids, w, spec)
     decoded = Decoded(x, ids, w, out_dtype=out_dtype, request_id=request_id, timeout_s=timeout)
@@ -746,14 +756,14 @@ def _shm_params(params: dict, what: str) -> tuple[str, int, int] | None:
     return region, offset, size
 
 
-def _shm_input(regions: Regions | None, shm: tuple, dtype: torch.dtype, shape: list[int], name: str) -> Rows:
+def _shm_input(regions: Regions | None, shm: tuple, dtype: torch.dtype, shape: list[int], name: str) -> RegionRows:
     """An input in a region: hidden_states stays there until its step copies it into the slot;
-    the routing ([T, K], whose values `validate` checks) is read now."""
+    the routing ([T, K], whose values `validate` checks) is read by `_decoded_v2` once every
+    input's shape is known and checked."""
     if regions is None:
         raise refuse()
     region, offset, size = shm
-    rows = regions.rows(region, offset, size, dtype, shape, f"input '{name}'")
-    return rows if name == "hidden_states" else rows.read()
+    return regions.rows(region, offset, size, dtype, shape, f"input '{name}'")
 
 
 def _grpc_params(params) -> dict:

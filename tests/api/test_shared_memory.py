@@ -663,6 +663,57 @@ STEP_S = 0.4  # the fake group's step
 LATE_TIMEOUT_S = {False: 0.1, True: 1.5 * STEP_S}  # one step: during it; two: during the second
 
 
+# ---- a routing tensor's shape is checked before it is read -------------------------------------
+
+
+def test_routing_in_a_region_is_read_only_once_its_shape_fits(objects, monkeypatch):
+    """A small request naming a large region as topk_ids (or topk_weights) with a shape other than
+    [T, K] for its hidden_states, or more tokens than max_tokens, is refused before any byte of the
+    region is read."""
+    spec = codecs.ModelSpec.of(CFG, max_tokens=1000)
+    big_rows = 1 << 16
+    size = max(big_rows * spec.K, (spec.max_tokens + 1) * spec.H) * 4
+    obj = objects(size)
+    own = regions.Regions(regions.RegionTable.create())
+    own.register("big", obj.key, 0, size)
+    reads: list = []
+    real = regions._Object.read_into
+    monkeypatch.setattr(regions._Object, "read_into", lambda self, buf, at: (reads.append(len(buf)),
+                                                                              real(self, buf, at)))
+    x, _, w = inputs(1, seed=9)
+
+    def body(hidden_shape, name, shape) -> bytes:
+        hidden = {"name": "hidden_states", "datatype": "FP32", "shape": hidden_shape}
+        if hidden_shape[0] == 1:
+            hidden["data"] = x.reshape(-1).tolist()
+        else:
+            hidden["parameters"] = {"shared_memory_region": "big",
+                                    "shared_memory_byte_size": hidden_shape[0] * spec.H * 4}
+        routing = {"topk_ids": ("INT32", [[0] * spec.K]), "topk_weights": ("FP32", w.tolist())}
+        items = [hidden]
+        for n, (dtype, data) in routing.items():
+            if n == name:
+                items.append({"name": n, "datatype": dtype, "shape": shape, "parameters": {
+                    "shared_memory_region": "big", "shared_memory_byte_size": shape[0] * shape[1] * 4}})
+            else:
+                items.append({"name": n, "datatype": dtype, "shape": [1, spec.K], "data": data})
+        return json.dumps({"inputs": items}).encode()
+
+    cases = [
+        (([1, spec.H], "topk_ids", [big_rows, spec.K]), "topk_ids has"),
+        (([1, spec.H], "topk_weights", [big_rows, spec.K]), "topk_weights has"),
+        (([1, spec.H], "topk_ids", [1, big_rows * spec.K]), "topk_ids must have shape"),
+        (([spec.max_tokens + 1, spec.H], "topk_ids", [spec.max_tokens + 1, spec.K]), "more than the limit"),
+    ]
+    for args, words in cases:
+        raw = body(*args)
+        assert len(raw) < 8192  # a few KB of request naming a region of megabytes
+        with pytest.raises(InvalidInput, match=words):
+            codecs.decode_v2_http(raw, None, spec, own)
+        assert reads == [], (args, reads)
+    own.table.close()
+
+
 # ---- off by default -----------------------------------------------------------------------------
 
 
