@@ -9,7 +9,8 @@ the tensor's bytes. hidden_states' rows are read from the object straight into t
 one copy in, `copy_rows`, in the batcher's step thread, before the check of their values there) and
 the answer is written from the slot straight into the client's output region (the one copy out);
 topk_ids and topk_weights ([T, K], small) are read when the request is decoded, since `validate`
-checks their values.
+checks their values (only once every input's shape has passed `codecs.check_shapes`). Nothing is
+written into an output region once its request has its answer or its error (service.api.batcher).
 
 Several front-end processes serve one server's ports (service.fleet), and a region registered
 through one connection must be usable on any of them as soon as the register call has returned,
