@@ -472,9 +472,10 @@ def two_frontends(tmp_path_factory):
 
 
 def test_region_registered_on_one_front_end_serves_on_every_one(two_frontends, objects):
-    """Register through one connection, then infer at once through 24 HTTP and 24 gRPC connections
-    spread over both front-end processes: every one is served from the region; unregister through
-    one connection, and at once every connection gets NOT_FOUND."""
+    """Register through one connection, then infer at once through 24 HTTP clients and 24 gRPC
+    connections spread over both front-end processes: every one is served from the region;
+    unregister through one connection, and at once every connection gets NOT_FOUND; then, with no
+    traffic, every process closes its descriptors of the unregistered objects."""
     server = two_frontends
     x, ids, w = inputs(11, seed=77)
     first = client(server, "grpc")
@@ -485,9 +486,13 @@ def test_region_registered_on_one_front_end_serves_on_every_one(two_frontends, o
             stack.callback(c.close)
             assert c.is_server_ready()  # connected
         processes = {server.pid, *server.frontend_pids()}
-        for port in (server.http_port, server.grpc_port):
-            held = holders(port)
-            assert set(held) == processes, f"port {port}: connections per process {held}, processes {processes}"
+        # Each gRPC client keeps its connection, so both processes must hold some. tritonclient's
+        # HTTP client does not keep its connection after a call (none of 5 is established right
+        # after is_server_ready): each of its requests is a new connection the kernel hands to
+        # either process, so the HTTP port's count at this moment proves nothing (it failed
+        # 2 runs in 8 when it was asserted).
+        held = holders(server.grpc_port)
+        assert set(held) == processes, f"gRPC port: connections per process {held}, processes {processes}"
         objs, paths = [], set()
         for i, (protocol, c) in enumerate(clients):
             obj_in, obj_out = objects(nbytes(x) + nbytes(ids.to(torch.int32)) + nbytes(w)), objects(nbytes(x))
