@@ -571,14 +571,20 @@ def test_two_processes_share_the_registry(objects):
     procs = {tag: subprocess.Popen(
         [sys.executable, "-c", "import sys; from tests.api.test_shared_memory import _registrar; "
                                f"_registrar({table.fd}, {key!r}, {tag!r})"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, pass_fds=[table.fd])
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, pass_fds=[table.fd])
         for tag, key in keys.items()}
+
+    def answer(tag: str) -> set[str]:
+        line = procs[tag].stdout.readline()
+        assert line, f"registrar {tag} failed: {procs[tag].communicate(timeout=30)[1][-2000:]}"
+        return set(json.loads(line))
+
     try:
         for r in range(RACE_ROUNDS):
             for p in procs.values():
                 p.stdin.write(f"{r}\n")
                 p.stdin.flush()
-            won = {tag: set(json.loads(p.stdout.readline())) for tag, p in procs.items()}
+            won = {tag: answer(tag) for tag in procs}
             final = {name: region.key for name, region in table.state().regions.items()}
             both = won["a"] & won["b"]
             assert not both, f"round {r}: accepted by both processes: {sorted(both)}"
@@ -589,7 +595,8 @@ def test_two_processes_share_the_registry(objects):
             view.unregister("")
     finally:
         for p in procs.values():
-            p.stdin.close()
+            with contextlib.suppress(BrokenPipeError, ValueError):  # (a registrar that failed)
+                p.stdin.close()
             p.wait(timeout=30)
         table.close()
     assert all(p.returncode == 0 for p in procs.values()), {t: p.returncode for t, p in procs.items()}
