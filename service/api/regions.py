@@ -166,7 +166,8 @@ class RegionTable:
             os.ftruncate(self.fd, _VERSION.size + len(data))
             os.pwrite(self.fd, data, _VERSION.size)
             os.pwrite(self.fd, _VERSION.pack(version), 0)
-            self._state = dataclasses.replace(state, version=version)
+            state.version = version
+            self._state = state
             return result
 
     @contextlib.contextmanager
