@@ -45,7 +45,7 @@ from collections.abc import Callable
 import torch
 
 from service.api.codecs import rows_error
-from service.api.regions import Rows, copy_rows
+from service.api.regions import RegionRows, Rows, copy_rows
 from service.errors import DeadlineExceeded, GroupUnavailable, InvalidInput, Overloaded, WorkerError
 from service.metrics import Metrics
 
@@ -220,6 +220,10 @@ class Batcher:
             raise DeadlineExceeded(f"no answer within the request's deadline of {timeout_s:g} s") from None
         finally:
             self._forget(job)
+            # A failure raised here is the job's future's own exception, whose traceback now holds
+            # this frame: without these locals it holds no request (nor a region's object) in a
+            # cycle that only the cyclic collector would free.
+            del job, x, out
 
     def _drop(self, job: _Job) -> None:
         """Never send the job's remaining rows to a slot."""
@@ -323,6 +327,10 @@ class Batcher:
         try:
             stats, phases = await loop.run_in_executor(self._pool, self._execute, group, pieces, T)
         except BaseException as e:  # noqa: BLE001  any failure of a step fails the group
+            # The jobs keep `e`; its traceback (this frame, the executor's) holds `pieces`, and so
+            # the jobs and their regions' objects, in a cycle only the cyclic collector frees: a
+            # client object's descriptor would stay open past its unregister. Nothing reads it.
+            e.__traceback__ = None
             for p in pieces:  # a request whose rows failed their check keeps its own 400
                 p.job.fail(p.job.invalid or (e if isinstance(e, (WorkerError, GroupUnavailable))
                            else GroupUnavailable(f"the step failed: {type(e).__name__}: {e}")))
@@ -386,13 +394,21 @@ class Batcher:
             stats = group.run(slot, T)
             t2 = time.perf_counter()
             for p in pieces:
-                with p.job.lock:
-                    if p.job.invalid is not None or p.job.abandoned:
+                job = p.job
+                if job.invalid is not None or job.abandoned:
+                    continue
+                dst, src = job.out[p.start:p.start + p.rows], slot.out[p.at:p.at + p.rows]
+                if not isinstance(dst, RegionRows):  # the response's own buffer: nobody reads it once abandoned
+                    dst.copy_(src)
+                    continue
+                src = src.to(dst.dtype).contiguous()  # converted before the lock: _forget waits for the write only
+                with job.lock:
+                    if job.abandoned:
                         continue
                     try:
-                        copy_rows(p.job.out[p.start:p.start + p.rows], slot.out[p.at:p.at + p.rows])
+                        dst.write_from(src)
                     except InvalidInput as err:  # its output region's object shrank since it was registered
-                        p.job.reject(p.start, err)
+                        job.reject(p.start, err)
             return stats, (t1 - t0, t2 - t1, time.perf_counter() - t2)
         finally:
             try:

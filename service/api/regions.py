@@ -121,8 +121,13 @@ class RegionTable:
     every other process's, and closes `fd`."""
 
     def __init__(self, fd: int):
-        self.fd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-        os.close(fd)
+        try:
+            self.fd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError as e:
+            raise RuntimeError(f"the shared-memory registry opens its file again through /proc/self/fd, which "
+                               f"failed ({e.strerror}): --shared-memory system needs /proc") from None
+        finally:
+            os.close(fd)
         self._state = _State({}, set(), 0, -1)
         self._lock = threading.Lock()  # the cached state, among this process's threads
 

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
+import weakref
 from pathlib import Path
 
 import grpc
@@ -37,7 +38,7 @@ from service.api.error_map import classify
 from service.api.grpc import InferenceServicer
 from service.api.http import create_app
 from service.config import Settings
-from service.errors import DeadlineExceeded, InvalidInput
+from service.errors import DeadlineExceeded, InvalidInput, WorkerError
 from tests.api.common import CFG, check, inputs
 from tests.api.test_batcher import BUDGET, FakeGroup, batch, started
 from tests.api.test_batcher import CFG as BATCHER_CFG
@@ -669,6 +670,38 @@ def test_no_write_into_the_output_region_after_the_error(objects, case):
     reuse = asyncio.run(main())
     assert torch.equal(obj.read(torch.float32, x.shape), reuse), "the output region was written after the error"
     table.close()
+
+
+def test_a_failed_step_leaves_no_descriptor_behind(objects):
+    """A step that fails (a rank error) fails its requests with its exception; that exception's
+    traceback must not hold the step's pieces (and so the requests' region objects) in a cycle that
+    only the cyclic collector frees: the object of an unregistered region is closed at once."""
+    x, ids, w = batch(4, seed=63)
+    table = regions.RegionTable.create()
+    obj = objects(nbytes(x))
+
+    async def main():
+        own = regions.Regions(table)
+        own.register("out", obj.key, 0, nbytes(x))
+        out = own.rows("out", 0, nbytes(x), torch.float32, list(x.shape), "output 'output'", output=True)
+        held = weakref.ref(out.obj)
+        b = await started(FakeGroup(BATCHER_CFG, fail_at_step=0), on_failure=lambda group, exc: None)
+        with pytest.raises(WorkerError):
+            await b.submit(x, ids, w, timeout_s=5.0, out=out)
+        del out
+        own.unregister("out")
+        await b.close(timeout_s=5.0)
+        return held
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        held = asyncio.run(main())
+        assert held() is None, "the failed request's region object is still alive (held by a cycle)"
+    finally:
+        if enabled:
+            gc.enable()
+        table.close()
 
 
 STEP_S = 0.4  # the fake group's step
