@@ -341,14 +341,20 @@ class Regions:
                 state.serial += 1
                 region = Region(name, key, offset, byte_size, st.st_dev, st.st_ino, state.serial)
                 state.regions[name] = region
+                stored.append(state)  # (its version is set once it is stored)
                 return region
 
+            stored: list[_State] = []
             region = self.table.update(add)
         except BaseException:
             os.close(fd)
             raise
         with self._lock:
             self._objects[name] = _Object(region, fd)
+            # A prune of a later version (another front end unregistered the name at once, a
+            # decode thread here read that) may have run between the update and this insert: the
+            # next prune (a lookup, or keep_pruned within a second) looks at every descriptor again.
+            self._seen = min(self._seen, stored[0].version - 1)
 
     def unregister(self, name: str) -> None:
         """Unregister `name`, or every region when it is empty; a name not registered is no error

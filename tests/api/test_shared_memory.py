@@ -629,6 +629,38 @@ def test_idle_descriptors_are_pruned_against_their_own_state():
         other.table.close()
 
 
+def test_a_registration_pruned_before_it_is_cached_is_dropped_at_the_next_prune():
+    """Another front end unregisters a name right after this one registered it, and a thread here
+    prunes at that newer version before register() caches its descriptor: the next prune must still
+    drop that descriptor (before, every later prune saw the same version and skipped it)."""
+    table = regions.RegionTable.create()
+    key = _key()
+    path = f"{regions.SHM_ROOT}/{key[1:]}"
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    os.truncate(path, 64)
+    front, other = regions.Regions(table), regions.Regions(regions.RegionTable(os.dup(table.fd)))
+    real = table.update
+
+    def update(change):
+        result = real(change)
+        table.update = real  # once: between register()'s update and its insert
+        other.unregister("r")
+        front.refresh()
+        return result
+
+    table.update = update
+    try:
+        front.register("r", key, 0, 64)
+        assert "r" not in table.state().regions
+        front.refresh()
+        gc.collect()
+        assert not descriptors([os.getpid()], {path}), "a descriptor of the unregistered region stays open"
+    finally:
+        os.unlink(path)
+        table.close()
+        other.table.close()
+
+
 # ---- nothing written after the error ------------------------------------------------------------
 
 
