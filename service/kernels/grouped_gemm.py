@@ -142,6 +142,10 @@ class GemmConfig:
     # config must say so (BN 128, BK 64, queue, split_tail; no pair, w_desc, pn_major). GEMM2 and the
     # fused kernels have no CUDA tile and refuse it.
     cuda_tile: bool = False
+    # The CUDA tile's mainloop, one of service.kernels.cuda_tile.VARIANTS ("base", "n256", "noinc",
+    # "mcast"; bench/NOTES.md "Issue 12t"): a tuned config can pick the one a GPU run found fastest.
+    # Only with cuda_tile; the launch refuses a name it does not know.
+    cuda_variant: str = "base"
 
     def __post_init__(self) -> None:
         assert self.BM == BM, f"the gathered layout fixes BM = {BM}, got {self.BM}"
@@ -153,6 +157,8 @@ class GemmConfig:
             (128, 64, True, True, 1) and not (self.pair or self.w_desc or self.pn_major), \
             f"the CUDA tile is BN=128, BK=64 with queue and split_tail, one CTA per SM, no pair, w_desc or " \
             f"pn_major: got {self}"
+        assert self.cuda_tile or self.cuda_variant == "base", \
+            f"cuda_variant {self.cuda_variant!r} is the CUDA tile's mainloop: it needs cuda_tile"
         for name in ("BN", "BK"):
             value = getattr(self, name)
             assert value >= 16 and value & (value - 1) == 0, f"{name} must be a power of two >= 16, got {value}"
@@ -577,7 +583,8 @@ def gemm1_swiglu(a, w13, block_expert, *, config: GemmConfig, out=None, num_prog
         from service.kernels import cuda_tile
 
         return cuda_tile.gemm1_swiglu(a, w13, block_expert, out=out, num_programs=num_programs,
-                                      row_token=row_token, act=act, bias=bias, queue=queue)
+                                      row_token=row_token, act=act, bias=bias, queue=queue,
+                                      variant=config.cuda_variant)
     if w13.dim() != 3 or w13.shape[2] % 2:
         raise ValueError(f"w13 must be [E, H, 2*Ir], got {list(w13.shape)}")
     Ir = w13.shape[2] // 2

@@ -18,7 +18,8 @@ An entry may add `"w_desc": true`: the weights are then read through TMA tensor 
 the programs take tiles from an atomic counter (GemmConfig.queue); `"pn_major": true`: an expert's
 tiles in column-tile-major order (GemmConfig.pn_major); `"pair": true`: two full blocks of one expert
 run one 2*BM x BN/2 tile (GemmConfig.pair); `"cuda_tile": true` (gemm1 files only): the serial GEMM1
-runs the Hopper CUDA tile (GemmConfig.cuda_tile, service.kernels.cuda_tile).
+runs the Hopper CUDA tile (GemmConfig.cuda_tile, service.kernels.cuda_tile), with `"cuda_variant":
+"n256"` (or another of cuda_tile.VARIANTS) its mainloop variant (default "base").
 
 `bench/tune_gemm.py` writes these files on a GPU. The request path only reads them (cached);
 when no file matches, a default chosen by the device's shared memory is used and logged once.
@@ -95,7 +96,16 @@ def config_from_dict(entry: dict) -> GemmConfig:
                       w_desc=bool(entry.get("w_desc", False)), split_tail=bool(entry.get("split_tail", True)),
                       ctas_per_sm=int(entry.get("ctas_per_sm", 1)), queue=bool(entry.get("queue", False)),
                       pn_major=bool(entry.get("pn_major", False)), pair=bool(entry.get("pair", False)),
-                      cuda_tile=bool(entry.get("cuda_tile", False)))
+                      cuda_tile=bool(entry.get("cuda_tile", False)),
+                      cuda_variant=_variant(entry.get("cuda_variant", "base")))
+
+
+def _variant(name) -> str:
+    from service.kernels.cuda_tile import VARIANTS
+
+    if name not in VARIANTS:
+        raise ValueError(f"cuda_variant must be one of {VARIANTS}, got {name!r}")
+    return name
 
 
 def config_to_dict(config: GemmConfig) -> dict:
@@ -114,6 +124,8 @@ def config_to_dict(config: GemmConfig) -> dict:
         out["pair"] = True
     if config.cuda_tile:
         out["cuda_tile"] = True
+    if config.cuda_variant != "base":
+        out["cuda_variant"] = config.cuda_variant
     return out
 
 

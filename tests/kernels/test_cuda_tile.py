@@ -7,6 +7,7 @@ test_cuda_tile_gpu.py.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from service.config import BM, Activation
-from service.kernels import cuda_tile
+from service.kernels import cuda_tile, tuning
 from service.kernels.grouped_gemm import GemmConfig, gemm1_swiglu, gemm2
 from tests.helpers import routing
 
@@ -96,6 +97,24 @@ def test_an_unknown_variant_is_refused():
     a, w13, block_expert, out, row_token = _args()
     with pytest.raises(ValueError, match="variant must be one of"):
         cuda_tile.gemm1_swiglu(a, w13, block_expert, out=out, row_token=row_token, variant="n512")
+
+
+def test_the_variant_comes_from_the_config():
+    """GemmConfig.cuda_variant picks the CUDA tile's mainloop: a tuned file carries it (round trip),
+    a name the tile does not know is refused when the file is read and at the launch, and it means
+    nothing without cuda_tile (refused rather than ignored)."""
+    n256 = dataclasses.replace(TILE, cuda_variant="n256")
+    assert tuning.config_from_dict(tuning.config_to_dict(n256)) == n256
+    assert tuning.config_to_dict(n256)["cuda_variant"] == "n256"
+    assert "cuda_variant" not in tuning.config_to_dict(TILE)
+    with pytest.raises(ValueError, match="cuda_variant must be one of"):
+        tuning.config_from_dict({**tuning.config_to_dict(TILE), "cuda_variant": "n512"})
+    with pytest.raises(AssertionError, match="needs cuda_tile"):
+        GemmConfig(BN=128, BK=64, num_warps=8, num_stages=4, cuda_variant="n256")
+    a, w13, block_expert, out, row_token = _args()
+    with pytest.raises(ValueError, match="variant must be one of"):  # the launch reads it (before the device)
+        gemm1_swiglu(a, w13, block_expert, config=dataclasses.replace(TILE, cuda_variant="n512"), out=out,
+                     row_token=row_token)
 
 
 def test_the_switch_never_falls_back():
