@@ -27,7 +27,7 @@ import torch
 
 from service.api.error_map import ModelNotFound, PayloadTooLarge
 from service.api.proto import grpc_predict_v2_pb2 as pb
-from service.api.regions import RegionRows, Regions, Rows, refuse, sent_row
+from service.api.regions import RegionRows, Regions, Rows, enabled, sent_row
 from service.config import DTYPE_NAMES, LayerConfig
 from service.errors import InvalidInput
 
@@ -728,10 +728,8 @@ def _decoded_v2(tensors: dict[str, Rows], spec: ModelSpec, request_id, timeout,
     decoded = Decoded(x, ids, w, out_dtype=out_dtype, request_id=request_id, timeout_s=timeout)
     if out_shm is not None:
         region, offset, size = out_shm
-        if regions is None:
-            raise refuse()
-        decoded.out_region = regions.rows(region, offset, size, out_dtype, list(x.shape), f"output '{OUTPUT_NAME}'",
-                                          output=True)
+        decoded.out_region = enabled(regions).rows(region, offset, size, out_dtype, list(x.shape),
+                                                   f"output '{OUTPUT_NAME}'", output=True)
     return decoded
 
 
@@ -760,10 +758,8 @@ def _shm_input(regions: Regions | None, shm: tuple, dtype: torch.dtype, shape: l
     """An input in a region: hidden_states stays there until its step copies it into the slot;
     the routing ([T, K], whose values `validate` checks) is read by `_decoded_v2` once every
     input's shape is known and checked."""
-    if regions is None:
-        raise refuse()
     region, offset, size = shm
-    return regions.rows(region, offset, size, dtype, shape, f"input '{name}'")
+    return enabled(regions).rows(region, offset, size, dtype, shape, f"input '{name}'")
 
 
 def _grpc_params(params) -> dict:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from service.api.batcher import Batcher
 from service.api.codecs import INPUT_NAMES, MODEL_VERSION, OUTPUT_NAME, V2_NAMES, Decoded, ModelSpec
-from service.api.regions import Regions, Rows, refuse
+from service.api.regions import Regions, Rows, enabled
 from service.config import LayerConfig, Settings
 from service.errors import GroupUnavailable
 from service.metrics import PROTOCOLS, Metrics, Snapshot, merge
@@ -65,9 +65,7 @@ class Frontend:
 
     def shared_memory(self) -> Regions:
         """The shared-memory registry; SharedMemoryOff when the extension is off."""
-        if self.regions is None:
-            raise refuse()
-        return self.regions
+        return enabled(self.regions)
 
     async def infer(self, req: Decoded, transport_timeout_s: float | None = None,
                     out: Rows | None = None) -> Rows:

@@ -259,7 +259,7 @@ def create_app(fe: Frontend) -> FastAPI:
         try:
             regions = fe.shared_memory()
             body = await read_body(request, REGISTER_BODY_LIMIT, fe.settings.request_timeout_s)
-            doc = codecs.json_object(b"".join(body))
+            doc = codecs.json_object(codecs.join_chunks(body))
             unknown = sorted(set(doc) - {"key", "offset", "byte_size"})
             if unknown or "key" not in doc or "byte_size" not in doc:
                 raise InvalidInput(f"a register request is {{\"key\", \"offset\", \"byte_size\"}}; got the keys "

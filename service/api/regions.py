@@ -279,13 +279,11 @@ class RegionRows:
 Rows = torch.Tensor | RegionRows
 
 
-def copy_rows(dst: Rows, src: Rows) -> None:
-    """dst <- src, either one a tensor or rows in a region (the batcher's copies in and out)."""
+def copy_rows(dst: torch.Tensor, src: Rows) -> None:
+    """dst <- src, a tensor or rows in a region (the batcher's copy in; its copy out writes a
+    region under the request's lock, `RegionRows.write_from`)."""
     if isinstance(src, RegionRows):
-        assert isinstance(dst, torch.Tensor)
         src.read_into(dst)
-    elif isinstance(dst, RegionRows):
-        dst.write_from(src)
     else:
         dst.copy_(src)
 
@@ -447,8 +445,11 @@ class Regions:
                     del self._objects[name]
 
 
-def refuse() -> SharedMemoryOff:
-    return SharedMemoryOff(OFF)
+def enabled(regions: Regions | None) -> Regions:
+    """`regions`, or SharedMemoryOff (naming the flag) when the extension is off (None)."""
+    if regions is None:
+        raise SharedMemoryOff(OFF)
+    return regions
 
 
 def _count(value, what: str, least: int) -> int:
