@@ -48,16 +48,20 @@ class InstantEvent:
 
 
 class GatedEvent(InstantEvent):
-    """An event whose work completes when the test opens `gate` (a device still computing)."""
+    """An event whose work completes when the test opens `gate` (a device still computing);
+    `waited` is set once the rank blocks on one (it has enqueued what it will before finishing)."""
 
     gate = threading.Event()
+    waited = threading.Event()
 
     def query(self) -> bool:
         assert self.recorded
         return self.gate.is_set()
 
     def synchronize(self) -> None:
-        assert self.recorded and self.gate.wait(timeout=10), "waited for a step the test never completed"
+        assert self.recorded
+        self.waited.set()
+        assert self.gate.wait(timeout=10), "waited for a step the test never completed"
 
 
 class FakeLayer:
@@ -89,6 +93,7 @@ class FakeLayer:
         return self.out[:n]
 
     def snapshot(self, state: StepState) -> None:
+        time.sleep(0.05)
         state.words.copy_(self.device_seq)
 
     def check_seq(self, seq, state=None):
@@ -239,6 +244,7 @@ def test_a_step_arriving_while_the_device_computes_is_enqueued_at_once(monkeypat
     slots = make_slots(gen, 2)
     layer = FakeLayer()
     GatedEvent.gate.clear()
+    GatedEvent.waited.clear()
     parent, child = mp.Pipe()
 
     def feeder() -> None:
@@ -250,6 +256,10 @@ def test_a_step_arriving_while_the_device_computes_is_enqueued_at_once(monkeypat
         until(("forward", 1))
         parent.send(("step", 2, 1, 37))
         until(("forward", 2))
+        # Open the gate only once the rank waits on step 1: "forward 2" is booked inside the layer's
+        # forward, before the rank asks whether step 1's layer still runs (opening it then raced that
+        # question and failed CI once).
+        GatedEvent.waited.wait(timeout=10)
         GatedEvent.gate.set()  # the device finishes both
         parent.send(("stop",))
 
