@@ -14,8 +14,8 @@ replaces its HTTP client (http.client) with a raw-socket one (sendall the prepar
 recv_into one preallocated buffer) so that the load generator is not what is timed (its gRPC client
 is grpc's own, bytes in, bytes out). v2_shm and grpc_shm are Triton's system shared memory
 (serve_load.ShmJob: the tensors in the client's regions, the request and answer without data; the
-servers then get `--shared-memory system`). The server keeps torch's default thread count, as a
-GPU server's front end does (a CPU server pins one).
+servers then get `--shared-memory system`). The front end runs on one torch thread, as the server's
+does on every device.
 
 `--trees` starts one server per entry and alternates every cell between them (`--reps` rounds):
 a checkout's root (its `service` is imported: before/after in one run), `PATH@uvloop` (that server
@@ -48,7 +48,6 @@ import time
 import types
 
 import serve_load
-import torch
 from frontend_floor import TRANSPORT
 from standin_serve import StandInGroup, StandInServer
 
@@ -150,11 +149,10 @@ def serve(args) -> int:
     def factory():
         return StandInGroup(holder.server.cfg, settings.slots, args.step_ms / 1e3)
 
-    threads = torch.get_num_threads()
+    # The front end keeps the torch threads the server gives it (one, service.fleet.set_frontend_threads,
+    # on every device): torch's default here (2 on this VM, 16 on an H200 host) measured OpenMP teams
+    # spinning in the step threads, 2-4x the p50 on a busy VM (bench/NOTES.md, issue 11q).
     holder.server = StandInServer(settings, group_factory=factory)
-    # A CPU server pins the front end to one torch thread (its ranks share the cores); on a GPU
-    # server it keeps torch's default, as here: the stand-in stands for the GPU server's front end.
-    torch.set_num_threads(threads)
     if args.loop == "uvloop":  # the service runs asyncio's loop; this measures what uvloop would change
         import uvloop
 
