@@ -84,7 +84,7 @@ class Endpoint:
         self.batcher = Batcher(budget=cfg.tokens_per_step, delay_s=settings.batch_delay_ms / 1e3,
                                queue_tokens=settings.queue_tokens, slots=slots, metrics=self.metrics,
                                on_failure=on_failure, slot_timeout_s=settings.step_timeout_s,
-                               idle_wait=settings.batch_idle_wait)
+                               idle_wait=settings.batch_idle_wait, copy_threads=settings.copy_threads)
         self.fe = Frontend(settings, cfg, self.metrics, self.batcher)
         self.http_port: int | None = None
         self.grpc_port: int | None = None
