@@ -534,3 +534,18 @@ def pb_raw(wire: bytes) -> bytes:
     from service.api.proto import grpc_predict_v2_pb2 as pb
 
     return pb.ModelInferResponse.FromString(wire).raw_output_contents[0]
+
+
+def test_every_front_end_splits_with_the_copy_threads_setting():
+    """`--copy-threads` reaches the batcher of each front end (the owner's and service.replica's are
+    one Endpoint), and 1 (the default) keeps every copy in the step thread (no helper pool)."""
+    from service.config import Settings
+    from service.server import Endpoint
+
+    for threads in (1, 3):
+        endpoint = Endpoint(Settings(copy_threads=threads), CFG, slots=2)
+        split = endpoint.batcher._split
+        assert split.threads == threads and (split._pool is None) == (threads == 1)
+        split.close()
+    with pytest.raises(ValueError, match="copy_threads"):
+        Settings(copy_threads=0)
