@@ -14,15 +14,16 @@ replaces its HTTP client (http.client) with a raw-socket one (sendall the prepar
 recv_into one preallocated buffer) so that the load generator is not what is timed (its gRPC client
 is grpc's own, bytes in, bytes out). v2_shm and grpc_shm are Triton's system shared memory
 (serve_load.ShmJob: the tensors in the client's regions, the request and answer without data; the
-servers then get `--shared-memory system`). The server keeps torch's default thread count, as a
-GPU server's front end does (a CPU server pins one).
+servers then get `--shared-memory system`). The front end runs on one torch thread, as the server's
+does on every device.
 
 `--trees` starts one server per entry and alternates every cell between them (`--reps` rounds):
 a checkout's root (its `service` is imported: before/after in one run), `PATH@uvloop` (that server
 on uvloop's loop), or `floor`: bench/frontend_floor.py, the same exchange with no front end
 (`floor@sync`: its gRPC on a synchronous grpc.server; `floor@server=V`: with frontend_floor's
 transport variant V). `@client=V` after any entry gives the bench's gRPC client variant V's
-channel arguments (what a user's client could set), e.g. `floor,floor@server=all@client=all`.
+channel arguments (what a user's client could set), e.g. `floor,floor@server=all@client=all`;
+`@MOE_X=V` serves that entry with the setting MOE_X=V in its environment (`.,.@MOE_COPY_THREADS=2`).
 
 `--timeline` (concurrency 1 only): the server records timestamps of each request (HTTP: first
 byte read, headers, body complete, decoded, submitted, step start, rows in the slot, group.run
@@ -48,7 +49,6 @@ import time
 import types
 
 import serve_load
-import torch
 from frontend_floor import TRANSPORT
 from standin_serve import StandInGroup, StandInServer
 
@@ -150,11 +150,10 @@ def serve(args) -> int:
     def factory():
         return StandInGroup(holder.server.cfg, settings.slots, args.step_ms / 1e3)
 
-    threads = torch.get_num_threads()
+    # The front end keeps the torch threads the server gives it (one, service.fleet.set_frontend_threads,
+    # on every device): torch's default here (2 on this VM, 16 on an H200 host) measured OpenMP teams
+    # spinning in the step threads, 2-4x the p50 on a busy VM (bench/NOTES.md, issue 11q).
     holder.server = StandInServer(settings, group_factory=factory)
-    # A CPU server pins the front end to one torch thread (its ranks share the cores); on a GPU
-    # server it keeps torch's default, as here: the stand-in stands for the GPU server's front end.
-    torch.set_num_threads(threads)
     if args.loop == "uvloop":  # the service runs asyncio's loop; this measures what uvloop would change
         import uvloop
 
@@ -219,10 +218,10 @@ def parse_tree(tree: str | None) -> tuple[str, dict[str, str]]:
     """A `--trees` entry: PATH[@MOD]...: the path and its modifiers (`uvloop`: the server's loop;
     `sync`: floor only, gRPC on a synchronous grpc.server; `server=V`: floor only, the server's
     gRPC transport variant V of frontend_floor.TRANSPORT; `client=V`: the bench client's channel
-    arguments, the same variants)."""
+    arguments, the same variants; `MOE_X=V`: that server's environment has MOE_X=V, a setting)."""
     path, *mods = (tree or "").split("@")
     parsed = dict(m.partition("=")[::2] for m in mods)
-    unknown = set(parsed) - {"uvloop", "sync", "server", "client"}
+    unknown = {m for m in parsed if not m.startswith("MOE_")} - {"uvloop", "sync", "server", "client"}
     if unknown or (path != "floor" and {"sync", "server"} & set(parsed)):
         raise SystemExit(f"--trees: unknown or misplaced modifiers in {tree!r}")
     for key in ("server", "client"):
@@ -257,7 +256,8 @@ def start(args, timeline_path: str | None, tree: str | None = None):
         cmd += ["--timeline", timeline_path]
     log_path = os.path.join(tempfile.gettempdir(), f"frontend-load-{os.getpid()}-{http_port}.log")
     path = None if tree in ("", "floor") else tree
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")])),
+               **{k: v for k, v in mods.items() if k.startswith("MOE_")})
     proc = subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{http_port}"
     deadline = time.monotonic() + 120

@@ -84,7 +84,7 @@ class Endpoint:
         self.batcher = Batcher(budget=cfg.tokens_per_step, delay_s=settings.batch_delay_ms / 1e3,
                                queue_tokens=settings.queue_tokens, slots=slots, metrics=self.metrics,
                                on_failure=on_failure, slot_timeout_s=settings.step_timeout_s,
-                               idle_wait=settings.batch_idle_wait)
+                               idle_wait=settings.batch_idle_wait, copy_threads=settings.copy_threads)
         self.fe = Frontend(settings, cfg, self.metrics, self.batcher)
         self.http_port: int | None = None
         self.grpc_port: int | None = None
@@ -196,8 +196,9 @@ class Server:
         log.info("device %s (%s); layer %s; backend %s; weights %s", self.device, why, cfg.describe(),
                  settings.backend, settings.weights or f"synthetic (seed {settings.seed})")
         log.info("batching: %d tokens per step (R*C), delay %.2f ms, queue %d tokens, deadline %.1f s; "
-                 "%d front-end process(es) of %d slots each", cfg.tokens_per_step, settings.batch_delay_ms,
-                 settings.queue_tokens, settings.request_timeout_s, self.frontends, settings.slots)
+                 "%d front-end process(es) of %d slots and %d copy thread(s) each", cfg.tokens_per_step,
+                 settings.batch_delay_ms, settings.queue_tokens, settings.request_timeout_s, self.frontends,
+                 settings.slots, settings.copy_threads)
         set_frontend_threads()
         self.group_factory = group_factory or self._new_group
         self.endpoint = Endpoint(settings, cfg, settings.slots, on_failure=self._on_step_failure)

@@ -20,7 +20,9 @@ request whose hidden_states hold NaN, infinity or values past the slot's dtype f
 `group.run`, copies slot.out into each request's answer in the request's dtype (the one copy out:
 into the response's own buffer where the caller passes one, which the encoders then send as it
 is) and releases the slot, so the event loop stays free. With `slots` >= 2 several steps are in flight:
-the group overlaps one step's copies with another's compute (service.worker.group).
+the group overlaps one step's copies with another's compute (service.worker.group). With
+`copy_threads` N > 1 a piece's copy in (and its check) and its copy out are split over N row ranges,
+run by the step thread and N-1 helper threads (`RowSplit`).
 
 Admission is bounded in tokens: a request that would push the queued tokens past
 `queue_tokens` fails at once with Overloaded. A request past its deadline fails with
@@ -37,6 +39,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -53,6 +56,36 @@ log = logging.getLogger(__name__)
 
 
 _REJECT_LOCK = threading.Lock()  # guards a request's bad-row mark, set by step threads
+SPLIT_MIN_BYTES = 1 << 20  # a smaller copy stays whole: a hand-off to a helper costs ~20-50 us, a MiB ~70
+
+
+class RowSplit:
+    """A front end's big copies in parallel, without OpenMP: `run(fn, n, row_bytes)` calls fn(lo, hi)
+    over `threads` contiguous row ranges of [0, n), the first in the calling thread, the others in
+    helper threads of this process, and returns their results in row order. The process keeps one
+    torch thread (service.fleet.set_frontend_threads), so each range is one single-threaded copy, and
+    idle helpers block on the pool's queue: nothing spins. (OMP_WAIT_POLICY=passive would do it with
+    torch's own threads, but libgomp reads it once, when torch is first imported, in every process the
+    owner spawns too: bench/NOTES.md, issue 11q.) A helper never waits for anything, so a caller
+    waiting for its ranges always gets them, however many step threads share the helpers."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads - 1, thread_name_prefix="moe-copy") \
+            if threads > 1 else None
+
+    def run(self, fn: Callable[[int, int], object], n: int, row_bytes: int) -> list:
+        parts = min(self.threads, n, max(1, n * row_bytes // SPLIT_MIN_BYTES))
+        if self._pool is None or parts == 1:
+            return [fn(0, n)]
+        bounds = [n * i // parts for i in range(parts + 1)]
+        rest = [self._pool.submit(fn, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:], strict=True)]
+        first = fn(bounds[0], bounds[1])
+        return [first, *(f.result() for f in rest)]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 @dataclasses.dataclass(eq=False)
@@ -109,7 +142,7 @@ class Batcher:
 
     def __init__(self, *, budget: int, delay_s: float, queue_tokens: int, slots: int,
                  metrics: Metrics, on_failure: Callable[[object, BaseException], None] | None = None,
-                 slot_timeout_s: float = 60.0, idle_wait: bool = True):
+                 slot_timeout_s: float = 60.0, idle_wait: bool = True, copy_threads: int = 1):
         self.budget = budget
         self.delay_s = delay_s
         self.idle_wait = idle_wait
@@ -124,6 +157,7 @@ class Batcher:
         self._refusal: BaseException | None = GroupUnavailable("the rank group is starting")
         self._slots = asyncio.Semaphore(slots)
         self._pool = concurrent.futures.ThreadPoolExecutor(slots, thread_name_prefix="moe-step")
+        self._split = RowSplit(copy_threads)
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -150,6 +184,7 @@ class Batcher:
         self._closing = True
         self._pool.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(self._pool.shutdown, wait=True)
+        self._split.close()  # no step thread is left to use it
         await asyncio.gather(*self._steps, return_exceptions=True)
 
     def attach(self, group) -> None:
@@ -375,13 +410,11 @@ class Batcher:
                 at = slice(p.at, p.at + p.rows)
                 job = p.job
                 if job.invalid is None:
-                    try:
-                        copy_rows(slot.x[at], job.x[rows])
-                        slot.ids[at].copy_(job.ids[rows])
-                        slot.w[at].copy_(job.w[rows])
-                        bad = rows_error(slot.x[at], job.x[rows], p.start)
-                    except InvalidInput as err:  # its shared-memory object shrank since it was registered
-                        bad = p.start, err
+                    slot.ids[at].copy_(job.ids[rows])
+                    slot.w[at].copy_(job.w[rows])
+                    bads = self._split.run(functools.partial(_copy_in, slot.x[at], job.x[rows], p.start),
+                                           p.rows, slot.x.shape[1] * slot.x.element_size())
+                    bad = min((b for b in bads if b is not None), key=lambda b: b[0], default=None)
                     if bad is not None:
                         job.reject(*bad)
                 # (another step's thread may have marked it meanwhile: the mark only ever goes on, so a
@@ -399,7 +432,8 @@ class Batcher:
                     continue
                 dst, src = job.out[p.start:p.start + p.rows], slot.out[p.at:p.at + p.rows]
                 if not isinstance(dst, RegionRows):  # the response's own buffer: nobody reads it once abandoned
-                    dst.copy_(src)
+                    self._split.run(functools.partial(_copy_out, dst, src), p.rows,
+                                    dst.shape[1] * max(dst.element_size(), src.element_size()))
                     continue
                 src = src.to(dst.dtype).contiguous()  # converted before the lock: _forget waits for the write only
                 with job.lock:
@@ -415,3 +449,19 @@ class Batcher:
                 group.release(slot)
             except Exception:  # a failed group may refuse; the step's own error matters more
                 log.debug("releasing a slot of a failed group", exc_info=True)
+
+
+def _copy_out(dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int) -> None:
+    """Rows lo..hi of an answer out of the slot (`src`) into the response's buffer, in its dtype."""
+    dst[lo:hi].copy_(src[lo:hi])
+
+
+def _copy_in(dst: torch.Tensor, src: Rows, first: int, lo: int, hi: int) -> tuple[int, InvalidInput] | None:
+    """Rows lo..hi of a piece into the slot (`dst`, converted to its dtype) and their check: None, or
+    the request's first bad row among them and its error (rows_error; `first` is the piece's first row
+    of the request)."""
+    try:
+        copy_rows(dst[lo:hi], src[lo:hi])
+        return rows_error(dst[lo:hi], src[lo:hi], first + lo)
+    except InvalidInput as err:  # its shared-memory object shrank since it was registered
+        return first + lo, err

@@ -394,3 +394,158 @@ def test_close_joins_steps_in_flight(timeout_s, steps):
 
     run(main())
     assert group.steps == steps
+
+
+# ---- copies split over threads (RowSplit, --copy-threads) -------------------------------------
+
+
+def test_row_split_runs_every_row_once_in_order_the_first_range_in_the_caller():
+    from service.api.batcher import SPLIT_MIN_BYTES, RowSplit
+
+    split = RowSplit(3)
+    calls: list[tuple[int, int, threading.Thread]] = []
+
+    def fn(lo, hi):
+        calls.append((lo, hi, threading.current_thread()))
+        return lo
+
+    try:
+        for n in (1, 2, 3, 7, 512):
+            calls.clear()
+
+            got = split.run(fn, n, SPLIT_MIN_BYTES)  # each row 1 MiB: split as far as the threads go
+            ranges = sorted((lo, hi) for lo, hi, _ in calls)
+            assert len(ranges) == min(3, n), (n, ranges)
+            assert [lo for lo, _ in ranges] == got, "results in row order"
+            assert ranges[0][0] == 0 and ranges[-1][1] == n and all(
+                a[1] == b[0] and a[0] < a[1] for a, b in zip(ranges, ranges[1:], strict=False)), ranges
+            by_lo = {lo: t for lo, _, t in calls}
+            assert by_lo[0] is threading.current_thread()
+            assert all(t.name.startswith("moe-copy") for lo, t in by_lo.items() if lo), by_lo
+        calls.clear()
+        assert split.run(fn, 512, SPLIT_MIN_BYTES // 256) == [0, 256]  # 2 MiB in all: 2 ranges of 1 MiB, not 3
+        assert split.run(fn, 512, SPLIT_MIN_BYTES // 1024) == [0]  # 512 KiB: one range, in the caller
+    finally:
+        split.close()
+    one = RowSplit(1)
+    assert one.run(lambda lo, hi: (lo, hi), 512, SPLIT_MIN_BYTES) == [(0, 512)]
+    one.close()
+
+
+@pytest.fixture
+def split_every_piece(monkeypatch):
+    """Pieces of CFG's tiny rows are split too (the threshold is 1 MiB)."""
+    import service.api.batcher as batcher_mod
+
+    monkeypatch.setattr(batcher_mod, "SPLIT_MIN_BYTES", 1)
+
+
+def test_copies_split_over_threads_answer_bit_for_bit_and_name_the_first_bad_row(split_every_piece):
+    """copy_threads=3: requests of odd sizes (T=1, split over steps) sharing steps get the same bits as
+    with one thread; a request with bad rows in two of a piece's ranges is named by its first one
+    (whichever range is checked first), its batch-mates unaffected."""
+    sizes = [20, 1, 13, 3, 7, 1, 9]
+    bad = {0: (2, 6, 14)}  # request 0 (T=20; its first piece, rows 0..7, in ranges 0..1, 2..4, 5..7): NaN rows
+
+    def serve(copy_threads):
+        group = FakeGroup(CFG, step_s=0.002)
+
+        async def main():
+            b = await started(group, delay_s=0.01, copy_threads=copy_threads)
+            reqs = []
+            for i, T in enumerate(sizes):
+                x, ids, w = batch(T, 300 + i)
+                for row in bad.get(i, ()):
+                    x[row, 1] = float("nan")
+                reqs.append((x.to(torch.bfloat16), ids, w))
+            outs = await asyncio.gather(*(b.submit(*r, timeout_s=10) for r in reqs), return_exceptions=True)
+            await b.close()
+            return reqs, outs, group
+
+        return run(main())
+
+    reqs, split_outs, group = serve(3)
+    _, one_outs, _ = serve(1)
+    assert group.nonfinite_steps == 0
+    for i, ((x, ids, w), out, one) in enumerate(zip(reqs, split_outs, one_outs, strict=True)):
+        if i in bad:
+            assert isinstance(out, InvalidInput) and "row 2)" in str(out), out
+            assert isinstance(one, InvalidInput) and str(one) == str(out)
+            continue
+        assert not isinstance(out, BaseException), (i, out)
+        assert torch.equal(out, one), i
+        assert rel_err(out.float(), group.ref(x.float(), ids, w)) < TOL[torch.bfloat16], i
+
+
+# ---- the gRPC answer's bytes and the slot they were copied from -----------------------------------
+
+
+@pytest.mark.parametrize("copy_threads", [1, 3])
+def test_grpc_answers_stay_right_when_the_next_steps_reuse_the_slot(copy_threads, split_every_piece):
+    """The answer grpc sends is the response's own bytes (codecs.grpc_response), never memory the
+    slot shares: with ONE slot, reused by every step, answers of one step (T=1, 3, 4 together) and of
+    a request split over two steps (T=11) are right, and still bit for bit the same when serialized
+    after later steps have overwritten that slot with other requests' rows of the same sizes (what a
+    zero-copy answer handing grpc a view of the slot gets wrong, grpc may send it after the next step
+    ran; and so does a response buffer reused for a later request)."""
+    import numpy as np
+
+    from service.api import codecs
+
+    group = FakeGroup(CFG, slots=1)
+
+    def response(x):
+        req = types.SimpleNamespace(x=x, out_dtype=x.dtype, request_id="r", out_region=None)
+        return codecs.grpc_response(req, "moe")
+
+    async def wave(b, sizes, seed):
+        reqs = [batch(T, seed + i) for i, T in enumerate(sizes)]
+        reqs = [(x.to(torch.bfloat16), ids, w) for x, ids, w in reqs]
+        answers = [response(x) for x, _, _ in reqs]
+        await asyncio.gather(*(b.submit(*r, timeout_s=10, out_dtype=torch.bfloat16, out=a.out)
+                               for r, a in zip(reqs, answers, strict=True)))
+        return reqs, answers
+
+    async def main():
+        b = await started(group, slots=1, delay_s=0.05, copy_threads=copy_threads)
+        first = await wave(b, [1, 3, 4], 400)      # one step of 8
+        split = await wave(b, [11], 410)           # steps of 8 and 3
+        sent = [bytes(bytearray(a.data)) for a in first[1] + split[1]]  # what grpc would send now
+        await wave(b, [4, 3, 1], 420)              # the slot overwritten by other requests' rows,
+        await wave(b, [11], 430)                   # of the same sizes (the same rows of the slot)
+        await b.close()
+        return first[0] + split[0], first[1] + split[1], sent
+
+    reqs, answers, sent = run(main())
+    assert group.steps == [8, 8, 3, 8, 8, 3], group.steps
+    slot = group.free.get_nowait()
+    slot_memory = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in (slot.x, slot.out)]
+    for (x, ids, w), answer, before in zip(reqs, answers, sent, strict=True):
+        wire = codecs.serialize_grpc_response(answer)
+        at = np.frombuffer(wire, dtype=np.uint8).ctypes.data
+        assert all(at + len(wire) <= lo or at >= hi for lo, hi in slot_memory), "grpc would send the slot"
+        assert wire == before, "the answer changed after its slot was reused"
+        out = torch.frombuffer(bytearray(pb_raw(wire)), dtype=torch.bfloat16).view(x.shape)
+        assert rel_err(out.float(), group.ref(x.float(), ids, w)) < TOL[torch.bfloat16]
+
+
+def pb_raw(wire: bytes) -> bytes:
+    """raw_output_contents[0] of a serialized ModelInferResponse."""
+    from service.api.proto import grpc_predict_v2_pb2 as pb
+
+    return pb.ModelInferResponse.FromString(wire).raw_output_contents[0]
+
+
+def test_every_front_end_splits_with_the_copy_threads_setting():
+    """`--copy-threads` reaches the batcher of each front end (the owner's and service.replica's are
+    one Endpoint), and 1 (the default) keeps every copy in the step thread (no helper pool)."""
+    from service.config import Settings
+    from service.server import Endpoint
+
+    for threads in (1, 3):
+        endpoint = Endpoint(Settings(copy_threads=threads), CFG, slots=2)
+        split = endpoint.batcher._split
+        assert split.threads == threads and (split._pool is None) == (threads == 1)
+        split.close()
+    with pytest.raises(ValueError, match="copy_threads"):
+        Settings(copy_threads=0)

@@ -704,6 +704,44 @@ def test_no_write_into_the_output_region_after_the_error(objects, case):
     table.close()
 
 
+def test_rows_read_from_a_region_in_split_ranges(objects, monkeypatch):
+    """copy_threads=3 with every piece split: a request's rows read from its input region range by
+    range (preads at each range's offset) answer as the same rows sent as a tensor, bit for bit, and
+    its answer written into its output region too; a NaN in the last range of a later piece is
+    named by its row."""
+    import service.api.batcher as batcher_mod
+
+    monkeypatch.setattr(batcher_mod, "SPLIT_MIN_BYTES", 1)
+    T = BUDGET + 7  # two steps
+    x, ids, w = batch(T, seed=71)
+    bad_x = x.clone()
+    bad_x[BUDGET + 6, 0] = NAN  # the second piece's last range
+    table = regions.RegionTable.create()
+    objs = {name: objects(nbytes(x)) for name in ("in", "out", "bad")}
+    objs["in"].write(x)
+    objs["bad"].write(bad_x)
+
+    async def main():
+        own = regions.Regions(table)
+        for name, obj in objs.items():
+            own.register(name, obj.key, 0, nbytes(x))
+
+        def rows(name, output=False):
+            return own.rows(name, 0, nbytes(x), torch.float32, list(x.shape), f"{name} rows", output=output)
+
+        b = await started(FakeGroup(BATCHER_CFG), copy_threads=3)
+        wire = await b.submit(x, ids, w, timeout_s=5.0)
+        await b.submit(rows("in"), ids, w, timeout_s=5.0, out=rows("out", output=True))
+        with pytest.raises(InvalidInput, match=f"row {BUDGET + 6}\\)"):
+            await b.submit(rows("bad"), ids, w, timeout_s=5.0)
+        await b.close()
+        return wire
+
+    wire = asyncio.run(main())
+    assert torch.equal(objs["out"].read(torch.float32, x.shape), wire)
+    table.close()
+
+
 def test_a_failed_step_leaves_no_descriptor_behind(objects):
     """A step that fails (a rank error) fails its requests with its exception; that exception's
     traceback must not hold the step's pieces (and so the requests' region objects) in a cycle that
