@@ -229,8 +229,8 @@ class Settings(BaseSettings):
                     "request and response bodies; `off` (default) refuses those calls, since the server then reads "
                     "and writes memory a client names")
     max_connections: int = Field(1000, ge=1,
-        description="open connections per protocol; at the limit HTTP closes the longest-idle one, gRPC refuses new "
-                    "ones")
+        description="open connections per protocol; at the limit HTTP closes the longest-idle one (or answers 503 "
+                    "to the new one when every one has a request in flight), gRPC refuses new ones")
     idle_timeout_s: float = Field(30.0, gt=0,
         description="a connection without a request in flight (idle, or still sending its headers) is closed after "
                     "this")

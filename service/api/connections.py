@@ -8,7 +8,10 @@ and was logged). Here:
 - a connection with no request in flight is closed `idle_timeout_s` after it opened or after its
   last response (a request in flight is bounded by its deadline: see http.read_body);
 - at `max_connections` a new connection closes the longest-idle one to make room; when every one
-  has a request in flight, the new one is closed instead.
+  has a request in flight, the new one is answered 503 (Retry-After: 1, `Connection: close`)
+  without reading its request, and closed once the client has read it (a close with its request
+  unread in the socket would send a reset that can destroy the answer in flight: its bytes are read
+  and dropped until the client closes, at most `REFUSED_LINGER_S`).
 uvicorn's `limit_concurrency` is not used: it answers 503 to every request while idle sockets
 fill the limit, health checks included. The bounds are one mixin, `ConnectionBounds`, on either
 protocol: both keep the request being answered as `self.cycle` (httptools: the newest one, a
@@ -39,6 +42,10 @@ FD_RESERVE = 256  # descriptors besides client connections: slots, rank pipes, t
 # The ASGI scope's key for the time (time.perf_counter) the request's first byte was read: where the
 # server's books start (service.api.http); absent for a request pipelined behind another.
 FIRST_BYTE = "moe.first_byte"
+REFUSED_LINGER_S = 1.0  # a refused connection's client gets this long to read its 503 and close
+_REFUSED_BODY = b'{"error": "too many connections (max_connections): every one has a request in flight"}'
+REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+           b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_REFUSED_BODY), _REFUSED_BODY))
 
 
 def ensure_file_limit(max_connections: int) -> int:
@@ -71,6 +78,7 @@ class ConnectionBounds:
         self._idle_timer: asyncio.TimerHandle | None = None
         self._first_byte: float | None = None  # of the request whose headers are being read
         self._arrived = 0.0  # when the bytes being read arrived
+        self._refused = False  # answered 503 at the cap: what it sends is dropped
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
@@ -78,12 +86,21 @@ class ConnectionBounds:
             idle = [c for c in self.connections if isinstance(c, ConnectionBounds) and c is not self and not c.busy
                     and not c.transport.is_closing()]
             victim = min(idle, key=lambda c: c._idle_since) if idle else self
-            log.warning("%d HTTP connections open (max_connections): closing %s", len(self.connections),
-                        "the longest-idle one" if idle else "the new one, every other one is busy")
-            victim.transport.close()
+            log.warning("%d HTTP connections open (max_connections): %s", len(self.connections),
+                        "closing the longest-idle one" if idle else "answering 503 to the new one, every other "
+                        "one is busy")
+            if idle:
+                victim.transport.close()
+            else:
+                self._refused = True
+                self.transport.write(REFUSED)
+                self.loop.call_later(REFUSED_LINGER_S, self.transport.close)
+                return
         self._arm()
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
         self._arrived = time.perf_counter()
         if self._first_byte is None and not self.busy and (self.cycle is None or not self.cycle.more_body):
             # the first bytes of a request (not the tail of a body answered before it was read: a
