@@ -21,8 +21,9 @@ request whose hidden_states hold NaN, infinity or values past the slot's dtype f
 into the response's own buffer where the caller passes one, which the encoders then send as it
 is) and releases the slot, so the event loop stays free. With `slots` >= 2 several steps are in flight:
 the group overlaps one step's copies with another's compute (service.worker.group). With
-`copy_threads` N > 1 a piece's copy in (and its check) and its copy out are split over N row ranges,
-run by the step thread and N-1 helper threads (`RowSplit`).
+`copy_threads` N > 1 a piece's copy in (and its check) and its copy out are split into min(N, rows)
+row ranges when the piece is SPLIT_MIN_BYTES (1 MiB) or more in the slot's dtype, run by the step
+thread and N-1 helper threads (`RowSplit`); a smaller piece stays whole.
 
 Admission is bounded in tokens: a request that would push the queued tokens past
 `queue_tokens` fails at once with Overloaded. A request past its deadline fails with
@@ -58,7 +59,8 @@ log = logging.getLogger(__name__)
 _REJECT_LOCK = threading.Lock()  # guards a request's bad-row mark, set by step threads
 # a range's copy in: None (its rows are fine), (the request's first bad row, its error), or its read's error
 RangeCheck = tuple[int, InvalidInput] | InvalidInput | None
-SPLIT_MIN_BYTES = 1 << 20  # a smaller copy stays whole: a hand-off to a helper costs ~20-50 us, a MiB ~70
+# a smaller piece (counted in the slot's dtype) stays whole: a hand-off to a helper costs ~20-50 us, a MiB ~70
+SPLIT_MIN_BYTES = 1 << 20
 
 
 class RowSplit:
