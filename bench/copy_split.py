@@ -6,7 +6,8 @@ Floor: one 4 / 16 / 64 MiB copy (torch copy_, one torch thread, as a front end r
 freshly allocated bytes object (what a gRPC answer's copy out writes), and the sum that screens a
 request's rows (codecs.rows_error). Split: the batcher's copy in with its check (`_copy_in`) and copy
 out (`_copy_out`) of [T, 4096] bf16 rows, from a step-like thread, with copy_threads 1 and each of
---threads, interleaved; medians in us. Prints the load average: on a shared machine it decides.
+--threads, interleaved; medians in us and their ratio to one thread's in the same run. Prints the
+load average: on a shared machine it decides.
 """
 
 from __future__ import annotations
@@ -20,20 +21,12 @@ import time
 import warnings
 
 import torch
+from frontend_costs import median_us
 
 from service.api.batcher import RowSplit, _copy_in, _copy_out
 from service.api.codecs import _bytes_to_fill
 
 H = 4096
-
-
-def median_us(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
 
 
 def floors(reps: int) -> None:
@@ -63,9 +56,9 @@ def split_times(splits: dict[int, RowSplit], T: int, reps: int) -> dict[int, tup
     for _ in range(reps):
         for n, sp in splits.items():
             t0 = time.perf_counter()
-            sp.run(functools.partial(_copy_in, slot, src, 0), T, H * 2)
+            sp.run(functools.partial(_copy_in, slot, src, 0), T, T * H * 2)
             t1 = time.perf_counter()
-            sp.run(functools.partial(_copy_out, out, slot), T, H * 2)
+            sp.run(functools.partial(_copy_out, out, slot), T, T * H * 2)
             got[n][0].append(t1 - t0)
             got[n][1].append(time.perf_counter() - t1)
             time.sleep(0.002)  # as between steps
@@ -76,9 +69,12 @@ def split(sizes: list[int], threads: list[int], reps: int) -> None:
     splits = {n: RowSplit(n) for n in [1, *threads]}
     step_thread = concurrent.futures.ThreadPoolExecutor(1)  # the batcher's copies run in a step thread
     for T in sizes:
-        for n, (ins, outs) in step_thread.submit(split_times, splits, T, reps).result().items():
-            print(f"| T={T}, copy threads {n} | {statistics.median(ins) * 1e6:,.0f} | "
-                  f"{statistics.median(outs) * 1e6:,.0f} |")
+        medians = {n: [statistics.median(t) * 1e6 for t in times]
+                   for n, times in step_thread.submit(split_times, splits, T, reps).result().items()}
+        for n, (us_in, us_out) in medians.items():
+            base_in, base_out = medians[1]
+            print(f"| T={T}, copy threads {n} | {us_in:,.0f} | {us_in / base_in:.2f} | "
+                  f"{us_out:,.0f} | {us_out / base_out:.2f} |")
     step_thread.shutdown()
     for sp in splits.values():
         sp.close()
@@ -93,7 +89,7 @@ def main() -> int:
     torch.set_num_threads(1)  # as every front end (service.fleet.set_frontend_threads)
     print(f"# {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}\n\n| copy | us | rate |\n|---|---|---|")
     floors(args.reps)
-    print("\n| split | copy in + check us | copy out us |\n|---|---|---|")
+    print("\n| split | copy in + check us | / 1 thread | copy out us | / 1 thread |\n|---|---|---|---|---|")
     split([int(s) for s in args.sizes.split(",")], [int(t) for t in args.threads.split(",")], args.reps)
     print(f"\nload average after: {os.getloadavg()[0]:.1f}")
     return 0

@@ -57,6 +57,7 @@ from service.api import codecs, connections
 from service.api import grpc as grpc_mod
 from service.api import http as http_mod
 from service.cli import parse_settings
+from service.config import Settings
 
 # ---- server-side timeline (installed by `serve --timeline`) -------------------------------------
 
@@ -218,12 +219,17 @@ def parse_tree(tree: str | None) -> tuple[str, dict[str, str]]:
     """A `--trees` entry: PATH[@MOD]...: the path and its modifiers (`uvloop`: the server's loop;
     `sync`: floor only, gRPC on a synchronous grpc.server; `server=V`: floor only, the server's
     gRPC transport variant V of frontend_floor.TRANSPORT; `client=V`: the bench client's channel
-    arguments, the same variants; `MOE_X=V`: that server's environment has MOE_X=V, a setting)."""
+    arguments, the same variants; `MOE_X=V`: that server's environment has MOE_X=V, where x is a field
+    of service.config.Settings: a misspelt setting is an error, not a server run with the default)."""
     path, *mods = (tree or "").split("@")
     parsed = dict(m.partition("=")[::2] for m in mods)
-    unknown = {m for m in parsed if not m.startswith("MOE_")} - {"uvloop", "sync", "server", "client"}
-    if unknown or (path != "floor" and {"sync", "server"} & set(parsed)):
-        raise SystemExit(f"--trees: unknown or misplaced modifiers in {tree!r}")
+    unknown = {m for m in parsed if (m.removeprefix("MOE_").lower() not in Settings.model_fields
+                                     if m.startswith("MOE_") else m not in {"uvloop", "sync", "server", "client"})}
+    if unknown:
+        raise SystemExit(f"--trees: unknown modifiers {sorted(unknown)} in {tree!r} (a MOE_ one names no setting "
+                         "of service.config.Settings)")
+    if path != "floor" and {"sync", "server"} & set(parsed):
+        raise SystemExit(f"--trees: sync and server= apply to the floor only, in {tree!r}")
     for key in ("server", "client"):
         if key in parsed and parsed[key] not in TRANSPORT:
             raise SystemExit(f"--trees: {key}={parsed[key]} is not one of {sorted(TRANSPORT)}")

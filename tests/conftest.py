@@ -11,3 +11,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"needs 2+ CUDA GPUs, found {gpus}"))
         elif "gpu" in item.keywords and gpus < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+@pytest.fixture
+def split_every_piece(monkeypatch):
+    """The batcher splits every piece over its copy threads, also the tests' tiny ones (the threshold,
+    batcher.SPLIT_MIN_BYTES, is 1 MiB)."""
+    import service.api.batcher as batcher_mod
+
+    monkeypatch.setattr(batcher_mod, "SPLIT_MIN_BYTES", 1)

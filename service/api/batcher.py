@@ -21,8 +21,9 @@ request whose hidden_states hold NaN, infinity or values past the slot's dtype f
 into the response's own buffer where the caller passes one, which the encoders then send as it
 is) and releases the slot, so the event loop stays free. With `slots` >= 2 several steps are in flight:
 the group overlaps one step's copies with another's compute (service.worker.group). With
-`copy_threads` N > 1 a piece's copy in (and its check) and its copy out are split over N row ranges,
-run by the step thread and N-1 helper threads (`RowSplit`).
+`copy_threads` N > 1 a piece's copy in (and its check) and its copy out are split into min(N, rows)
+row ranges when the piece is SPLIT_MIN_BYTES (1 MiB) or more in the slot's dtype, run by the step
+thread and N-1 helper threads (`RowSplit`); a smaller piece stays whole.
 
 Admission is bounded in tokens: a request that would push the queued tokens past
 `queue_tokens` fails at once with Overloaded. A request past its deadline fails with
@@ -56,11 +57,14 @@ log = logging.getLogger(__name__)
 
 
 _REJECT_LOCK = threading.Lock()  # guards a request's bad-row mark, set by step threads
-SPLIT_MIN_BYTES = 1 << 20  # a smaller copy stays whole: a hand-off to a helper costs ~20-50 us, a MiB ~70
+# a range's copy in: None (its rows are fine), (the request's first bad row, its error), or its read's error
+RangeCheck = tuple[int, InvalidInput] | InvalidInput | None
+# a smaller piece (counted in the slot's dtype) stays whole: a hand-off to a helper costs ~20-50 us, a MiB ~70
+SPLIT_MIN_BYTES = 1 << 20
 
 
 class RowSplit:
-    """A front end's big copies in parallel, without OpenMP: `run(fn, n, row_bytes)` calls fn(lo, hi)
+    """A front end's big copies in parallel, without OpenMP: `run(fn, n, piece_bytes)` calls fn(lo, hi)
     over `threads` contiguous row ranges of [0, n), the first in the calling thread, the others in
     helper threads of this process, and returns their results in row order. The process keeps one
     torch thread (service.fleet.set_frontend_threads), so each range is one single-threaded copy, and
@@ -74,13 +78,19 @@ class RowSplit:
         self._pool = concurrent.futures.ThreadPoolExecutor(threads - 1, thread_name_prefix="moe-copy") \
             if threads > 1 else None
 
-    def run(self, fn: Callable[[int, int], object], n: int, row_bytes: int) -> list:
-        parts = min(self.threads, n, max(1, n * row_bytes // SPLIT_MIN_BYTES))
+    def run(self, fn: Callable[[int, int], object], n: int, piece_bytes: int) -> list:
+        """fn over [0, n) in min(threads, n) ranges when the piece is SPLIT_MIN_BYTES or more, else in one.
+        Every range has finished when this returns or raises (the first error in row order): a range
+        still running after its step released the slot would write into the next step's rows."""
+        parts = min(self.threads, n) if piece_bytes >= SPLIT_MIN_BYTES else 1
         if self._pool is None or parts == 1:
             return [fn(0, n)]
         bounds = [n * i // parts for i in range(parts + 1)]
         rest = [self._pool.submit(fn, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:], strict=True)]
-        first = fn(bounds[0], bounds[1])
+        try:
+            first = fn(bounds[0], bounds[1])
+        finally:
+            concurrent.futures.wait(rest)
         return [first, *(f.result() for f in rest)]
 
     def close(self) -> None:
@@ -405,6 +415,7 @@ class Batcher:
             if self._closing:
                 raise GroupUnavailable("the server is shutting down")
             t0 = time.perf_counter()
+            row_bytes = slot.x.shape[1] * slot.x.element_size()  # a piece's size, in and out: in the slot's dtype
             for p in pieces:
                 rows = slice(p.start, p.start + p.rows)
                 at = slice(p.at, p.at + p.rows)
@@ -412,9 +423,8 @@ class Batcher:
                 if job.invalid is None:
                     slot.ids[at].copy_(job.ids[rows])
                     slot.w[at].copy_(job.w[rows])
-                    bads = self._split.run(functools.partial(_copy_in, slot.x[at], job.x[rows], p.start),
-                                           p.rows, slot.x.shape[1] * slot.x.element_size())
-                    bad = min((b for b in bads if b is not None), key=lambda b: b[0], default=None)
+                    bad = _piece_error(self._split.run(functools.partial(_copy_in, slot.x[at], job.x[rows], p.start),
+                                                       p.rows, p.rows * row_bytes), p.start)
                     if bad is not None:
                         job.reject(*bad)
                 # (another step's thread may have marked it meanwhile: the mark only ever goes on, so a
@@ -432,8 +442,7 @@ class Batcher:
                     continue
                 dst, src = job.out[p.start:p.start + p.rows], slot.out[p.at:p.at + p.rows]
                 if not isinstance(dst, RegionRows):  # the response's own buffer: nobody reads it once abandoned
-                    self._split.run(functools.partial(_copy_out, dst, src), p.rows,
-                                    dst.shape[1] * max(dst.element_size(), src.element_size()))
+                    self._split.run(functools.partial(_copy_out, dst, src), p.rows, p.rows * row_bytes)
                     continue
                 src = src.to(dst.dtype).contiguous()  # converted before the lock: _forget waits for the write only
                 with job.lock:
@@ -456,12 +465,26 @@ def _copy_out(dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int) -> None:
     dst[lo:hi].copy_(src[lo:hi])
 
 
-def _copy_in(dst: torch.Tensor, src: Rows, first: int, lo: int, hi: int) -> tuple[int, InvalidInput] | None:
-    """Rows lo..hi of a piece into the slot (`dst`, converted to its dtype) and their check: None, or
-    the request's first bad row among them and its error (rows_error; `first` is the piece's first row
-    of the request)."""
+def _copy_in(dst: torch.Tensor, src: Rows, first: int, lo: int, hi: int) -> RangeCheck:
+    """Rows lo..hi of a piece into the slot (`dst`, converted to its dtype) and their check: None, the
+    request's first bad row among them and its error (rows_error; `first` is the piece's first row of
+    the request), or the read's error when the rows come from a shared-memory object that shrank
+    since it was registered (then nothing is checked)."""
     try:
         copy_rows(dst[lo:hi], src[lo:hi])
-        return rows_error(dst[lo:hi], src[lo:hi], first + lo)
-    except InvalidInput as err:  # its shared-memory object shrank since it was registered
-        return first + lo, err
+    except InvalidInput as err:
+        return err
+    return rows_error(dst[lo:hi], src[lo:hi], first + lo)
+
+
+def _piece_error(results: list[RangeCheck], first: int) -> tuple[int, InvalidInput] | None:
+    """A piece's error from its ranges' `_copy_in` results (in row order; `first` as there), as one
+    whole copy reports it, so the copy threads never change which 400 a request gets: a failed read in
+    any range is (first, that read's error) whatever the ranges before it found (the whole copy stops
+    at the truncation and checks nothing; the first range whose read fails holds the truncation, so
+    its message names the same byte); else the first bad row: the first range's that found one, as
+    the ranges are in row order and each names its own first bad row (no min over rows needed)."""
+    read = next((r for r in results if isinstance(r, InvalidInput)), None)
+    if read is not None:
+        return first, read
+    return next((r for r in results if isinstance(r, tuple)), None)

@@ -413,7 +413,7 @@ def test_row_split_runs_every_row_once_in_order_the_first_range_in_the_caller():
         for n in (1, 2, 3, 7, 512):
             calls.clear()
 
-            got = split.run(fn, n, SPLIT_MIN_BYTES)  # each row 1 MiB: split as far as the threads go
+            got = split.run(fn, n, SPLIT_MIN_BYTES)  # a piece of 1 MiB: split as far as the threads go
             ranges = sorted((lo, hi) for lo, hi, _ in calls)
             assert len(ranges) == min(3, n), (n, ranges)
             assert [lo for lo, _ in ranges] == got, "results in row order"
@@ -422,9 +422,6 @@ def test_row_split_runs_every_row_once_in_order_the_first_range_in_the_caller():
             by_lo = {lo: t for lo, _, t in calls}
             assert by_lo[0] is threading.current_thread()
             assert all(t.name.startswith("moe-copy") for lo, t in by_lo.items() if lo), by_lo
-        calls.clear()
-        assert split.run(fn, 512, SPLIT_MIN_BYTES // 256) == [0, 256]  # 2 MiB in all: 2 ranges of 1 MiB, not 3
-        assert split.run(fn, 512, SPLIT_MIN_BYTES // 1024) == [0]  # 512 KiB: one range, in the caller
     finally:
         split.close()
     one = RowSplit(1)
@@ -432,18 +429,141 @@ def test_row_split_runs_every_row_once_in_order_the_first_range_in_the_caller():
     one.close()
 
 
-@pytest.fixture
-def split_every_piece(monkeypatch):
-    """Pieces of CFG's tiny rows are split too (the threshold is 1 MiB)."""
+def test_row_split_splits_a_piece_of_1_mib_or_more_into_as_many_ranges_as_threads():
+    """The threshold is on the piece, not on each range: 1 MiB and more (1.5 MiB: between 1 and 2)
+    splits into min(threads, rows) ranges; less stays whole, in the caller."""
+    from service.api.batcher import SPLIT_MIN_BYTES, RowSplit
+
+    split = RowSplit(3)
+    try:
+        for piece_bytes, lows in ((SPLIT_MIN_BYTES * 3 // 2, [0, 170, 341]), (SPLIT_MIN_BYTES, [0, 170, 341]),
+                                  (2 * SPLIT_MIN_BYTES, [0, 170, 341]), (SPLIT_MIN_BYTES - 1, [0])):
+            assert split.run(lambda lo, hi: lo, 512, piece_bytes) == lows, piece_bytes
+        assert split.run(lambda lo, hi: lo, 2, SPLIT_MIN_BYTES * 3 // 2) == [0, 1]  # no more ranges than rows
+    finally:
+        split.close()
+
+
+def test_a_piece_is_split_by_its_size_in_the_slots_dtype(monkeypatch):
+    """copy_threads=3, a bf16 slot: a request of T=192 bf16 rows of H=4096 (1.5 MiB in the slot) is
+    copied in and out in 3 ranges; T=96 sent and answered in fp32 (1.5 MiB on the wire, 0.75 MiB in the
+    slot) stays whole both ways; both answers right."""
     import service.api.batcher as batcher_mod
 
-    monkeypatch.setattr(batcher_mod, "SPLIT_MIN_BYTES", 1)
+    cfg = LayerConfig(E=5, H=4096, I=12, K=2, R=2, C=96, dtype=torch.bfloat16)  # budget 192
+    group = FakeGroup(cfg, dtype=torch.bfloat16)
+    ranges: list[tuple[str, int, int]] = []
+    real_in, real_out = batcher_mod._copy_in, batcher_mod._copy_out
+
+    def copy_in(dst, src, first, lo, hi):
+        ranges.append(("in", lo, hi))
+        return real_in(dst, src, first, lo, hi)
+
+    def copy_out(dst, src, lo, hi):
+        ranges.append(("out", lo, hi))
+        real_out(dst, src, lo, hi)
+
+    monkeypatch.setattr(batcher_mod, "_copy_in", copy_in)
+    monkeypatch.setattr(batcher_mod, "_copy_out", copy_out)
+
+    def request(T, seed, dtype):
+        gen = torch.Generator().manual_seed(seed)
+        ids, w = routing(T, cfg.E, cfg.K, "balanced", gen)
+        return torch.randn(T, cfg.H, generator=gen).to(dtype), ids.to(torch.int32), w
+
+    async def main():
+        b = await started(group, budget=cfg.tokens_per_step, queue_tokens=1000, copy_threads=3)
+        got = []
+        for T, dtype in ((192, torch.bfloat16), (96, torch.float32)):
+            ranges.clear()
+            req = request(T, 500 + T, dtype)
+            out = await b.submit(*req, timeout_s=10, out_dtype=dtype)
+            got.append((req, out, sorted(ranges)))
+        await b.close()
+        return got
+
+    (big, big_out, big_ranges), (small, small_out, small_ranges) = run(main())
+    assert big_ranges == [(d, lo, hi) for d in ("in", "out") for lo, hi in ((0, 64), (64, 128), (128, 192))]
+    assert small_ranges == [("in", 0, 96), ("out", 0, 96)]
+    for (x, ids, w), out in ((big, big_out), (small, small_out)):
+        assert out.dtype == x.dtype
+        assert rel_err(out.float(), group.ref(x.to(torch.bfloat16).float(), ids, w)) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_row_split_returns_or_raises_only_after_every_range_finished(failing):
+    """A range that raises (0: the caller's own, 1: a helper's) while the others still run: `run` raises
+    that error only once every range has finished (a range still writing after its step released the
+    slot would write into the next step's rows)."""
+    from service.api.batcher import SPLIT_MIN_BYTES, RowSplit
+
+    split = RowSplit(3)
+    finished: list[int] = []
+
+    def fn(lo, hi):
+        if lo == failing:
+            raise RuntimeError(f"range {lo} failed")
+        if lo:
+            time.sleep(0.2)
+        finished.append(lo)
+
+    try:
+        with pytest.raises(RuntimeError, match=f"range {failing} failed"):
+            split.run(fn, 3, SPLIT_MIN_BYTES)  # ranges [0, 1), [1, 2), [2, 3)
+        assert sorted(finished) == sorted({0, 1, 2} - {failing}), finished
+    finally:
+        split.close()
+
+
+def test_a_step_whose_copy_fails_releases_its_slot_after_its_helpers_wrote(split_every_piece, monkeypatch):
+    """One slot, copy_threads=3: request A's copy in fails in the step thread's range while its helper
+    range still copies; the slot is released only after that helper wrote, so request B, which takes
+    the slot next, is answered from its own rows (the bug: B's row 1 computed from A's, rel err ~1)."""
+    import service.api.batcher as batcher_mod
+
+    group = FakeGroup(CFG, slots=1)
+    xa, ida, wa = batch(2, 1)
+    events: list[str] = []
+    real_in, real_release = batcher_mod._copy_in, group.release
+
+    def copy_in(dst, src, first, lo, hi):
+        if src.untyped_storage().data_ptr() == xa.untyped_storage().data_ptr():
+            if lo == 0:
+                raise RuntimeError("A's copy failed in the step thread")
+            time.sleep(0.1)
+            real_in(dst, src, first, lo, hi)
+            events.append("A's helper wrote the slot")
+            return None
+        return real_in(dst, src, first, lo, hi)
+
+    def release(slot):
+        events.append("slot released")
+        real_release(slot)
+
+    monkeypatch.setattr(batcher_mod, "_copy_in", copy_in)
+    group.release = release
+    xb, idb, wb = batch(BUDGET, 2)
+
+    async def main():
+        b = await started(group, slots=1, copy_threads=3, on_failure=lambda g, e: None)
+        with pytest.raises(GroupUnavailable, match="A's copy failed"):
+            await b.submit(xa, ida, wa, timeout_s=5)
+        out = await b.submit(xb, idb, wb, timeout_s=5)
+        await b.close()
+        return out
+
+    out = run(main())
+    assert events == ["A's helper wrote the slot", "slot released", "slot released"], events
+    ref = group.ref(xb, idb, wb)
+    for r in range(BUDGET):
+        assert rel_err(out[r:r + 1], ref[r:r + 1]) < TOL[torch.float32], r
 
 
 def test_copies_split_over_threads_answer_bit_for_bit_and_name_the_first_bad_row(split_every_piece):
     """copy_threads=3: requests of odd sizes (T=1, split over steps) sharing steps get the same bits as
-    with one thread; a request with bad rows in two of a piece's ranges is named by its first one
-    (whichever range is checked first), its batch-mates unaffected."""
+    with one thread; a request with bad rows in two of a piece's ranges gets the same 400 as with one
+    thread, naming its first bad row: the ranges' results come back in row order, whichever range
+    finishes first, and the first that found a bad row names it; its batch-mates are unaffected."""
     sizes = [20, 1, 13, 3, 7, 1, 9]
     bad = {0: (2, 6, 14)}  # request 0 (T=20; its first piece, rows 0..7, in ranges 0..1, 2..4, 5..7): NaN rows
 

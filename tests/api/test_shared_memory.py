@@ -45,7 +45,7 @@ from tests.api.test_batcher import CFG as BATCHER_CFG
 from tests.api.test_ecosystem import PERF_ANALYZER_TIMEOUT_S, input_data, perf_analyzer_env
 from tests.api.test_frontend import make_frontend
 from tests.api.test_frontends import holders
-from tests.helpers import external_tool
+from tests.helpers import TOL, external_tool, rel_err
 from tests.serverproc import ServerProcess, listening
 
 MODEL = "moe"
@@ -704,14 +704,11 @@ def test_no_write_into_the_output_region_after_the_error(objects, case):
     table.close()
 
 
-def test_rows_read_from_a_region_in_split_ranges(objects, monkeypatch):
+def test_rows_read_from_a_region_in_split_ranges(objects, split_every_piece):
     """copy_threads=3 with every piece split: a request's rows read from its input region range by
     range (preads at each range's offset) answer as the same rows sent as a tensor, bit for bit, and
     its answer written into its output region too; a NaN in the last range of a later piece is
     named by its row."""
-    import service.api.batcher as batcher_mod
-
-    monkeypatch.setattr(batcher_mod, "SPLIT_MIN_BYTES", 1)
     T = BUDGET + 7  # two steps
     x, ids, w = batch(T, seed=71)
     bad_x = x.clone()
@@ -740,6 +737,39 @@ def test_rows_read_from_a_region_in_split_ranges(objects, monkeypatch):
     wire = asyncio.run(main())
     assert torch.equal(objs["out"].read(torch.float32, x.shape), wire)
     table.close()
+
+
+@pytest.mark.parametrize("copy_threads", [1, 3])
+def test_a_truncated_region_gets_the_same_400_whatever_the_copy_threads(objects, split_every_piece, copy_threads):
+    """An input object truncated after it was registered, past row 6 of 8, whose row 1 (in the first of
+    3 ranges) holds a NaN: the request gets the truncation error that one whole copy reports (the read
+    stops there and checks nothing), never the NaN a range before the truncation found; the next
+    request of the same batcher is answered."""
+    x, ids, w = batch(BUDGET, seed=72)
+    x[1, 0] = NAN
+    table = regions.RegionTable.create()
+    obj = objects(nbytes(x))
+    obj.write(x)
+    group = FakeGroup(BATCHER_CFG)
+
+    async def main():
+        own = regions.Regions(table)
+        own.register("in", obj.key, 0, nbytes(x))
+        os.truncate(f"/dev/shm/{os.path.basename(obj.key)}", nbytes(x) * 6 // BUDGET)
+        rows = own.rows("in", 0, nbytes(x), torch.float32, list(x.shape), "hidden_states")
+        b = await started(group, copy_threads=copy_threads)
+        with pytest.raises(InvalidInput) as err:
+            await b.submit(rows, ids, w, timeout_s=5.0)
+        good = batch(5, seed=73)
+        out = await b.submit(*good, timeout_s=5.0)
+        await b.close()
+        return str(err.value), good, out
+
+    msg, good, out = asyncio.run(main())
+    table.close()
+    assert f"ends at byte {nbytes(x) * 6 // BUDGET}, before the data (it was truncated" in msg, msg
+    assert "NaN" not in msg, msg
+    assert rel_err(out, group.ref(*good)) < TOL[torch.float32]
 
 
 def test_a_failed_step_leaves_no_descriptor_behind(objects):
