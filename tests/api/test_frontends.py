@@ -81,6 +81,10 @@ def test_the_owner_turns_ready_after_every_front_end_listens(server):
     """The first rank group is often up before front end 1 has imported and bound its ports: the
     owner used to turn ready then, and every client that came at once reached it alone (12 of 14
     server logs of these tests, loaded machine or not)."""
+    deadline = time.monotonic() + 10  # the owner logs "ready" a moment after it turns ready
+    while "moe-serve: ready (rank pids" not in server.log():
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.05)
     lines = server.log().splitlines()
     ready = next(i for i, line in enumerate(lines) if "moe-serve: ready (rank pids" in line)
     listening = next((i for i, line in enumerate(lines) if "front end 1 listening" in line), len(lines))
