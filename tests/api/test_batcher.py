@@ -234,7 +234,7 @@ def test_the_answer_lands_in_the_callers_buffer():
     got = run(main())
     assert got.data_ptr() == buf.data_ptr()
     assert rel_err(buf.float(), group.ref(x, ids, w)) < TOL[torch.bfloat16]
-    assert group.steps == [8, 3]
+    assert sorted(group.steps) == [3, 8]  # two steps; in flight at once on the two slots, either may run first
 
 
 def test_a_failure_to_record_metrics_does_not_hold_answers_back(caplog):
