@@ -141,10 +141,18 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")
 
     def ready(self) -> bool:
+        """Ready, in the owner process's word too: with --frontends N each new connection reaches any
+        process, and a front end turns ready milliseconds before the owner, which turns ready last,
+        once every front end serves (service.fleet.Fleet.attach); a client told "ready" by a front
+        end could be answered 503 by the owner. moe_ready is the owner's whichever process answers
+        the scrape (service.metrics.FIRST_ONLY_PREFIXES); with one process, its own."""
         try:
-            return httpx.get(self.url + "/v2/health/ready", timeout=2).status_code == 200
+            if httpx.get(self.url + "/v2/health/ready", timeout=2).status_code != 200:
+                return False
+            scraped = httpx.get(self.url + "/metrics", timeout=2).text
         except httpx.HTTPError:
             return False
+        return "\nmoe_ready 1.0\n" in scraped
 
     def wait_ready(self, ready: Callable[[], bool] | None = None, timeout: float = START_TIMEOUT_S) -> None:
         """Poll `ready()` (default: the HTTP readiness route) until it is true; fail with the log if

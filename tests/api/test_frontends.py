@@ -81,6 +81,10 @@ def test_the_owner_turns_ready_after_every_front_end_listens(server):
     """The first rank group is often up before front end 1 has imported and bound its ports: the
     owner used to turn ready then, and every client that came at once reached it alone (12 of 14
     server logs of these tests, loaded machine or not)."""
+    deadline = time.monotonic() + 10  # the owner logs "ready" a moment after it turns ready
+    while "moe-serve: ready (rank pids" not in server.log():
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.05)
     lines = server.log().splitlines()
     ready = next(i for i, line in enumerate(lines) if "moe-serve: ready (rank pids" in line)
     listening = next((i for i, line in enumerate(lines) if "front end 1 listening" in line), len(lines))
@@ -172,9 +176,17 @@ def post_on(conn: HTTPConnection, x, ids, w) -> tuple[int, bytes]:
     return answer.status, answer.read()
 
 
+# test_sigterm_drains_every_front_end's batching delay, with idle waits: a step that is not full waits
+# this long for company, so the last rows of each process's requests are still queued when SIGTERM
+# comes (it comes one scrape after they are accepted). Without it each process's 4 requests could
+# all be answered first: one loaded run drained "0 requests in flight" on the owner.
+DRAIN_HOLD_MS = 3000
+
+
 def test_sigterm_drains_every_front_end(tmp_path):
     """SIGTERM with requests in flight on both processes: every one is answered, both drain, exit 0."""
-    proc = ServerProcess.module(tmp_path / "server.log", *FLAGS)
+    proc = ServerProcess.module(tmp_path / "server.log", *FLAGS, "--batch-delay-ms", str(DRAIN_HOLD_MS),
+                                "--batch-idle-wait", "true")
     conns: list[HTTPConnection] = []
     try:
         proc.wait_ready()
@@ -182,12 +194,15 @@ def test_sigterm_drains_every_front_end(tmp_path):
         tree = {proc.pid, *descendants(proc.pid)}
         for i in range(CONNECTIONS):  # each accepted by one process or the other: a request answered
             conns.append(HTTPConnection("127.0.0.1", proc.http_port, timeout=60))
-            assert post_on(conns[-1], *inputs(1 + i, seed=600 + i))[0] == 200
+            # (a full step each: it does not wait out the delay)
+            assert post_on(conns[-1], *inputs(test_e2e.STEP, seed=600 + i))[0] == 200
         by_pid = accepted_by(proc.http_port)
         on = {pid: [c for c in conns if by_pid.get(c.sock.getsockname()[1]) == pid] for pid in (proc.pid, fe1)}
         assert all(on.values()), {pid: len(c) for pid, c in on.items()}  # P(not) = 2 * 2**-24
         chosen = on[proc.pid][:4] + on[fe1][:4]  # 4 requests in flight on each process
-        big = [inputs(3 * test_e2e.STEP + i, seed=700 + i) for i in range(len(chosen))]  # several steps each
+        # several steps each; each process's last rows (4 + 5 + 6 + 7 on front end 1, 1 + 2 + 3 on the
+        # owner) are no full step and wait DRAIN_HOLD_MS: a request of each is in flight at SIGTERM
+        big = [inputs(3 * test_e2e.STEP + i, seed=700 + i) for i in range(len(chosen))]
         with httpx.Client(base_url=proc.url, timeout=60) as c:
             answered = value(scrape(c)["moe_requests"], "moe_requests_total", protocol="http_safetensors",
                              status="200")

@@ -21,12 +21,13 @@ def test_a_late_answer_to_a_given_up_step_is_never_taken_by_the_next_group():
     here, owner = mp.Pipe()
     slot = types.SimpleNamespace(index=0)
     sent = [0]  # kept by the replica across groups
+    given_up = threading.Event()
 
-    def serve():  # the owner: step 1 answered late, every later step at once, each with its number
+    def serve():  # the owner: step 1 answered once A gave up on it, every later step at once, each with its number
         for _ in range(2):
             _, gen, n, T = owner.recv()
             if n == 1:
-                time.sleep(0.4)
+                assert given_up.wait(10)
             owner.send(("done", n, {"gen": gen, "n": n}))
 
     t = threading.Thread(target=serve, daemon=True)
@@ -35,7 +36,9 @@ def test_a_late_answer_to_a_given_up_step_is_never_taken_by_the_next_group():
     with pytest.raises(GroupUnavailable, match="did not answer"):
         a.run(slot, 8)
     assert not a.alive
-    time.sleep(0.5)  # A's answer is in the pipe now
+    given_up.set()
+    # A's answer is in the pipe before B sends (a fixed 0.4 s answer and 0.5 s wait assumed both)
+    assert here.poll(10)
     b = RemoteGroup(2, "fused", [slot], [here], sent, timeout_s=5.0)
     assert b.run(slot, 8) == {"gen": 2, "n": 2}
     t.join(5)

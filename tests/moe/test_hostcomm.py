@@ -5,6 +5,7 @@ transport across rank processes: tests/worker/test_group.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import random
 import threading
@@ -140,7 +141,9 @@ def test_a_missing_rank_expires_the_barrier_and_is_named(monkeypatch):
     monkeypatch.setattr(hostcomm, "SLICE_S", 0.05)
     cfg = LayerConfig(E=4, H=8, I=12, K=1, R=3, C=2, dtype=torch.float32)
     peers = HostPeers.create(CTX, cfg, timeout_s=0.3)
-    comms = [HostComm(peers, cfg, r) for r in range(cfg.R)]
+    # Rank 1 arrives first and waits longer; rank 0 enters once rank 1's arrival shows, so each
+    # names rank 2 alone (two threads started together assumed both arrive within the other's 0.3 s).
+    comms = [HostComm(peers, cfg, 0), HostComm(dataclasses.replace(peers, timeout_s=1.0), cfg, 1)]
     errors: list = []
 
     def rank1() -> None:  # arrives; rank 2 never does
@@ -151,12 +154,16 @@ def test_a_missing_rank_expires_the_barrier_and_is_named(monkeypatch):
 
     other = threading.Thread(target=rank1)
     other.start()
+    deadline = time.monotonic() + JOIN_S
+    while int(comms[0]._arrived[1]) < 1:  # rank 1 is in its barrier
+        assert time.monotonic() < deadline, "rank 1 never arrived"
+        time.sleep(0.001)
     t0 = time.monotonic()
     with pytest.raises(BarrierTimeout, match=r"rank 0: barrier 1: ranks \[2\] did not arrive within 0.3 s"):
         comms[0].barrier()
     assert 0.25 <= time.monotonic() - t0 < 5
     other.join(JOIN_S)
-    assert not other.is_alive() and "rank 1: barrier 1: ranks [2]" in str(errors[0])
+    assert not other.is_alive() and "rank 1: barrier 1: ranks [2] did not arrive within 1 s" in str(errors[0])
 
 
 def test_ranks_disagreeing_on_the_step_are_caught():

@@ -93,7 +93,6 @@ class FakeLayer:
         return self.out[:n]
 
     def snapshot(self, state: StepState) -> None:
-        time.sleep(0.05)
         state.words.copy_(self.device_seq)
 
     def check_seq(self, seq, state=None):
