@@ -312,7 +312,7 @@ class Fleet:
         share of its slots. Returns once every front end serves it (each confirms with ("attached",
         gen); one that does not within ATTACH_TIMEOUT_S is logged and serves when it does), so the
         owner turns ready last: a client told "ready" by the owner is not answered 503 by another
-        process (the other way round, the owner answers 503 for the milliseconds of this wait).
+        process (the owner serves its share, `share(group)`, during this wait already: Frontend.accept).
         Blocking: call it in a thread."""
         with self._lock:
             self._group, self._gen = group, gen
@@ -331,6 +331,10 @@ class Fleet:
         for m in late:
             log.warning("front end %d did not confirm the rank group within %.0f s; it serves once it does",
                         m.index, ATTACH_TIMEOUT_S)
+        return self.share(group)
+
+    def share(self, group) -> SlotShare:
+        """Front end 0's (the owner's) share of the group's slots."""
         return SlotShare(group, group.slots[:self.slots])
 
     def _send_attach(self, m: _Member, group, gen: int) -> None:

@@ -369,9 +369,12 @@ class Server:
                     self.metrics.worker_restarts.inc()
                     await self._pause(self._backoff(failures))
                     continue
-            self._attached = (group if self.fleet is None  # the fleet's: once every front end serves it
-                              else await asyncio.to_thread(self.fleet.attach, group, generation))
+            self._attached = group if self.fleet is None else self.fleet.share(group)
             self.batcher.attach(self._attached)
+            if self.fleet is not None:  # ready once every front end serves it; the owner serves meanwhile
+                if not self._stopping:
+                    self.fe.accept()
+                await asyncio.to_thread(self.fleet.attach, group, generation)
             self.fe.set_ready(not self._stopping)
             log.info("ready (rank pids %s)", getattr(group, "pids", "?"))
             since = time.monotonic()

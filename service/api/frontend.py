@@ -36,6 +36,7 @@ class Frontend:
         self.spec = ModelSpec.of(cfg, max_tokens=settings.queue_tokens)
         self.model_name = settings.model_name
         self._ready = False
+        self._accepting = False  # serves requests while not (yet) ready: see accept()
         self._inference_count = 0  # tokens of successful requests
         self._last_inference_ms = 0  # wall-clock time of the last successful one, ms since the epoch
         self._why_not = "the service is starting"
@@ -57,11 +58,19 @@ class Frontend:
     def set_ready(self, ready: bool, why_not: str = "the service is not ready") -> None:
         if not ready:
             self._why_not = why_not
+            self._accepting = False
         if ready != self._ready:
             self._ready = ready
             self.metrics.ready.set(1 if ready else 0)
             for callback in self.on_ready_change:
                 callback(ready)
+
+    def accept(self) -> None:
+        """Serve requests before turning ready: the owner's batcher has the group while the other
+        front ends attach it (service.server), so a request that reaches the owner then is answered,
+        not refused 503, though the owner reports ready only once every front end serves.
+        set_ready(False) ends it."""
+        self._accepting = True
 
     def shared_memory(self) -> Regions:
         """The shared-memory registry; SharedMemoryOff when the extension is off."""
@@ -71,7 +80,7 @@ class Frontend:
                     out: Rows | None = None) -> Rows:
         """The layer's answer [T, H] in the request's dtype (written into `out` when given, else
         into the request's output region when it named one)."""
-        if not self._ready:
+        if not (self._ready or self._accepting):
             raise GroupUnavailable(self._why_not)
         timeout = req.timeout_s or self.settings.request_timeout_s
         if transport_timeout_s is not None:

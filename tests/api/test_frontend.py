@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
 import torch
 
 from service.api import codecs, frontend
 from service.api.batcher import Batcher
 from service.api.grpc import InferenceServicer
 from service.config import Settings
+from service.errors import GroupUnavailable
 from service.metrics import PROTOCOLS, Metrics
 from tests.api.common import CFG, inputs
 
@@ -73,3 +75,36 @@ def test_one_list_of_protocols():
     fe = make_frontend()
     exported = {s.labels["protocol"] for m in fe.metrics.requests.collect() for s in m.samples}
     assert exported == set(PROTOCOLS)
+
+
+def test_accepting_serves_before_ready_and_a_refusal_ends_it(monkeypatch):
+    """The owner of several front ends serves its share while the others attach the group
+    (Frontend.accept, service.server), reporting not ready until they all serve; set_ready(False)
+    (a failed group, a drain) refuses again, also after an accept."""
+    fe = make_frontend()
+
+    async def echo(x, ids, w, timeout, out_dtype=None, out=None):
+        return x
+
+    monkeypatch.setattr(fe.batcher, "submit", echo)
+    x, ids, w = inputs(3, seed=3)
+    req = codecs.Decoded(x=x, ids=ids, w=w, out_dtype=x.dtype)
+
+    def answered() -> bool:
+        try:
+            asyncio.run(fe.infer(req))
+            return True
+        except GroupUnavailable:
+            return False
+
+    assert not answered()  # starting
+    fe.accept()
+    assert answered() and not fe.ready and fe.metrics.ready._value.get() == 0
+    fe.set_ready(True)
+    assert answered() and fe.ready
+    fe.set_ready(False, "the rank group failed")
+    assert not answered()
+    fe.accept()
+    fe.set_ready(False, "the server is shutting down")  # a drain after an accept
+    with pytest.raises(GroupUnavailable, match="shutting down"):
+        asyncio.run(fe.infer(req))
