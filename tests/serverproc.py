@@ -149,13 +149,13 @@ class ServerProcess:
         try:
             if httpx.get(self.url + "/v2/health/ready", timeout=2).status_code != 200:
                 return False
-            scraped = httpx.get(self.url + "/metrics", timeout=2).text
+            scraped = httpx.get(self.url + "/metrics", timeout=10).text  # (above the fleet's 2 s collect)
         except httpx.HTTPError:
             return False
         return "\nmoe_ready 1.0\n" in scraped
 
     def wait_ready(self, ready: Callable[[], bool] | None = None, timeout: float = START_TIMEOUT_S) -> None:
-        """Poll `ready()` (default: the HTTP readiness route) until it is true; fail with the log if
+        """Poll `ready()` (default: `self.ready`, readiness in the owner's word) until it is true; fail with the log if
         the process exits or time runs out."""
         ready = ready or self.ready
         deadline = time.monotonic() + timeout

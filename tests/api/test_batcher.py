@@ -319,19 +319,22 @@ def test_overload_is_immediate_and_accepted_requests_finish():
     group = FakeGroup(CFG)
 
     async def main():
-        b = await started(group, delay_s=0.3, queue_tokens=10)
+        b = await started(group, delay_s=60, queue_tokens=10)
         first = asyncio.create_task(b.submit(*batch(6, 1), timeout_s=10))
-        await asyncio.sleep(0.01)  # first is queued: it waits 0.3 s for company (its timer fires after this one)
+        # first is queued, waiting for company (a 0.3 s delay and a 10 ms sleep let a stalled loop
+        # send it alone before the second came)
+        await until(lambda: b._queued == 6, "the first request was not queued")
         # At once: submit raises before it first suspends (it never waits for room in the queue); a
         # 50 ms wall-clock bound judged the machine's load as much as the batcher.
         rejected = b.submit(*batch(6, 2), timeout_s=10)
         with pytest.raises(Overloaded, match="queue is full"):
             rejected.send(None)
-        out = await first
+        filler = asyncio.create_task(b.submit(*batch(2, 3), timeout_s=10))  # 6 + 2 fill the budget: the step goes
+        outs = await asyncio.gather(first, filler)
         await b.close()
-        return out
+        return outs
 
-    assert run(main()).shape == (6, CFG.H)
+    assert [tuple(out.shape) for out in run(main())] == [(6, CFG.H), (2, CFG.H)]
 
 
 def test_deadline_in_queue_drops_the_work():

@@ -26,8 +26,8 @@ def test_a_late_answer_to_a_given_up_step_is_never_taken_by_the_next_group():
     def serve():  # the owner: step 1 answered once A gave up on it, every later step at once, each with its number
         for _ in range(2):
             _, gen, n, T = owner.recv()
-            if n == 1:
-                assert given_up.wait(10)
+            if n == 1:  # (answered after 10 s anyway: an A that never gives up then takes it and fails the test)
+                given_up.wait(10)
             owner.send(("done", n, {"gen": gen, "n": n}))
 
     t = threading.Thread(target=serve, daemon=True)
@@ -38,7 +38,7 @@ def test_a_late_answer_to_a_given_up_step_is_never_taken_by_the_next_group():
     assert not a.alive
     given_up.set()
     # A's answer is in the pipe before B sends (a fixed 0.4 s answer and 0.5 s wait assumed both)
-    assert here.poll(10)
+    assert here.poll(10), "A's late answer never reached the pipe"
     b = RemoteGroup(2, "fused", [slot], [here], sent, timeout_s=5.0)
     assert b.run(slot, 8) == {"gen": 2, "n": 2}
     t.join(5)
