@@ -221,22 +221,24 @@ class _Object:
         while done < len(buf):
             n = self._io(os.preadv, buf[done:], at + done)
             if n == 0:
-                raise self._truncated(at, len(buf))
+                raise self._truncated()
             done += n
 
     def write(self, buf: memoryview, at: int) -> None:
         if os.fstat(self.fd).st_size < at + len(buf):  # pwrite would grow the object, not fail
-            raise self._truncated(at, len(buf))
+            raise self._truncated()
         done = 0
         while done < len(buf):
             done += self._io(os.pwritev, buf[done:], at + done)
 
-    def _truncated(self, at: int, n: int) -> InvalidInput:
-        """The error of an access to bytes [at, at + n) past the object's end."""
-        size = os.fstat(self.fd).st_size
-        return InvalidInput(f"shared-memory region '{self.region.name}': its object {self.region.key} is now "
-                            f"{size} bytes; the data needs {at + n} (bytes {at}..{at + n - 1}): it was truncated "
-                            "after it was registered")
+    def _truncated(self) -> InvalidInput:
+        """The error of an access past the object's end: its size now against the bytes the region
+        was registered with (what the data needs, whichever part of it was being read or written:
+        the same error however a request's rows are split)."""
+        r = self.region
+        return InvalidInput(f"shared-memory region '{r.name}': its object {r.key} is now {os.fstat(self.fd).st_size} "
+                            f"bytes; the region needs {r.offset + r.byte_size} (bytes {r.offset}.."
+                            f"{r.offset + r.byte_size - 1}): it was truncated after it was registered")
 
     def _io(self, call, buf: memoryview, at: int) -> int:
         """One preadv / pwritev; an error of the client's object (ENOSPC in a full /dev/shm, EIO)

@@ -14,6 +14,7 @@ import contextlib
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -767,9 +768,30 @@ def test_a_truncated_region_gets_the_same_400_whatever_the_copy_threads(objects,
 
     msg, good, out = asyncio.run(main())
     table.close()
-    assert f"ends at byte {nbytes(x) * 6 // BUDGET}, before the data (it was truncated" in msg, msg
+    needed = f"is now {nbytes(x) * 6 // BUDGET} bytes; the region needs {nbytes(x)} (bytes 0..{nbytes(x) - 1})"
+    assert needed in msg, msg
     assert "NaN" not in msg, msg
     assert rel_err(out, group.ref(*good)) < TOL[torch.float32]
+
+
+def test_a_truncated_object_is_named_with_its_size_and_the_bytes_needed(objects):
+    """A region whose object was cut to 100 bytes after it was registered: reading its rows and
+    writing an answer into it both say how large the object is now and how many bytes the region
+    needs (before: "ends at byte 5120", the offset of the read, as if that were its size)."""
+    x, _, _ = batch(5, seed=72)
+    at = 5120
+    obj = objects(at + nbytes(x))
+    table = regions.RegionTable.create()
+    own = regions.Regions(table)
+    own.register("cut", obj.key, at, nbytes(x))
+    rows = own.rows("cut", 0, nbytes(x), torch.float32, list(x.shape), "hidden_states")
+    os.truncate(f"/dev/shm/{os.path.basename(obj.key)}", 100)
+    needed = f"is now 100 bytes; the region needs {at + nbytes(x)} (bytes {at}..{at + nbytes(x) - 1})"
+    with pytest.raises(InvalidInput, match=re.escape(needed)):
+        rows.read()
+    with pytest.raises(InvalidInput, match=re.escape(needed)):
+        rows.write_from(x)
+    table.close()
 
 
 def test_a_failed_step_leaves_no_descriptor_behind(objects):

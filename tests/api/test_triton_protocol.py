@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import zlib
 
+import grpc
 import httpx
 import pytest
 import torch
@@ -15,6 +16,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from service.api import codecs
+from service.api.proto import grpc_predict_v2_pb2 as pb
 from tests.api.common import CFG, check, inputs
 from tests.api.test_e2e import triton_inputs
 from tests.serverproc import ServerProcess, free_port
@@ -28,7 +31,8 @@ METRICS_PORT = free_port()
 def server(tmp_path_factory):
     with ServerProcess.serving(tmp_path_factory.mktemp("triton") / "server.log", "--shared-memory", "system",
                                "--metrics-port", str(METRICS_PORT),
-                               "--max-request-bytes", str(BODY_LIMIT)) as proc:
+                               "--max-request-bytes", str(BODY_LIMIT),
+                               "--grpc-max-message-bytes", str(BODY_LIMIT)) as proc:
         yield proc
 
 
@@ -154,6 +158,24 @@ def test_a_zip_bomb_is_413_within_the_limit(server):
                            .as_numpy("output").copy()), x, ids, w)
 
 
+def test_a_grpc_zip_bomb_is_refused_by_grpc_within_the_limit(server):
+    """gRPC decompresses a gzip message itself and refuses one past --grpc-max-message-bytes
+    (RESOURCE_EXHAUSTED) without holding its decompressed size: 256 MiB of zeros (256 KiB on the
+    wire) grow the front end's peak memory by far less than that."""
+    head = pb.ModelInferRequest(model_name=MODEL)
+    head.inputs.add(name="hidden_states", datatype="FP32", shape=[1, CFG.H])
+    n = 256 << 20
+    message = head.SerializeToString() + codecs._key_and_length(7, n) + bytes(n)  # raw_input_contents
+    peak = peak_rss_bytes(server.pid)
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                   request_serializer=bytes, response_deserializer=bytes)
+        with pytest.raises(grpc.RpcError) as info:
+            call(message, compression=grpc.Compression.Gzip, timeout=60)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+    assert peak_rss_bytes(server.pid) - peak < 16 * BODY_LIMIT
+
+
 # ---- the metrics port -------------------------------------------------------------------------
 
 
@@ -162,7 +184,8 @@ def test_the_metrics_port_serves_only_metrics(server):
     every other path (before: the metrics on any path, /v2/health/ready included)."""
     base = f"http://127.0.0.1:{METRICS_PORT}"
     r = httpx.get(f"{base}/metrics", timeout=10)
-    assert r.status_code == 200 and "moe_requests_total" in r.text and r.headers["content-type"].startswith("text/plain")
+    assert r.status_code == 200 and "moe_requests_total" in r.text, r.text[:200]
+    assert r.headers["content-type"].startswith("text/plain")
     om = httpx.get(f"{base}/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"}, timeout=10)
     assert om.status_code == 200 and om.text.rstrip().endswith("# EOF")
     for path in ("/v2/health/ready", "/", "/metrics/", "/metricsx", "/v2/models/moe/stats"):
