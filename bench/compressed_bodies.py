@@ -27,11 +27,6 @@ sys.path.insert(0, os.path.dirname(_HERE))
 LIMIT = 4 << 20
 
 
-def peak_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=40, help="requests per cell")
@@ -46,7 +41,7 @@ def main() -> None:
     from service.api.proto import grpc_predict_v2_pb2 as pb
     from tests.api.common import CFG, inputs
     from tests.api.test_e2e import triton_inputs
-    from tests.serverproc import ServerProcess
+    from tests.serverproc import ServerProcess, rss_bytes
 
     log = os.path.join(tempfile.mkdtemp(), "server.log")
     flags = ("--max-request-bytes", str(LIMIT), "--grpc-max-message-bytes", str(LIMIT))
@@ -78,12 +73,12 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|")
         for name, wire, size, send in (("HTTP gzip", len(bomb), 1 << 30, http_bomb),
                                        ("gRPC gzip", None, n, grpc_bomb)):
-            before = peak_rss(server.pid)
+            before = rss_bytes(server.pid, "VmHWM")
             answer: list[str] = []
             t0 = time.perf_counter()
             worst = while_probing(server.url, lambda s=send, a=answer: a.append(s()))
             took = time.perf_counter() - t0
-            grown = (peak_rss(server.pid) - before) / 2**20
+            grown = (rss_bytes(server.pid, "VmHWM") - before) / 2**20
             print(f"| {name} | {f'{wire >> 10} KiB' if wire else 'grpc-compressed'} | {size >> 20} MiB | "
                   f"{answer[0]} | {took:.2f} | {grown:.1f} | {worst * 1e3:.0f} |")
 

@@ -20,7 +20,7 @@ from service.api import codecs
 from service.api.proto import grpc_predict_v2_pb2 as pb
 from tests.api.common import CFG, check, inputs
 from tests.api.test_e2e import triton_inputs
-from tests.serverproc import ServerProcess, free_port
+from tests.serverproc import ServerProcess, free_port, rss_bytes
 
 MODEL = "moe"
 BODY_LIMIT = 4 << 20  # the server's --max-request-bytes: a bomb's output must stop near it
@@ -124,11 +124,6 @@ def test_compressed_requests_are_answered(server, algorithm):
     check(torch.from_numpy(result.as_numpy("output").copy()), x, ids, w)
 
 
-def peak_rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-
 def test_a_zip_bomb_is_413_within_the_limit(server):
     """A 1 MiB gzip body that decompresses to 1 GiB is a 413 once its output passes
     --max-request-bytes (4 MiB): the front end's peak memory grows by about the limit, not the GiB.
@@ -139,10 +134,10 @@ def test_a_zip_bomb_is_413_within_the_limit(server):
     zeros = bytes(1 << 20)
     bomb = b"".join([stream.compress(zeros) for _ in range(1024)] + [stream.flush()])
     assert len(bomb) < BODY_LIMIT
-    peak = peak_rss_bytes(server.pid)
+    peak = rss_bytes(server.pid, "VmHWM")
     r = httpx.post(url, content=bomb, headers={"Content-Encoding": "gzip"}, timeout=60)
     assert r.status_code == 413 and "decompresses to over the limit" in r.json()["error"], r.text
-    assert peak_rss_bytes(server.pid) - peak < 16 * BODY_LIMIT, "the bomb was decompressed past the limit"
+    assert rss_bytes(server.pid, "VmHWM") - peak < 16 * BODY_LIMIT, "the bomb was decompressed past the limit"
 
     body = b'{"inputs": []}'
     for content, encoding, status, needle in (
@@ -166,14 +161,14 @@ def test_a_grpc_zip_bomb_is_refused_by_grpc_within_the_limit(server):
     head.inputs.add(name="hidden_states", datatype="FP32", shape=[1, CFG.H])
     n = 256 << 20
     message = head.SerializeToString() + codecs._key_and_length(7, n) + bytes(n)  # raw_input_contents
-    peak = peak_rss_bytes(server.pid)
+    peak = rss_bytes(server.pid, "VmHWM")
     with grpc.insecure_channel(server.grpc_url) as channel:
         call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
                                    request_serializer=bytes, response_deserializer=bytes)
         with pytest.raises(grpc.RpcError) as info:
             call(message, compression=grpc.Compression.Gzip, timeout=60)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
-    assert peak_rss_bytes(server.pid) - peak < 16 * BODY_LIMIT
+    assert rss_bytes(server.pid, "VmHWM") - peak < 16 * BODY_LIMIT
 
 
 # ---- the metrics port -------------------------------------------------------------------------
