@@ -50,12 +50,25 @@ def add_settings_flags(p: argparse.ArgumentParser, names=None) -> None:
 
 
 def settings_from(parser: argparse.ArgumentParser, flags: dict) -> Settings:
-    """Settings from flags over MOE_* variables; a bad value exits 2 naming its flag."""
+    """Settings from flags over MOE_* variables; a bad value exits 2 naming where it came from: its
+    flag (with the usage), or its variable (without: the command line was not at fault)."""
     try:
         return Settings(**flags)
     except pydantic.ValidationError as err:
-        parser.error("; ".join(f"--{'-'.join(str(x) for x in e['loc']).replace('_', '-')}: {e['msg']}"
-                               if e["loc"] else e["msg"] for e in err.errors()))
+        problems, from_flags = [], False
+        for e in err.errors():
+            field = "_".join(str(x) for x in e["loc"])
+            if not field:
+                problems.append(e["msg"])
+            elif field in flags:
+                from_flags = True
+                problems.append(f"--{field.replace('_', '-')}: {e['msg']}")
+            else:
+                problems.append(f"{Settings.model_config['env_prefix']}{field.upper()}={e['input']!r} "
+                                f"(environment): {e['msg']}")
+        if from_flags:
+            parser.error("; ".join(problems))
+        parser.exit(2, f"{parser.prog}: error: {'; '.join(problems)}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

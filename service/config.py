@@ -168,7 +168,9 @@ class Settings(BaseSettings):
     http_port: int = Field(8000, ge=0, le=65535, description="HTTP port: `/moe/forward`, the v2 routes, `/metrics`")
     grpc_port: int = Field(8001, ge=0, le=65535,
         description="gRPC port: `inference.GRPCInferenceService` and `grpc.health.v1`")
-    metrics_port: int = Field(0, ge=0, le=65535, description="separate /metrics port; 0 = only on the HTTP port")
+    metrics_port: int = Field(0, ge=0, le=65535,
+                              description="separate port serving only /metrics (any other path: 404); "
+                                          "0 = only on the HTTP port")
     model_name: str = Field("moe", description="model name in the v2 routes and gRPC calls")
 
     preset: str | None = Field(None, description="layer preset; default seed on GPU, cpu otherwise")

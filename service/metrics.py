@@ -18,6 +18,9 @@ than "no data"; those of a backend appear once the rank group says which one run
 from __future__ import annotations
 
 import dataclasses
+import socket
+import threading
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     CollectorRegistry,
@@ -28,7 +31,9 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
     disable_created_metrics,
+    make_wsgi_app,
 )
+from prometheus_client.exposition import ThreadingWSGIServer
 
 # 50 microseconds to 60 seconds, roughly 1-2.5-5 per decade, with a bound at 30 s (the default
 # request deadline, request_timeout_s) and one past it, so that requests that ran into their
@@ -241,3 +246,35 @@ def merge(snapshots: list[Snapshot]) -> Snapshot:
             total.ns += d.ns
     return Snapshot([merged[n] for n in order], sum(s.inference_count for s in snapshots),
                     max(s.last_inference_ms for s in snapshots), compute)
+
+
+# ---- the --metrics-port listener -----------------------------------------------------------
+
+METRICS_PATH = "/metrics"
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:  # noqa: A002  (wsgiref's signature) one line per scrape
+        pass
+
+
+def serve_metrics(host: str, port: int, registry) -> WSGIServer:
+    """The --metrics-port listener, in a daemon thread (stop it with `.shutdown()`): prometheus_client's
+    exposition (the format chosen by Accept, gzip on Accept-Encoding) at METRICS_PATH, a 404 on every
+    other path (prometheus_client's own start_http_server answers any path with the metrics)."""
+    exposition = make_wsgi_app(registry)
+
+    def app(environ, start_response):
+        if environ.get("PATH_INFO") != METRICS_PATH:
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [f"not found: this port serves only {METRICS_PATH}\n".encode()]
+        return exposition(environ, start_response)
+
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+
+    class Server(ThreadingWSGIServer):
+        address_family = family  # an IPv6 --host binds an IPv6 socket
+
+    server = make_server(host, port, app, Server, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="metrics-port", daemon=True).start()
+    return server

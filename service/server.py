@@ -51,7 +51,7 @@ from service.fleet import (
     backoff_s,
     set_frontend_threads,
 )
-from service.metrics import Metrics, merge
+from service.metrics import Metrics, merge, serve_metrics
 from service.worker.warmup import expert_source, warm_up
 
 log = logging.getLogger("moe-serve")
@@ -265,10 +265,8 @@ class Server:
         self.http_port, self.grpc_port = self.endpoint.http_port, self.endpoint.grpc_port
         metrics_server = None
         if s.metrics_port:
-            from prometheus_client import start_http_server
-
             registry = self.metrics.registry if self.fleet is None else _Gathered(self.fe)
-            metrics_server, _ = start_http_server(s.metrics_port, addr=s.host, registry=registry)
+            metrics_server = serve_metrics(s.host, s.metrics_port, registry)
         log.info("serving HTTP (%s) on %s:%d, gRPC on %s:%d%s (pid %d)", s.http_impl, s.host, self.http_port,
                  s.host, self.grpc_port, f", metrics on :{s.metrics_port}" if s.metrics_port else "", os.getpid())
 

@@ -65,10 +65,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def rss_bytes(pid: int) -> int:
-    """Resident memory of process `pid`, from /proc."""
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    """Resident memory of process `pid`, from /proc; field="VmHWM": its peak so far."""
     with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
 LOOPBACK = ("127.0.0.1:", "[::1]:", "[::ffff:127.0.0.1]:")  # how `ss` shows a loopback address

@@ -202,7 +202,7 @@ def decode_forward_json(body: Body, spec: ModelSpec) -> Decoded:
 
 
 def encode_forward_json(out: torch.Tensor) -> bytes:
-    return _json_answer({OUTPUT_NAME: out.float().tolist()})
+    return _json_answer({OUTPUT_NAME: out.float().tolist()}, out.dtype)
 
 
 def decode_safetensors(body: Body, spec: ModelSpec) -> Decoded:
@@ -307,14 +307,14 @@ def encode_v2_http(out: Rows, req: Decoded, model_name: str) -> tuple[list, int 
     no data and no parameters (perf_analyzer's HTTP client reads binary_data_size from any output
     that has parameters)."""
     tensor: dict[str, object] = {"name": OUTPUT_NAME, "datatype": V2_NAMES[out.dtype], "shape": list(out.shape)}
-    doc: dict = {"model_name": model_name, "outputs": [tensor]}
+    doc: dict = {"model_name": model_name, "model_version": MODEL_VERSION, "outputs": [tensor]}
     if req.request_id is not None:
         doc["id"] = req.request_id
     if isinstance(out, RegionRows):
         return [json.dumps(doc).encode()], None
     if not req.binary_output:
         tensor["data"] = out.float().reshape(-1).tolist()
-        return [_json_answer(doc)], None
+        return [_json_answer(doc, out.dtype)], None
     raw = tensor_bytes(out)
     tensor["parameters"] = {"binary_data_size": len(raw)}
     header = json.dumps(doc).encode()
@@ -463,7 +463,7 @@ class GrpcInferResponse:
 def grpc_response(req: Decoded, model_name: str) -> GrpcInferResponse:
     """The response to `req`, its answer's rows still to be written into `.out`."""
     T, H = req.x.shape
-    response = pb.ModelInferResponse(model_name=model_name, id=req.request_id or "")
+    response = pb.ModelInferResponse(model_name=model_name, model_version=MODEL_VERSION, id=req.request_id or "")
     response.outputs.add(name=OUTPUT_NAME, datatype=V2_NAMES[req.out_dtype], shape=[T, H])
     if req.out_region is not None:
         # The answer goes into the client's region: its metadata and an empty raw_output_contents
@@ -535,13 +535,16 @@ def _name(dtype: torch.dtype) -> str:
     return DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
 
 
-def _json_answer(doc: dict) -> bytes:
-    """Strict JSON (RFC 8259 has no NaN or Infinity): an answer that overflowed is refused."""
+def _json_answer(doc: dict, dtype: torch.dtype) -> bytes:
+    """Strict JSON (RFC 8259 has no NaN or Infinity): an answer that overflowed (in `dtype`, the
+    answer's) is refused."""
     try:
         return json.dumps(doc, allow_nan=False).encode()
     except ValueError:
-        raise InvalidInput("the answer has values beyond the float32 range (the layer overflowed on these "
-                           "inputs); JSON cannot carry them: send smaller values, or use a binary format") from None
+        name = _name(dtype)
+        raise InvalidInput(f"the answer has values beyond the {name} range (the layer's {name} output overflowed "
+                           "on these inputs); JSON cannot carry them: send smaller values, or use a binary "
+                           "format") from None
 
 
 def json_object(body: bytes | memoryview) -> dict:
@@ -688,7 +691,10 @@ def _v2_timeout(value) -> float | None:
         seconds = value / US_PER_S
     except OverflowError:  # an integer past the float range
         raise InvalidInput("parameter 'timeout' is out of range for microseconds") from None
-    return parse_timeout_s(seconds, "parameter 'timeout'")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise InvalidInput(f"parameter 'timeout' must be a positive, finite number of microseconds "
+                           f"(0: the server's default), got {value!r}")
+    return seconds
 
 
 def _requested_binary(outputs, default) -> tuple[bool, tuple | None]:

@@ -37,6 +37,10 @@ class SharedMemoryOff(InvalidInput):
     `shared_memory` setting is off."""
 
 
+class CudaSharedMemoryUnsupported(InvalidInput):
+    """A CUDA shared-memory register call: the server reads no GPU memory of its clients."""
+
+
 class RegionNotFound(InvalidInput):
     """A shared-memory region name that is not registered."""
 
@@ -62,6 +66,7 @@ _TABLE: tuple[tuple[type[BaseException], int, grpc.StatusCode], ...] = (
     (ModelNotFound, 404, grpc.StatusCode.NOT_FOUND),
     (BodyTimeout, 408, grpc.StatusCode.DEADLINE_EXCEEDED),
     (SharedMemoryOff, 400, grpc.StatusCode.FAILED_PRECONDITION),
+    (CudaSharedMemoryUnsupported, 400, grpc.StatusCode.UNIMPLEMENTED),  # Triton's UNSUPPORTED
     (RegionNotFound, 404, grpc.StatusCode.NOT_FOUND),
     (RegionExists, 409, grpc.StatusCode.ALREADY_EXISTS),
     (TooManyRegions, 400, grpc.StatusCode.RESOURCE_EXHAUSTED),

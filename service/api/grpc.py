@@ -30,6 +30,7 @@ from service.api.error_map import classify, message
 from service.api.frontend import Frontend
 from service.api.proto import grpc_predict_v2_pb2 as pb
 from service.api.proto import grpc_predict_v2_pb2_grpc as pb_grpc
+from service.api.regions import cuda_register, cuda_status
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +178,25 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         except Exception as exc:  # noqa: BLE001
             return _reject(context, *_failure(exc)[1:])
         return pb.SystemSharedMemoryUnregisterResponse()
+
+
+    # ---- Triton's CUDA shared-memory extension: no region ever (service.api.regions) ------
+
+    async def CudaSharedMemoryStatus(self, request, context):
+        try:
+            cuda_status(request.name)
+        except Exception as exc:  # noqa: BLE001
+            return _reject(context, *_failure(exc)[1:])
+        return pb.CudaSharedMemoryStatusResponse()
+
+    async def CudaSharedMemoryRegister(self, request, context):
+        try:
+            cuda_register(request.name)  # refused, always
+        except Exception as exc:  # noqa: BLE001
+            return _reject(context, *_failure(exc)[1:])
+
+    async def CudaSharedMemoryUnregister(self, request, context):
+        return pb.CudaSharedMemoryUnregisterResponse()  # nothing is registered: nothing to remove
 
 
 class _Handlers:

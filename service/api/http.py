@@ -12,6 +12,7 @@ import asyncio
 import inspect
 import logging
 import time
+import zlib
 from collections.abc import Callable
 
 import torch
@@ -34,6 +35,7 @@ from service.api.error_map import (
     message,
 )
 from service.api.frontend import Frontend
+from service.api.regions import cuda_register, cuda_status
 from service.errors import InvalidInput, MoEError
 
 log = logging.getLogger(__name__)
@@ -86,14 +88,69 @@ def _media_type(request: Request) -> str | None:
 MIN_BODY_TIMEOUT_S = 1.0
 
 
+# Content-Encoding -> zlib's wbits: gzip's framing, or zlib's (HTTP's "deflate" is the zlib format,
+# RFC 9110 8.4.1.2, as tritonclient's request_compression_algorithm="deflate" sends it).
+ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+INFLATE_PIECE = 1 << 20  # bytes of output per zlib call: a body past the limit stops within one piece
+
+
+def inflate(chunks: list[bytes], encoding: str, limit: int) -> list[bytes]:
+    """A compressed body, decompressed as it streams (in pieces of at most INFLATE_PIECE bytes), and
+    refused (413) as soon as its output passes `limit`: a zip bomb costs at most limit + INFLATE_PIECE
+    bytes of memory and the time to produce them, never its full size."""
+    stream = zlib.decompressobj(ENCODINGS[encoding])
+    out: list[bytes] = []
+    size = 0
+
+    def take(data: bytes) -> None:
+        nonlocal size
+        while True:
+            piece = stream.decompress(data, INFLATE_PIECE)
+            size += len(piece)
+            if size > limit:
+                raise PayloadTooLarge(f"the {encoding} body decompresses to over the limit of {limit} bytes "
+                                      "(max_request_bytes)")
+            if piece:
+                out.append(piece)
+            data = stream.unconsumed_tail
+            if not data and (len(piece) < INFLATE_PIECE or stream.eof):  # all in, nothing pending
+                return
+
+    rest: list[bytes] = []  # chunks after the stream's end
+    try:
+        for i, chunk in enumerate(chunks):
+            take(chunk)
+            if stream.eof:
+                rest = chunks[i + 1:]
+                break
+    except zlib.error as e:
+        raise InvalidInput(f"the body is not valid {encoding} data (Content-Encoding): {e}") from None
+    if not stream.eof:
+        raise InvalidInput(f"the {encoding} body ends before its compressed stream does (truncated)")
+    if stream.unused_data or any(len(c) for c in rest):
+        raise InvalidInput(f"the {encoding} body has bytes after the end of its compressed stream")
+    return out
+
+
+def _content_encoding(request: Request) -> str | None:
+    """The body's Content-Encoding (a key of ENCODINGS), None when it is sent as it is; 415 for others."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding == "identity":
+        return None
+    if encoding not in ENCODINGS:
+        raise UnsupportedMediaType(f"Content-Encoding {encoding!r} is not supported; send the body uncompressed "
+                                   "or as gzip or deflate")
+    return encoding
+
+
 async def read_body(request: Request, limit: int, timeout_s: float) -> list[bytes]:
     """The body as the chunks it arrived in (the decoders join them, off the event loop for a large
     body), refusing (413) anything over `limit` bytes before reading it all and (408) a body that
-    takes longer than `timeout_s` (at least MIN_BODY_TIMEOUT_S) to arrive."""
+    takes longer than `timeout_s` (at least MIN_BODY_TIMEOUT_S) to arrive. A gzip or deflate body
+    (Content-Encoding) is decompressed in a worker thread, the same `limit` applying to its
+    decompressed size (`inflate`)."""
     timeout_s = max(timeout_s, MIN_BODY_TIMEOUT_S)
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
-    if encoding != "identity":
-        raise UnsupportedMediaType(f"Content-Encoding {encoding!r} is not supported; send the body uncompressed")
+    encoding = _content_encoding(request)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"the body has {declared} bytes, over the limit of {limit} (max_request_bytes)")
@@ -112,6 +169,8 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> list[byte
         raise BodyTimeout(f"the body did not arrive within {timeout_s:g} s ({size} bytes read)") from None
     except ClientDisconnect:
         raise ClientGone(f"the client disconnected after {size} bytes of the body") from None
+    if encoding is not None:
+        return await asyncio.to_thread(inflate, chunks, encoding, limit)
     return chunks
 
 
@@ -205,6 +264,12 @@ def create_app(fe: Frontend) -> FastAPI:
         for path in (f"/v2/models/{{model}}{suffix}", f"/v2/models/{{model}}/versions/{{version}}{suffix}"):
             app.get(path, name=document.__name__)(route)
 
+    # Every model's statistics (tritonclient's get_inference_statistics() with no model name): ours.
+    # Declared before the model routes, which would read "stats" as a model name.
+    @app.get("/v2/models/stats")
+    async def all_statistics() -> Response:
+        return JSONResponse(await fe.model_statistics())
+
     model_document("", fe.model_metadata)
     model_document("/config", fe.model_config)       # Triton's model configuration extension
     model_document("/stats", fe.model_statistics)    # Triton's statistics extension
@@ -277,6 +342,28 @@ def create_app(fe: Frontend) -> FastAPI:
             return Response(b"", media_type=JSON)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
+
+    # ---- Triton's CUDA shared-memory extension: no region ever (service.api.regions) ------
+
+    @app.get("/v2/cudasharedmemory/status")
+    @app.get("/v2/cudasharedmemory/region/{name}/status")
+    async def cuda_shm_status(name: str = "") -> Response:
+        try:
+            return JSONResponse(cuda_status(name))
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc)
+
+    @app.post("/v2/cudasharedmemory/region/{name}/register")
+    async def cuda_shm_register(name: str) -> Response:
+        try:
+            cuda_register(name)  # refused, always
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc)
+
+    @app.post("/v2/cudasharedmemory/unregister")
+    @app.post("/v2/cudasharedmemory/region/{name}/unregister")
+    async def cuda_shm_unregister(name: str = "") -> Response:
+        return Response(b"", media_type=JSON)  # nothing is registered: nothing to remove
 
     # ---- metrics ---------------------------------------------------------------------------
 

@@ -62,12 +62,19 @@ import os
 import stat
 import struct
 import threading
+import typing
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from service.api.error_map import RegionExists, RegionNotFound, SharedMemoryOff, TooManyRegions
+from service.api.error_map import (
+    CudaSharedMemoryUnsupported,
+    RegionExists,
+    RegionNotFound,
+    SharedMemoryOff,
+    TooManyRegions,
+)
 from service.errors import InvalidInput
 from service.worker.shm import shm_dir
 
@@ -214,17 +221,24 @@ class _Object:
         while done < len(buf):
             n = self._io(os.preadv, buf[done:], at + done)
             if n == 0:
-                raise InvalidInput(f"shared-memory region '{self.region.name}': its object {self.region.key} ends at "
-                                   f"byte {at + done}, before the data (it was truncated after it was registered)")
+                raise self._truncated()
             done += n
 
     def write(self, buf: memoryview, at: int) -> None:
         if os.fstat(self.fd).st_size < at + len(buf):  # pwrite would grow the object, not fail
-            raise InvalidInput(f"shared-memory region '{self.region.name}': its object {self.region.key} is now "
-                               f"shorter than byte {at + len(buf)} (it was truncated after it was registered)")
+            raise self._truncated()
         done = 0
         while done < len(buf):
             done += self._io(os.pwritev, buf[done:], at + done)
+
+    def _truncated(self) -> InvalidInput:
+        """The error of an access past the object's end: its size now against the bytes the region
+        was registered with (what the data needs, whichever part of it was being read or written:
+        the same error however a request's rows are split)."""
+        r = self.region
+        return InvalidInput(f"shared-memory region '{r.name}': its object {r.key} is now {os.fstat(self.fd).st_size} "
+                            f"bytes; the region needs {r.offset + r.byte_size} (bytes {r.offset}.."
+                            f"{r.offset + r.byte_size - 1}): it was truncated after it was registered")
 
     def _io(self, call, buf: memoryview, at: int) -> int:
         """One preadv / pwritev; an error of the client's object (ENOSPC in a full /dev/shm, EIO)
@@ -450,6 +464,27 @@ def enabled(regions: Regions | None) -> Regions:
     if regions is None:
         raise SharedMemoryOff(OFF)
     return regions
+
+
+# ---- Triton's CUDA shared-memory extension: never a region ---------------------------------
+# Clients that clean up both kinds of region (perf_analyzer --shared-memory system unregisters its
+# CUDA regions too) get Triton's answers for a server without CUDA shared memory: status is empty,
+# unregister succeeds (there is nothing to remove), register is refused. The server metadata does
+# not list "cuda_shared_memory".
+
+CUDA_UNSUPPORTED = ("CUDA shared memory is not supported: this server reads no GPU memory of its clients; "
+                    "use system shared memory (--shared-memory system)")
+
+
+def cuda_status(name: str) -> list[dict]:
+    """The CUDA regions (`name`'s, or every one): none."""
+    if name:
+        raise RegionNotFound(f"no CUDA shared-memory region '{name}' is registered ({CUDA_UNSUPPORTED})")
+    return []
+
+
+def cuda_register(name: str) -> typing.NoReturn:
+    raise CudaSharedMemoryUnsupported(f"cannot register CUDA shared-memory region '{name}': {CUDA_UNSUPPORTED}")
 
 
 def _count(value, what: str, least: int) -> int:

@@ -55,6 +55,16 @@ STEP_DEADLINE_FACTOR = 10.0
 STEP_DEADLINE_FLOOR_S = 5.0
 STEP_HISTORY = 64
 HEARTBEAT_TIMEOUT_S = 2.0  # an idle rank answers a ping in well under a millisecond
+STOPPED_STATES = ("T", "t")  # /proc/PID/stat: stopped by a signal, stopped by a tracer
+
+
+def _process_state(pid: int | None) -> str:
+    """The kernel's one-letter state of process `pid` (R, S, T, ...); "" where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]  # the name before ")" may hold spaces
+    except (OSError, IndexError):
+        return ""
 
 
 @dataclasses.dataclass
@@ -359,7 +369,7 @@ class WorkerGroup:
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise WorkerError(f"{what}: ranks {sorted(pending)} did not answer within {timeout:.0f} s")
+                raise WorkerError(self._silence(sorted(pending), what, timeout))
             sentinels = {self._procs[r].sentinel: r for r in pending}
             ready = wait(list(pending.values()) + list(sentinels), timeout=left)
             for obj in ready:
@@ -384,6 +394,20 @@ class WorkerGroup:
                     code = self._procs[rank].exitcode
                     raise WorkerError(f"{what}: rank {rank} died (exit code {code})", rank=rank)
         return [answers[r] for r in range(len(self._conns))]
+
+    def _silence(self, pending: list[int], what: str, timeout: float) -> str:
+        """Why `pending` ranks did not answer. Ranks of a step wait on each other in its
+        collectives, so one stalled rank holds them all: the one the kernel reports stopped is
+        named; otherwise all silent ranks are listed, saying why."""
+        within = f"within {timeout:.3g} s"
+        stopped = [r for r in pending if _process_state(self._procs[r].pid) in STOPPED_STATES]
+        if stopped:
+            return (f"{what}: rank {', '.join(map(str, stopped))} is stopped (SIGSTOP or a debugger), and ranks "
+                    f"{pending} did not answer {within}")
+        if len(pending) < len(self._conns):
+            return f"{what}: ranks {pending} did not answer {within} (the others did)"
+        return (f"{what}: the group did not answer {within}; all ranks {pending} are listed: a rank waits on the "
+                "others in a step's collectives, so one stalled rank holds every one")
 
     # -- convenience ---------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,

@@ -35,6 +35,21 @@ def test_bad_values_exit_2_naming_the_flag():
         assert needle in r.stderr, r.stderr
 
 
+def test_a_bad_variable_exits_2_naming_the_variable_without_the_usage(monkeypatch, capsys):
+    """MOE_HTTP_PORT=abc names the variable and its value, not --http-port, and prints no usage
+    (the command line was fine); a bad flag beside it still gets the usage."""
+    monkeypatch.setenv("MOE_HTTP_PORT", "abc")
+    with pytest.raises(SystemExit) as exit_:
+        parse_settings([])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "MOE_HTTP_PORT='abc' (environment)" in err, err
+    assert "usage:" not in err and "--http-port" not in err, err
+    with pytest.raises(SystemExit) as exit_:
+        parse_settings(["--grpc-port", "x"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "usage:" in err and "--grpc-port:" in err and "MOE_HTTP_PORT" in err, err
+
+
 def test_unreadable_weights_exit_nonzero():
     r = subprocess.run([sys.executable, "-m", "service", "--weights", "/nonexistent.safetensors",
                         "--http-port", "0", "--grpc-port", "0"], capture_output=True, text=True, timeout=60)
@@ -44,13 +59,13 @@ def test_unreadable_weights_exit_nonzero():
 
 def test_log_level_is_checked_and_any_case(monkeypatch, capsys):
     assert parse_settings(["--log-level", "debug"]).log_level == "DEBUG"
-    for argv, env in ((["--log-level", "verbose"], None), ([], "verbose")):
+    for argv, env, named in ((["--log-level", "verbose"], None, "--log-level"), ([], "verbose", "MOE_LOG_LEVEL")):
         if env:
             monkeypatch.setenv("MOE_LOG_LEVEL", env)
         with pytest.raises(SystemExit) as exit_:
             main(argv)  # before the fix: a traceback from logging.basicConfig
         assert exit_.value.code == 2
-        assert "--log-level" in capsys.readouterr().err
+        assert named in capsys.readouterr().err
 
 
 def test_help_names_the_offline_commands():

@@ -173,6 +173,42 @@ def test_v2_json_output_choice():
         codecs.decode_v2_http(json.dumps(doc).encode(), None, SPEC)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_an_overflowed_json_answer_names_its_dtype(dtype):
+    """An answer that overflowed cannot be strict JSON: the error names the dtype that overflowed
+    (before: "beyond the float32 range" for an FP16 answer too)."""
+    x, ids, w = tensors(T=2, x_dtype=dtype, seed=3)
+    name = codecs.V2_NAMES[dtype]
+    doc = {"inputs": [{"name": "hidden_states", "datatype": name, "shape": [2, 5],
+                       "data": x.float().flatten().tolist()},
+                      {"name": "topk_ids", "datatype": "INT64", "shape": [2, 2], "data": ids.tolist()},
+                      {"name": "topk_weights", "datatype": "FP32", "shape": [2, 2], "data": w.tolist()}]}
+    req = codecs.decode_v2_http(json.dumps(doc).encode(), None, SPEC)
+    out = x.clone()
+    out[1, 3] = float("inf")  # what the layer's answer holds when it overflowed its dtype
+    expected = f"beyond the {codecs.DTYPE_NAMES[dtype]} range"
+    with pytest.raises(InvalidInput, match=expected):
+        codecs.encode_v2_http(out, req, "moe")
+    with pytest.raises(InvalidInput, match=expected):
+        codecs.encode_forward_json(out)
+
+
+def test_the_timeout_parameter_is_checked_in_microseconds():
+    """The v2 `timeout` parameter is microseconds; 0 is the server default; a bad one is refused
+    in its own unit (before: "a positive, finite number of seconds, got -5e-06")."""
+    base = {"inputs": [{"name": "hidden_states", "datatype": "FP32", "shape": [1, 5], "data": [0.5] * 5},
+                       {"name": "topk_ids", "datatype": "INT64", "shape": [1, 2], "data": [1, 2]},
+                       {"name": "topk_weights", "datatype": "FP32", "shape": [1, 2], "data": [0.5, 0.5]}]}
+    for value, seconds in ((2_500_000, 2.5), (0, None), (1, 1e-6)):
+        req = codecs.decode_v2_http(json.dumps({**base, "parameters": {"timeout": value}}).encode(), None, SPEC)
+        assert req.timeout_s == seconds, value
+    for value in (-5, -0.5, 1e400, "soon"):
+        body = json.dumps({**base, "parameters": {"timeout": value}}).encode()
+        with pytest.raises(InvalidInput, match="microseconds") as info:
+            codecs.decode_v2_http(body, None, SPEC)
+        assert "of seconds" not in str(info.value), info.value
+
+
 def grpc_request(x, ids, w, raw=True):
     r = pb.ModelInferRequest(model_name="moe", id="g")
     for name, dt, t in zip(codecs.INPUT_NAMES, ("FP32", "INT64", "FP32"), (x, ids, w), strict=True):

@@ -14,6 +14,7 @@ import contextlib
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -767,9 +768,30 @@ def test_a_truncated_region_gets_the_same_400_whatever_the_copy_threads(objects,
 
     msg, good, out = asyncio.run(main())
     table.close()
-    assert f"ends at byte {nbytes(x) * 6 // BUDGET}, before the data (it was truncated" in msg, msg
+    needed = f"is now {nbytes(x) * 6 // BUDGET} bytes; the region needs {nbytes(x)} (bytes 0..{nbytes(x) - 1})"
+    assert needed in msg, msg
     assert "NaN" not in msg, msg
     assert rel_err(out, group.ref(*good)) < TOL[torch.float32]
+
+
+def test_a_truncated_object_is_named_with_its_size_and_the_bytes_needed(objects):
+    """A region whose object was cut to 100 bytes after it was registered: reading its rows and
+    writing an answer into it both say how large the object is now and how many bytes the region
+    needs (before: "ends at byte 5120", the offset of the read, as if that were its size)."""
+    x, _, _ = batch(5, seed=72)
+    at = 5120
+    obj = objects(at + nbytes(x))
+    table = regions.RegionTable.create()
+    own = regions.Regions(table)
+    own.register("cut", obj.key, at, nbytes(x))
+    rows = own.rows("cut", 0, nbytes(x), torch.float32, list(x.shape), "hidden_states")
+    os.truncate(f"/dev/shm/{os.path.basename(obj.key)}", 100)
+    needed = f"is now 100 bytes; the region needs {at + nbytes(x)} (bytes {at}..{at + nbytes(x) - 1})"
+    with pytest.raises(InvalidInput, match=re.escape(needed)):
+        rows.read()
+    with pytest.raises(InvalidInput, match=re.escape(needed)):
+        rows.write_from(x)
+    table.close()
 
 
 def test_a_failed_step_leaves_no_descriptor_behind(objects):
@@ -964,7 +986,9 @@ def test_readme_example_runs(server):
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_perf_analyzer_with_system_shared_memory(server, protocol, tmp_path):
     """perf_analyzer --shared-memory system runs unchanged: it registers its regions, every request
-    reads its inputs and writes its output there, none fails, and it unregisters them at the end."""
+    reads its inputs and writes its output there, none fails, and it unregisters them at the end,
+    its CUDA regions too (none: before, that call was a 404 and it ended with "Unable to unregister
+    all shared memory regions")."""
     binary = external_tool("perf_analyzer")
     data = tmp_path / "input.json"
     input_data(data)
@@ -978,6 +1002,7 @@ def test_perf_analyzer_with_system_shared_memory(server, protocol, tmp_path):
                          env=perf_analyzer_env())
     out = run.stdout + run.stderr
     assert run.returncode == 0, out
+    assert "unable to" not in out.lower(), out  # perf_analyzer says "Unable to ..." for what failed
     after = httpx.get(f"{server.url}/v2/models/{MODEL}/stats", timeout=10).json()["model_stats"][0]
     stats = {k: after["inference_stats"][k]["count"] - before["inference_stats"][k]["count"]
              for k in ("success", "fail")}

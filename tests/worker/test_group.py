@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from service.config import LayerConfig
 from service.errors import GroupUnavailable, InvalidInput, WorkerError
 from service.moe.reference import full_weights, moe_reference
+from service.worker import group as group_mod
 from service.worker.group import WorkerGroup
 from service.worker.rank import rank_range
 from tests.helpers import rel_err, routing, tolerance
@@ -201,11 +203,43 @@ def test_rank_killed_mid_step_fails_it_and_its_peers_do_not_spin():
 def test_stalled_rank_times_out():
     with WorkerGroup(SMALL, step_timeout_s=3) as g:
         os.kill(g.pids[1], signal.SIGSTOP)  # alive but silent: only the step timeout can tell
-        with pytest.raises(WorkerError, match="did not answer within"):
+        with pytest.raises(WorkerError, match="rank 1 is stopped .* did not answer within 3 s"):
             g.forward(torch.randn(3, SMALL.H), torch.zeros(3, 2, dtype=torch.int32), torch.ones(3, 2))
     for pid in g.pids:  # close() reaped every rank
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_silent_ranks_are_explained(monkeypatch):
+    """Which ranks a timeout names: the stopped one where the kernel says so; those that did not
+    answer while the others did; or the whole group, saying why all are listed. The deadline is
+    written as it was set (before: "within 0 s" for step_timeout_s=0.001)."""
+    g = WorkerGroup(SMALL)
+    g._conns = [object()] * 4
+
+    class Proc:
+        def __init__(self, pid):
+            self.pid = pid
+
+    stopped = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while group_mod._process_state(stopped.pid) not in group_mod.STOPPED_STATES:
+            assert time.monotonic() < deadline, "SIGSTOP did not take"
+            time.sleep(0.01)
+        g._procs = [Proc(os.getpid()), Proc(os.getpid()), Proc(stopped.pid), Proc(os.getpid())]
+        assert g._silence([0, 1, 2, 3], "step 7", 0.001) == (
+            "step 7: rank 2 is stopped (SIGSTOP or a debugger), and ranks [0, 1, 2, 3] did not answer within 0.001 s")
+    finally:
+        stopped.kill()
+        stopped.wait()
+    g._procs = [Proc(os.getpid())] * 4
+    assert g._silence([1, 3], "heartbeat after step 2", 2.0) == (
+        "heartbeat after step 2: ranks [1, 3] did not answer within 2 s (the others did)")
+    text = g._silence([0, 1, 2, 3], "step 9", 12.5)
+    assert text.startswith("step 9: the group did not answer within 12.5 s; all ranks [0, 1, 2, 3] are listed")
+    assert "one stalled rank holds every one" in text
 
 
 def test_start_failure_is_reported(tmp_path):
@@ -248,7 +282,7 @@ def test_stopped_rank_fails_the_heartbeat_of_an_idle_group():
         assert g.heartbeat() is True  # every rank answers
         os.kill(g.pids[3], signal.SIGSTOP)
         t0 = time.monotonic()
-        with pytest.raises(WorkerError, match="heartbeat.*ranks \\[3\\] did not answer"):
+        with pytest.raises(WorkerError, match="heartbeat.*rank 3 is stopped.*ranks \\[3\\] did not answer"):
             g.heartbeat()
         assert time.monotonic() - t0 < 5
         assert not g.alive and not g.poll()
@@ -265,7 +299,7 @@ def test_step_deadline_follows_the_measured_steps():
         assert g.step_deadline_s() < 10
         os.kill(g.pids[0], signal.SIGSTOP)
         t0 = time.monotonic()
-        with pytest.raises(WorkerError, match="did not answer within"):
+        with pytest.raises(WorkerError, match="rank 0 is stopped .* did not answer within"):
             g.forward(*_batch(5, 9))
         assert time.monotonic() - t0 < 10
 

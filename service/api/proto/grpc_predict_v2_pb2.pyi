@@ -472,3 +472,57 @@ class SystemSharedMemoryUnregisterRequest(_message.Message):
 class SystemSharedMemoryUnregisterResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class CudaSharedMemoryStatusRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class CudaSharedMemoryStatusResponse(_message.Message):
+    __slots__ = ("regions",)
+    class RegionStatus(_message.Message):
+        __slots__ = ("name", "device_id", "byte_size")
+        NAME_FIELD_NUMBER: _ClassVar[int]
+        DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+        BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+        name: str
+        device_id: int
+        byte_size: int
+        def __init__(self, name: _Optional[str] = ..., device_id: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
+    class RegionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: CudaSharedMemoryStatusResponse.RegionStatus
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[CudaSharedMemoryStatusResponse.RegionStatus, _Mapping]] = ...) -> None: ...
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    regions: _containers.MessageMap[str, CudaSharedMemoryStatusResponse.RegionStatus]
+    def __init__(self, regions: _Optional[_Mapping[str, CudaSharedMemoryStatusResponse.RegionStatus]] = ...) -> None: ...
+
+class CudaSharedMemoryRegisterRequest(_message.Message):
+    __slots__ = ("name", "raw_handle", "device_id", "byte_size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RAW_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    raw_handle: bytes
+    device_id: int
+    byte_size: int
+    def __init__(self, name: _Optional[str] = ..., raw_handle: _Optional[bytes] = ..., device_id: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
+
+class CudaSharedMemoryRegisterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CudaSharedMemoryUnregisterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class CudaSharedMemoryUnregisterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

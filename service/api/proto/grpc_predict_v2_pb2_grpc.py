@@ -89,6 +89,21 @@ class GRPCInferenceServiceStub(object):
                 request_serializer=grpc__predict__v2__pb2.SystemSharedMemoryUnregisterRequest.SerializeToString,
                 response_deserializer=grpc__predict__v2__pb2.SystemSharedMemoryUnregisterResponse.FromString,
                 _registered_method=True)
+        self.CudaSharedMemoryStatus = channel.unary_unary(
+                '/inference.GRPCInferenceService/CudaSharedMemoryStatus',
+                request_serializer=grpc__predict__v2__pb2.CudaSharedMemoryStatusRequest.SerializeToString,
+                response_deserializer=grpc__predict__v2__pb2.CudaSharedMemoryStatusResponse.FromString,
+                _registered_method=True)
+        self.CudaSharedMemoryRegister = channel.unary_unary(
+                '/inference.GRPCInferenceService/CudaSharedMemoryRegister',
+                request_serializer=grpc__predict__v2__pb2.CudaSharedMemoryRegisterRequest.SerializeToString,
+                response_deserializer=grpc__predict__v2__pb2.CudaSharedMemoryRegisterResponse.FromString,
+                _registered_method=True)
+        self.CudaSharedMemoryUnregister = channel.unary_unary(
+                '/inference.GRPCInferenceService/CudaSharedMemoryUnregister',
+                request_serializer=grpc__predict__v2__pb2.CudaSharedMemoryUnregisterRequest.SerializeToString,
+                response_deserializer=grpc__predict__v2__pb2.CudaSharedMemoryUnregisterResponse.FromString,
+                _registered_method=True)
 
 
 class GRPCInferenceServiceServicer(object):
@@ -160,6 +175,24 @@ class GRPCInferenceServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CudaSharedMemoryStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CudaSharedMemoryRegister(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CudaSharedMemoryUnregister(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -217,6 +250,21 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.SystemSharedMemoryUnregister,
                     request_deserializer=grpc__predict__v2__pb2.SystemSharedMemoryUnregisterRequest.FromString,
                     response_serializer=grpc__predict__v2__pb2.SystemSharedMemoryUnregisterResponse.SerializeToString,
+            ),
+            'CudaSharedMemoryStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.CudaSharedMemoryStatus,
+                    request_deserializer=grpc__predict__v2__pb2.CudaSharedMemoryStatusRequest.FromString,
+                    response_serializer=grpc__predict__v2__pb2.CudaSharedMemoryStatusResponse.SerializeToString,
+            ),
+            'CudaSharedMemoryRegister': grpc.unary_unary_rpc_method_handler(
+                    servicer.CudaSharedMemoryRegister,
+                    request_deserializer=grpc__predict__v2__pb2.CudaSharedMemoryRegisterRequest.FromString,
+                    response_serializer=grpc__predict__v2__pb2.CudaSharedMemoryRegisterResponse.SerializeToString,
+            ),
+            'CudaSharedMemoryUnregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.CudaSharedMemoryUnregister,
+                    request_deserializer=grpc__predict__v2__pb2.CudaSharedMemoryUnregisterRequest.FromString,
+                    response_serializer=grpc__predict__v2__pb2.CudaSharedMemoryUnregisterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -516,6 +564,87 @@ class GRPCInferenceService(object):
             '/inference.GRPCInferenceService/SystemSharedMemoryUnregister',
             grpc__predict__v2__pb2.SystemSharedMemoryUnregisterRequest.SerializeToString,
             grpc__predict__v2__pb2.SystemSharedMemoryUnregisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CudaSharedMemoryStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/CudaSharedMemoryStatus',
+            grpc__predict__v2__pb2.CudaSharedMemoryStatusRequest.SerializeToString,
+            grpc__predict__v2__pb2.CudaSharedMemoryStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CudaSharedMemoryRegister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/CudaSharedMemoryRegister',
+            grpc__predict__v2__pb2.CudaSharedMemoryRegisterRequest.SerializeToString,
+            grpc__predict__v2__pb2.CudaSharedMemoryRegisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CudaSharedMemoryUnregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/CudaSharedMemoryUnregister',
+            grpc__predict__v2__pb2.CudaSharedMemoryUnregisterRequest.SerializeToString,
+            grpc__predict__v2__pb2.CudaSharedMemoryUnregisterResponse.FromString,
             options,
             channel_credentials,
             insecure,
