@@ -620,12 +620,11 @@ def _json_array(data, name: str, np_dtype) -> torch.Tensor:
             except TypeError:
                 raise InvalidInput(f"{name} has values outside the int64 range") from None
     else:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # an overflow becomes an infinity: refused here
-            cast = arr.astype(np_dtype)
-        if not all_finite(torch.from_numpy(cast)) and np.isfinite(arr).all():  # (NaN as sent: the later check's)
-            raise InvalidInput(f"{name} has values outside the range of {_name(torch.from_numpy(cast).dtype)}")
-        arr = cast
+        try:  # a finite value past np_dtype's range (an infinity or NaN as sent is the later check's)
+            with np.errstate(over="raise"):
+                arr = arr.astype(np_dtype)
+        except FloatingPointError:
+            raise InvalidInput(f"{name} has values outside the range of {np.dtype(np_dtype).name}") from None
     return torch.from_numpy(np.ascontiguousarray(arr))
 
 
