@@ -17,18 +17,10 @@ from service.config import Settings
 from service.server import EXIT_CANNOT_LISTEN
 from tests.api.common import check, inputs
 from tests.api.test_e2e import triton_inputs
-from tests.serverproc import ServerProcess, free_port
+from tests.serverproc import ServerProcess, free_port, ipv6_loopback
 
 FAIL_TIMEOUT_S = 120.0  # a server that cannot listen exits before its rank group starts (~2-5 s here)
 NOT_THIS_HOST = "192.0.2.77"  # TEST-NET-1 (RFC 5737): on no interface of this VM (192.0.2.2 is)
-
-
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.create_server(("::1", 0), family=socket.AF_INET6):
-            return True
-    except OSError:
-        return False
 
 
 def _holder(port: int) -> socket.socket:
@@ -86,7 +78,7 @@ def test_hosts_are_normalized_and_written_with_brackets():
     assert host_port("127.0.0.1", 8001) == "127.0.0.1:8001" and host_port("localhost", 80) == "localhost:80"
 
 
-@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+@pytest.mark.skipif(not ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
 @pytest.mark.parametrize("host", ["::1", "[::]"])
 def test_an_ipv6_host_serves_both_protocols(tmp_path, host):
     """`--host ::1` and `--host '[::]'` (every interface, dual-stack): HTTP and gRPC answer on

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.serverproc import ipv6_loopback
+
 SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "docker" / "healthcheck.py"
 ONLY_HERE = "127.0.0.3"  # a loopback address besides 127.0.0.1: a server bound to it alone is not on 127.0.0.1
 
@@ -61,14 +63,6 @@ def healthcheck(**env: str) -> subprocess.CompletedProcess:
                           timeout=30)
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.create_server(("::1", 0), family=socket.AF_INET6):
-            return True
-    except OSError:
-        return False
-
-
 def test_it_asks_the_address_moe_host_names():
     """The reviewer's case: MOE_HOST set to an address other than 127.0.0.1, the server ready, the
     check failing because it asked 127.0.0.1."""
@@ -86,7 +80,7 @@ def test_every_interface_is_asked_on_loopback(host):
         assert healthcheck(**env).returncode == 0
 
 
-@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+@pytest.mark.skipif(not ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
 @pytest.mark.parametrize("bound, moe_host", [("::1", "::1"), ("::1", "[::1]"), ("::", "::"), ("::", "[::]")])
 def test_ipv6_hosts(bound, moe_host):
     with stand_in(bound) as port:
