@@ -50,12 +50,12 @@ def _start_fails(tmp_path, *flags: str) -> str:
     return log
 
 
-@pytest.mark.parametrize("protocol", ["grpc", "http"])
+@pytest.mark.parametrize("protocol", ["grpc", "http", "metrics"])
 def test_a_port_another_server_holds_is_refused(tmp_path, protocol):
     port = free_port()
     with _holder(port):
         log = _start_fails(tmp_path, f"--{protocol}-port", str(port))
-    name = {"grpc": "gRPC", "http": "HTTP"}[protocol]
+    name = {"grpc": "gRPC", "http": "HTTP", "metrics": "metrics"}[protocol]
     assert f"the {name} server cannot listen on 127.0.0.1:{port}: [Errno 98] Address already in use" in log, log
 
 
