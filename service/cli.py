@@ -131,10 +131,10 @@ def _readable_by_all(path: str) -> None:
 
 
 def _forward(args: argparse.Namespace) -> None:
-    import torch
     from safetensors import SafetensorError
     from safetensors.torch import load_file, save_file
 
+    from service.api.codecs import ModelSpec, rows_error, validate
     from service.errors import InvalidInput
     from service.moe.weights import checkpoint_layer
     from service.worker.group import WorkerGroup
@@ -152,9 +152,6 @@ def _forward(args: argparse.Namespace) -> None:
     x, ids, w = tensors["hidden_states"], tensors["topk_ids"], tensors["topk_weights"]
     if x.dim() != 2 or ids.dim() != 2:
         raise InvalidInput(f"hidden_states must be [T, H] and topk_ids [T, K], got {list(x.shape)}, {list(ids.shape)}")
-    if not x.is_floating_point() or ids.is_floating_point() or not w.is_floating_point():
-        raise InvalidInput(f"dtypes: hidden_states float, topk_ids integer, topk_weights float; "
-                           f"got {x.dtype}, {ids.dtype}, {w.dtype}")
 
     cfg = settings.layer_config(device)
     prefix = settings.weights_prefix
@@ -169,6 +166,12 @@ def _forward(args: argparse.Namespace) -> None:
     if (x.shape[1], ids.shape[1]) != (cfg.H, cfg.K):
         raise InvalidInput(f"hidden_states {list(x.shape)} and topk_ids {list(ids.shape)} do not fit the layer "
                            f"(H={cfg.H}, K={cfg.K})")
+    # The service's checks and messages (dtypes, shapes, ids in [0, E), finite values): one batch of
+    # any T (it runs in steps), its hidden_states checked as the slot would hold them.
+    x, ids, w = validate(x, ids, w, ModelSpec.of(cfg, max_tokens=max(1, x.shape[0])))
+    bad = rows_error(x.to(cfg.dtype), x)
+    if bad is not None:
+        raise bad[1]
     log.info("device %s (%s); layer %s; %d tokens", device, why, cfg.describe(), x.shape[0])
 
     started = time.monotonic()
@@ -180,7 +183,7 @@ def _forward(args: argparse.Namespace) -> None:
     with WorkerGroup(cfg, device=device, weights=settings.weights, weights_prefix=prefix,
                      seed=settings.seed, backend=settings.backend, start_timeout_s=settings.start_timeout_s,
                      step_timeout_s=settings.step_timeout_s) as group:
-        out = group.forward(x, ids.to(torch.int32), w.float(), progress=progress)
+        out = group.forward(x, ids, w, progress=progress)
     save_file({"output": out.contiguous()}, args.output, metadata={"format": "pt"})
     _readable_by_all(args.output)
     log.info("wrote output [%d, %d] %s to %s in %.1f s", out.shape[0], out.shape[1],

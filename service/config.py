@@ -9,7 +9,9 @@ Dimension letters (used in every module):
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
+import re
 from typing import Literal
 
 import torch
@@ -157,6 +159,10 @@ def cuda_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
+_HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")  # RFC 1123 labels
+
+
 class Settings(BaseSettings):
     """Every knob of the service; each is a flag of `moe-serve` and a `MOE_*` variable."""
 
@@ -164,7 +170,8 @@ class Settings(BaseSettings):
     # compose env_file) means unset, as the example says, not an empty value that fails validation.
     model_config = SettingsConfigDict(env_prefix="MOE_", extra="ignore", env_ignore_empty=True)
 
-    host: str = Field("0.0.0.0", description="address the HTTP and gRPC servers bind")
+    host: str = Field("0.0.0.0", description="address the HTTP and gRPC servers bind: an IPv4 or IPv6 address "
+                      "(`::` every interface, IPv4 too; brackets optional) or a host name")
     http_port: int = Field(8000, ge=0, le=65535, description="HTTP port: `/moe/forward`, the v2 routes, `/metrics`")
     grpc_port: int = Field(8001, ge=0, le=65535,
         description="gRPC port: `inference.GRPCInferenceService` and `grpc.health.v1`")
@@ -247,6 +254,21 @@ class Settings(BaseSettings):
     @classmethod
     def _upper_level(cls, v):
         return v.upper() if isinstance(v, str) else v
+
+    @field_validator("host")
+    @classmethod
+    def _host_literal_or_name(cls, v: str) -> str:
+        """An IP address (an IPv6 one may come in brackets, as in a URL: they are taken off) or a
+        host name; anything else would fail later, in the servers' bind, with a traceback."""
+        bare = v[1:-1] if v.startswith("[") and v.endswith("]") else v
+        try:
+            ipaddress.ip_address(bare)
+            return bare
+        except ValueError:
+            pass
+        if v is bare and _HOST_NAME.fullmatch(v) and not v.rsplit(".", 1)[-1].isdigit():  # 999.1.1.1: no name
+            return v
+        raise ValueError(f"must be an IP address (IPv6 with or without brackets) or a host name, got {v!r}")
 
     @field_validator("preset")
     @classmethod

@@ -17,7 +17,9 @@ status 2 before anything starts, with a message naming the problem; so does a ch
 experts the layer cannot compute exactly (service/moe/checkpoint.py names the feature). A first start of the rank
 group that fails anyway exits with status 1 instead of retrying: that is a configuration
 problem, not a transient one; 2 where the ranks refused a setting (`--backend fused` where the
-fused backend cannot run).
+fused backend cannot run). A port that cannot be listened on (another process holds it, or
+`--host` is not an address of this host) exits with status 3, HTTP's, gRPC's or the metrics port
+alike; no port is shared with another server (SO_REUSEPORT only among one fleet's front ends).
 """
 
 from __future__ import annotations
@@ -28,13 +30,13 @@ import functools
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 
 import uvicorn
 
 from service import logfilter
+from service.api.address import bind_error, host_port, listen_socket
 from service.api.batcher import Batcher
 from service.api.connections import bounded_protocol, ensure_file_limit
 from service.api.frontend import Frontend
@@ -56,6 +58,7 @@ from service.worker.warmup import expert_source, warm_up
 
 log = logging.getLogger("moe-serve")
 
+EXIT_CANNOT_LISTEN = 3  # a port taken or an address not this host's (uvicorn's own STARTUP_FAILURE code)
 GRPC_STOP_GRACE_S = 1.0  # after the drain, what is left of gRPC calls gets this long
 MAX_DEFAULT_FRONTENDS = 4  # the default --frontends on a GPU host: min(this, CPU cores // 2)
 
@@ -75,8 +78,9 @@ class Endpoint:
     """One front-end process's serving half: metrics, batcher, Frontend, HTTP and gRPC servers.
 
     The owner (Server) and every other front-end process (service.replica) run one each. With
-    `reuse_port` the HTTP socket is bound with SO_REUSEPORT (gRPC's always is, on Linux), so that
-    several processes listen on the same ports and the kernel spreads connections over them."""
+    `reuse_port` (a fleet's front ends) both ports are bound with SO_REUSEPORT, so that several
+    processes listen on the same ports and the kernel spreads connections over them; without it
+    neither is, and a port another process holds is refused."""
 
     def __init__(self, settings: Settings, cfg: LayerConfig, slots: int, on_failure=None):
         self.settings = settings
@@ -101,7 +105,7 @@ class Endpoint:
         if self.fe.regions is not None:  # (set before start: by the owner, or from its ("regions",))
             self._prune_task = loop.create_task(self.fe.regions.keep_pruned(), name="moe-regions")
         try:
-            self._grpc = GrpcServer(self.fe, s.host, grpc_port)
+            self._grpc = GrpcServer(self.fe, s.host, grpc_port, reuse_port=reuse_port)
         except OSError as err:
             log.error("%s", err)
             return False
@@ -119,20 +123,17 @@ class Endpoint:
                                 timeout_keep_alive=s.idle_timeout_s,  # type: ignore[arg-type]
                                 timeout_graceful_shutdown=max(1, int(s.drain_timeout_s)))
         self._http = _Uvicorn(config)
-        sockets = None
-        if reuse_port:
-            try:
-                sockets = [socket.create_server((s.host, http_port), family=address_family(s.host),
-                                                backlog=config.backlog, reuse_port=True)]
-            except OSError as err:
-                log.error("the HTTP server cannot listen on %s:%d: %s", s.host, http_port, err)
-                await self._grpc.stop(0)
-                return False
+        try:  # bound here, not by uvicorn: its bind error is a sys.exit(3) from inside its task
+            sockets = [listen_socket(s.host, http_port, config.backlog, reuse_port=reuse_port)]
+        except OSError as err:
+            log.error("the HTTP server cannot listen on %s: %s", host_port(s.host, http_port), err)
+            await self._grpc.stop(0)
+            return False
         self._http_task = loop.create_task(self._http.serve(sockets=sockets))
         while not self._http.started and not self._http_task.done():
             await asyncio.sleep(0.01)
         if self._http_task.done():
-            log.error("the HTTP server did not start on %s:%d", s.host, http_port)
+            log.error("the HTTP server did not start on %s", host_port(s.host, http_port))
             await self._grpc.stop(0)
             return False
         self.http_port = self._http.servers[0].sockets[0].getsockname()[1]
@@ -149,23 +150,6 @@ class Endpoint:
             await self._grpc.stop(GRPC_STOP_GRACE_S)
         if self._http_task is not None:
             await asyncio.gather(self._http_task, return_exceptions=True)
-
-
-def address_family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
-def port_free(host: str, port: int) -> bool:
-    """Whether nothing listens on host:port yet: a plain bind (no SO_REUSEPORT) succeeds. Several
-    front ends bind with SO_REUSEPORT, which would silently share a port another server (of the
-    same user) already holds; this check refuses that instead."""
-    if port == 0:
-        return True
-    try:
-        with socket.create_server((host, port), family=address_family(host)):
-            return True
-    except OSError:
-        return False
 
 
 def frontend_count(settings: Settings, device: str) -> int:
@@ -256,19 +240,28 @@ class Server:
             with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
                 loop.add_signal_handler(sig, self.request_stop)
         if self.fleet is not None:
-            taken = [p for p in (s.http_port, s.grpc_port) if not port_free(s.host, p)]
+            # SO_REUSEPORT would share a port that another server (of the same user) holds with it:
+            # a plain bind of each port first refuses that instead.
+            taken = [f"{host_port(s.host, p)} ({why})" for p in (s.http_port, s.grpc_port)
+                     if (why := bind_error(s.host, p)) is not None]
             if taken:
-                log.error("%s:%s already in use", s.host, ",".join(map(str, taken)))
-                return 1
+                log.error("cannot listen on %s", ", ".join(taken))
+                return EXIT_CANNOT_LISTEN
         if not await self.endpoint.start(s.http_port, s.grpc_port, reuse_port=self.fleet is not None):
-            return 1
+            return EXIT_CANNOT_LISTEN
         self.http_port, self.grpc_port = self.endpoint.http_port, self.endpoint.grpc_port
         metrics_server = None
         if s.metrics_port:
             registry = self.metrics.registry if self.fleet is None else _Gathered(self.fe)
-            metrics_server = serve_metrics(s.host, s.metrics_port, registry)
-        log.info("serving HTTP (%s) on %s:%d, gRPC on %s:%d%s (pid %d)", s.http_impl, s.host, self.http_port,
-                 s.host, self.grpc_port, f", metrics on :{s.metrics_port}" if s.metrics_port else "", os.getpid())
+            try:
+                metrics_server = serve_metrics(s.host, s.metrics_port, registry)
+            except OSError as err:
+                log.error("the metrics server cannot listen on %s: %s", host_port(s.host, s.metrics_port), err)
+                await self.endpoint.stop(time.monotonic())
+                return EXIT_CANNOT_LISTEN
+        log.info("serving HTTP (%s) on %s, gRPC on %s%s (pid %d)", s.http_impl, host_port(s.host, self.http_port),
+                 host_port(s.host, self.grpc_port), f", metrics on :{s.metrics_port}" if s.metrics_port else "",
+                 os.getpid())
 
         supervisor = loop.create_task(self._supervise())
         if self.fleet is not None:  # the other front ends start while the rank group does

@@ -38,6 +38,15 @@ def free_port() -> int:
     raise RuntimeError(f"no loopback port left that this process was not given before ({len(_GIVEN)} given)")
 
 
+def ipv6_loopback() -> bool:
+    """Whether this machine can listen on ::1 (a container or VM may have no IPv6)."""
+    try:
+        with socket.create_server(("::1", 0), family=socket.AF_INET6):
+            return True
+    except OSError:
+        return False
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid`, from /proc (no psutil needed)."""
     children: dict[int, list[int]] = {}

@@ -79,6 +79,29 @@ def test_forward_bad_input_names_the_problem(tmp_path):
     assert r.returncode == 2 and "cannot read --input" in r.stderr
 
 
+@pytest.mark.parametrize("change, needle", [
+    (lambda x, ids, w: x[1].__setitem__(7, float("nan")), "hidden_states contains NaN or infinity (row 1)"),
+    (lambda x, ids, w: x[2].__setitem__(0, float("-inf")), "hidden_states contains NaN or infinity (row 2)"),
+    (lambda x, ids, w: w[0].__setitem__(1, float("inf")), "topk_weights contains NaN or infinity"),
+    (lambda x, ids, w: ids[1].__setitem__(0, 2 ** 32 + 3), "topk_ids[1, 0] = 4294967299 is not an expert id"),
+    (lambda x, ids, w: ids[0].__setitem__(2, -1), "topk_ids[0, 2] = -1 is not an expert id"),
+])
+def test_forward_refuses_what_the_service_refuses(tmp_path, change, needle):
+    """The service's checks and messages, exit 2, nothing written: a NaN row was computed and
+    written (exit 0), and an id past 32 bits was cast to int32 before its range was checked."""
+    inp, outp = str(tmp_path / "in.safetensors"), tmp_path / "out.safetensors"
+    cfg = preset("cpu")
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(3, cfg.H, generator=gen)
+    ids, w = routing(3, cfg.E, cfg.K, "balanced", gen)
+    change(x, ids, w)
+    save_file({"hidden_states": x, "topk_ids": ids, "topk_weights": w}, inp)
+    r = moe_serve("forward", "--input", inp, "--output", str(outp), "--device", "cpu", timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not outp.exists()
+
+
 def test_unwritable_output_exits_2_before_any_work(tmp_path):
     inp = str(tmp_path / "in.safetensors")
     cfg = preset("cpu")

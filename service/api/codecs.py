@@ -24,6 +24,7 @@ import warnings
 import numpy as np
 import safetensors.torch
 import torch
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from service.api.error_map import ModelNotFound, PayloadTooLarge
 from service.api.proto import grpc_predict_v2_pb2 as pb
@@ -261,6 +262,8 @@ def decode_v2_http(body: Body, header_length: str | None, spec: ModelSpec, regio
                                    f"nor binary_data_size")
             tensors[name] = _shm_input(regions, shm, dtype, shape, name)
         elif size is not None:
+            if "data" in item:
+                raise InvalidInput(f"input '{name}' has both 'data' and binary_data_size: send its values one way")
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise InvalidInput(f"input '{name}': binary_data_size must be a non-negative integer")
             if offset + size > len(blobs):
@@ -332,12 +335,28 @@ _LEN = 2          # protobuf wire type of a length-delimited field
 
 @dataclasses.dataclass
 class GrpcInferRequest:
-    """A received ModelInferRequest: every field but raw_input_contents, parsed by protobuf, and
-    raw_input_contents as views of the received bytes (upb would copy each blob on every access)."""
+    """A received ModelInferRequest: every field but raw_input_contents, parsed by protobuf (its
+    int_contents as int64: `_wide_int_request`), and raw_input_contents as views of the received
+    bytes (upb would copy each blob on every access)."""
 
     message: pb.ModelInferRequest
     raw: list[memoryview]
     received: float = 0.0  # time.perf_counter() when the deserializer got the message: where its books start
+
+
+def _wide_int_request() -> typing.Any:
+    """ModelInferRequest with InferTensorContents.int_contents read as int64: the wire encoding is
+    the same varint, but protobuf truncates a value past int32 to its low 32 bits (4294967299 would
+    be id 3), so the parser keeps all 64 and `_grpc_contents` refuses what INT32 cannot hold."""
+    file = descriptor_pb2.FileDescriptorProto.FromString(pb.DESCRIPTOR.serialized_pb)
+    contents = next(m for m in file.message_type if m.name == "InferTensorContents")
+    next(f for f in contents.field if f.name == "int_contents").type = descriptor_pb2.FieldDescriptorProto.TYPE_INT64
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{file.package}.ModelInferRequest"))
+
+
+_ModelInferRequest = _wide_int_request()  # what the server's deserializer parses into
 
 
 def _varint(data: memoryview, i: int) -> tuple[int, int]:
@@ -388,8 +407,8 @@ def parse_grpc_request(data: bytes) -> GrpcInferRequest:
                 raise ValueError("truncated")
             rest.append(view[start:i])
     except (ValueError, IndexError):
-        return GrpcInferRequest(pb.ModelInferRequest.FromString(data), [], received)
-    return GrpcInferRequest(pb.ModelInferRequest.FromString(b"".join(rest)), raw, received)
+        return GrpcInferRequest(_ModelInferRequest.FromString(data), [], received)
+    return GrpcInferRequest(_ModelInferRequest.FromString(b"".join(rest)), raw, received)
 
 
 def decode_grpc(request: pb.ModelInferRequest | GrpcInferRequest, spec: ModelSpec,
@@ -604,9 +623,11 @@ def _json_array(data, name: str, np_dtype) -> torch.Tensor:
             except TypeError:
                 raise InvalidInput(f"{name} has values outside the int64 range") from None
     else:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # fp32 overflow: caught as inf later
-            arr = arr.astype(np_dtype)
+        try:  # a finite value past np_dtype's range (an infinity or NaN as sent is the later check's)
+            with np.errstate(over="raise"):
+                arr = arr.astype(np_dtype)
+        except FloatingPointError:
+            raise InvalidInput(f"{name} has values outside the range of {np.dtype(np_dtype).name}") from None
     return torch.from_numpy(np.ascontiguousarray(arr))
 
 
@@ -653,19 +674,36 @@ def _from_bytes(buf: memoryview, dtype: torch.dtype, shape: list[int], name: str
 
 
 def _v2_json_data(data, dtype: torch.dtype, shape: list[int], name: str) -> torch.Tensor:
+    """An input's JSON `data` as a [shape] tensor of its declared datatype. A value that datatype
+    cannot hold is refused (a cast would wrap an integer: 2**32 + 3 as INT32 is 3, a valid id; and
+    turn a float beyond FP16's range into an infinity the error would misname)."""
     if dtype in INT_DTYPES:
-        t = _json_array(data, name, None)
+        t = _within(_json_array(data, name, None), dtype, name)
     else:
         t = _json_array(data, name, np.float32)
     if t.numel() != shape[0] * shape[1]:
         raise InvalidInput(f"input '{name}' has {t.numel()} values; shape {shape} needs {shape[0] * shape[1]}")
-    return t.reshape(shape).to(dtype)
+    out = t.reshape(shape).to(dtype)
+    if dtype in FLOAT_DTYPES and dtype != t.dtype and not all_finite(out) and all_finite(t):
+        raise InvalidInput(f"input '{name}' has values outside the range of {V2_NAMES[dtype]}")
+    return out
+
+
+def _within(t: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """`t` (int64 values of an input declared `dtype`), refused when a value is outside dtype's range."""
+    info = torch.iinfo(dtype)
+    if t.numel() and (info.min, info.max) != (-2**63, 2**63 - 1):
+        lo, hi = (int(v) for v in torch.aminmax(t))
+        if lo < info.min or hi > info.max:
+            raise InvalidInput(f"input '{name}' has values outside the range of {V2_NAMES[dtype]} "
+                               f"({lo if lo < info.min else hi})")
+    return t
 
 
 def _grpc_contents(contents: pb.InferTensorContents, dtype: torch.dtype, shape: list[int], name: str
                    ) -> torch.Tensor:
-    fields = {torch.float32: ("fp32_contents", np.float32), torch.int32: ("int_contents", np.int32),
-              torch.int64: ("int64_contents", np.int64)}
+    fields = {torch.float32: ("fp32_contents", np.float32), torch.int32: ("int_contents", np.int64),
+              torch.int64: ("int64_contents", np.int64)}  # int_contents: 64 bits as parsed (_wide_int_request)
     if dtype not in fields:
         raise InvalidInput(f"input '{name}' is {V2_NAMES[dtype]}: it must travel in raw_input_contents")
     field, np_dtype = fields[dtype]
@@ -678,7 +716,8 @@ def _grpc_contents(contents: pb.InferTensorContents, dtype: torch.dtype, shape: 
     # millions of values is refused before they are converted, which holds the event loop.
     if len(values) != shape[0] * shape[1]:
         raise InvalidInput(f"input '{name}' has {len(values)} values; shape {shape} needs {shape[0] * shape[1]}")
-    return torch.from_numpy(np.asarray(values, dtype=np_dtype)).reshape(shape)
+    t = torch.from_numpy(np.asarray(values, dtype=np_dtype))
+    return (_within(t, dtype, name) if dtype in INT_DTYPES else t).reshape(shape)
 
 
 def _v2_timeout(value) -> float | None:

@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from service.api import codecs
+from service.api.address import bind_error, host_port
 from service.api.error_map import classify, message
 from service.api.frontend import Frontend
 from service.api.proto import grpc_predict_v2_pb2 as pb
@@ -231,15 +232,21 @@ def _reflection_pool() -> descriptor_pool.DescriptorPool:
 
 
 class GrpcServer:
-    """grpc.aio server with the inference service, health (follows readiness) and reflection."""
+    """grpc.aio server with the inference service, health (follows readiness) and reflection.
 
-    def __init__(self, fe: Frontend, host: str, port: int):
+    `reuse_port`: bind with SO_REUSEPORT, for the front ends of one fleet, which share the port on
+    purpose (service.server.Endpoint). Off, the port is this process's alone: grpc's default on
+    Linux is on, and two servers would then share a port silently, each answering some of the
+    connections (with its own weights)."""
+
+    def __init__(self, fe: Frontend, host: str, port: int, reuse_port: bool = False):
         self.fe = fe
         s = fe.settings
         idle_ms = int(s.idle_timeout_s * 1000)
         options = [
             ("grpc.max_receive_message_length", s.grpc_max_message_bytes),
             ("grpc.max_send_message_length", s.grpc_max_message_bytes),
+            ("grpc.so_reuseport", int(reuse_port)),
             # Bounded connections: a TCP connection that has not finished the HTTP/2 handshake,
             # or has had no call in flight, for idle_timeout_s is closed; at most
             # max_connections are accepted; a connection carries at most MAX_STREAMS calls.
@@ -263,9 +270,14 @@ class GrpcServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server, pool=_reflection_pool())
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
-        if self.port == 0:
-            raise OSError(f"cannot bind the gRPC port {host}:{port}")
+        address = host_port(host, port)
+        try:
+            self.port = self.server.add_insecure_port(address)
+        except RuntimeError:  # grpc >= 1.57 raises where older ones returned 0
+            self.port = 0
+        if self.port == 0:  # grpc's message does not say why ("set GRPC_VERBOSITY=debug"): a bind does
+            why = bind_error(host, port) or "grpc gives no reason"
+            raise OSError(f"the gRPC server cannot listen on {address}: {why}")
 
     async def start(self) -> None:
         await self.set_serving(self.fe.ready)  # a front end may start after it is attached (service.replica)

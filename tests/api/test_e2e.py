@@ -333,7 +333,7 @@ BAD_JSON = {
     "id-negative": (_fwd(ids=torch.full((3, K), -1, dtype=torch.int64)), "not an expert id"),
     "nan-x": (_fwd(x=torch.full((3, H), float("nan"))), "hidden_states contains NaN"),
     "inf-w": (_fwd(w=torch.full((3, K), float("inf"))), "topk_weights contains NaN"),
-    "fp32-overflow": (_fwd(x=[[1e39] * H] * 3), "NaN or infinity"),
+    "fp32-overflow": (_fwd(x=[[1e39] * H] * 3), "hidden_states has values outside the range of float32"),
     "string-numbers": (_fwd(x=[["1.5"] * H] * 3), "hidden_states must be a rectangular array of numbers"),
     "bool-weights": (_fwd(w=[[True] * K] * 3), "topk_weights must be a rectangular array of numbers"),
     "deep-body": ("[" * 100_000 + "]" * 100_000, "nested too deeply"),

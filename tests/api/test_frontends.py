@@ -23,6 +23,7 @@ import pytest
 import safetensors.torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from service.server import EXIT_CANNOT_LISTEN
 from tests.api import test_e2e
 from tests.api.common import CFG, check, inputs
 from tests.serverproc import ServerProcess, cmdline, comm, descendants, free_port
@@ -276,7 +277,7 @@ def test_taken_port_is_refused(server, tmp_path):
     env = {**ServerProcess.loopback_env(dict(os.environ)), "MOE_HTTP_PORT": str(server.http_port)}
     second = ServerProcess([sys.executable, "-m", "service", *FLAGS], tmp_path / "second.log", env=env)
     try:
-        assert second.proc.wait(120) == 1, second.log()[-2000:]
+        assert second.proc.wait(120) == EXIT_CANNOT_LISTEN, second.log()[-2000:]
     finally:
         second.stop()
     assert "already in use" in second.log()
