@@ -178,7 +178,8 @@ class Settings(BaseSettings):
     metrics_port: int = Field(0, ge=0, le=65535,
                               description="separate port serving only /metrics (any other path: 404); "
                                           "0 = only on the HTTP port")
-    model_name: str = Field("moe", description="model name in the v2 routes and gRPC calls")
+    model_name: str = Field("moe", description="model name in the v2 routes and gRPC calls (one URL path segment; "
+                                               "not 'stats', which GET /v2/models/stats takes)")
 
     preset: str | None = Field(None, description="layer preset; default seed on GPU, cpu otherwise")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="`auto`: cuda when torch sees a GPU, else cpu")
@@ -269,6 +270,18 @@ class Settings(BaseSettings):
         if v is bare and _HOST_NAME.fullmatch(v) and not v.rsplit(".", 1)[-1].isdigit():  # 999.1.1.1: no name
             return v
         raise ValueError(f"must be an IP address (IPv6 with or without brackets) or a host name, got {v!r}")
+
+    @field_validator("model_name")
+    @classmethod
+    def _routable_model_name(cls, v: str) -> str:
+        """One path segment of the v2 routes; not "stats": GET /v2/models/stats is the statistics of
+        every model (tritonclient's get_inference_statistics() with no name), so that model's
+        metadata could never be read."""
+        if not v or "/" in v or v != v.strip() or v in (".", ".."):
+            raise ValueError(f"must be one URL path segment (no '/', no surrounding spaces), got {v!r}")
+        if v == "stats":
+            raise ValueError("'stats' is taken by GET /v2/models/stats (every model's statistics)")
+        return v
 
     @field_validator("preset")
     @classmethod

@@ -268,7 +268,13 @@ def serve_metrics(host: str, port: int, registry) -> WSGIServer:
         if environ.get("PATH_INFO") != METRICS_PATH:
             start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
             return [f"not found: this port serves only {METRICS_PATH}\n".encode()]
-        return exposition(environ, start_response)
+        if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):
+            start_response("405 Method Not Allowed", [("Allow", "GET, HEAD"), ("Content-Type", "text/plain")])
+            return [b"GET or HEAD\n"]
+        # The whole exposition, whatever the query: a gathered fleet's registry has no name[] filter
+        # (prometheus_client raised on one: a 500 and a traceback on stderr).
+        body = exposition({**environ, "QUERY_STRING": "", "REQUEST_METHOD": "GET"}, start_response)
+        return [] if environ["REQUEST_METHOD"] == "HEAD" else body
 
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
 

@@ -291,8 +291,9 @@ class Server:
         # Steps still in flight (those of requests past their deadline) get what is left of the
         # drain; the step threads are joined, so none is inside group.run when the group closes.
         await self.endpoint.stop(drain_end)
-        if metrics_server is not None:
-            metrics_server.shutdown()
+        if metrics_server is not None:  # (shutdown waits for serve_forever's next poll, up to 0.5 s)
+            await asyncio.to_thread(metrics_server.shutdown)
+            metrics_server.server_close()
         if self.group is not None:
             await asyncio.to_thread(self.group.close)
             self.group = None

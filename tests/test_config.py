@@ -54,6 +54,8 @@ def test_settings_from_environment(monkeypatch):
     ({"MOE_PRESET": "nope"}, "preset"),
     ({"MOE_GRPC_PORT": "8000"}, "must differ"),
     ({"MOE_WORLD_SIZE": "0"}, "world_size"),
+    ({"MOE_MODEL_NAME": "stats"}, "taken by GET /v2/models/stats"),
+    ({"MOE_MODEL_NAME": "a/b"}, "one URL path segment"),
 ])
 def test_settings_reject_impossible_values(monkeypatch, env, word):
     for k, v in env.items():

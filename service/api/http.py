@@ -92,12 +92,22 @@ MIN_BODY_TIMEOUT_S = 1.0
 # RFC 9110 8.4.1.2, as tritonclient's request_compression_algorithm="deflate" sends it).
 ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 INFLATE_PIECE = 1 << 20  # bytes of output per zlib call: a body past the limit stops within one piece
+# A compressed body may grow to at most this many times its size (and to INFLATE_FLOOR whatever its
+# size): real bodies shrink little (random fp32 rows to ~92 %, JSON numbers ~2-3x), while a few KiB
+# of zip bomb just under --max-request-bytes would make each of many concurrent requests hold
+# megabytes that no client sent (a review: 24 bombs of 64 KB held 2 GiB).
+MAX_INFLATE_RATIO = 32
+INFLATE_FLOOR = 1 << 20
 
 
 def inflate(chunks: list[bytes], encoding: str, limit: int) -> list[bytes]:
     """A compressed body, decompressed as it streams (in pieces of at most INFLATE_PIECE bytes), and
-    refused (413) as soon as its output passes `limit`: a zip bomb costs at most limit + INFLATE_PIECE
-    bytes of memory and the time to produce them, never its full size."""
+    refused (413) as soon as its output passes `limit` or MAX_INFLATE_RATIO times the compressed size
+    (at least INFLATE_FLOOR): a zip bomb costs at most that + INFLATE_PIECE bytes of memory and the
+    time to produce them, never its full size. Each compressed chunk is dropped from `chunks` once
+    decompressed."""
+    compressed = sum(len(c) for c in chunks)
+    ratio_limit = max(INFLATE_FLOOR, MAX_INFLATE_RATIO * compressed)
     stream = zlib.decompressobj(ENCODINGS[encoding])
     out: list[bytes] = []
     size = 0
@@ -110,6 +120,10 @@ def inflate(chunks: list[bytes], encoding: str, limit: int) -> list[bytes]:
             if size > limit:
                 raise PayloadTooLarge(f"the {encoding} body decompresses to over the limit of {limit} bytes "
                                       "(max_request_bytes)")
+            if size > ratio_limit:
+                raise PayloadTooLarge(f"the {encoding} body of {compressed} bytes decompresses to over "
+                                      f"{ratio_limit} bytes ({MAX_INFLATE_RATIO} times its size): send it "
+                                      "uncompressed")
             if piece:
                 out.append(piece)
             data = stream.unconsumed_tail
@@ -120,6 +134,7 @@ def inflate(chunks: list[bytes], encoding: str, limit: int) -> list[bytes]:
     try:
         for i, chunk in enumerate(chunks):
             take(chunk)
+            chunks[i] = b""  # (its bytes are in `out` now)
             if stream.eof:
                 rest = chunks[i + 1:]
                 break

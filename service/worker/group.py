@@ -399,15 +399,15 @@ class WorkerGroup:
         """Why `pending` ranks did not answer. Ranks of a step wait on each other in its
         collectives, so one stalled rank holds them all: the one the kernel reports stopped is
         named; otherwise all silent ranks are listed, saying why."""
-        within = f"within {timeout:.3g} s"
+        within = f"within {timeout:g} s"
         stopped = [r for r in pending if _process_state(self._procs[r].pid) in STOPPED_STATES]
         if stopped:
-            return (f"{what}: rank {', '.join(map(str, stopped))} is stopped (SIGSTOP or a debugger), and ranks "
-                    f"{pending} did not answer {within}")
+            who = f"rank {stopped[0]} is" if len(stopped) == 1 else f"ranks {stopped} are"
+            return f"{what}: {who} stopped (SIGSTOP or a debugger), and ranks {pending} did not answer {within}"
         if len(pending) < len(self._conns):
             return f"{what}: ranks {pending} did not answer {within} (the others did)"
         return (f"{what}: the group did not answer {within}; all ranks {pending} are listed: a rank waits on the "
-                "others in a step's collectives, so one stalled rank holds every one")
+                "others (a step's collectives, the start's rendezvous), so one stalled rank holds every one")
 
     # -- convenience ---------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,

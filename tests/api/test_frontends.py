@@ -131,6 +131,9 @@ def test_metrics_and_statistics_add_up_over_both_processes(server):
             assert after[2] - before[2] == sent
         with httpx.Client(base_url=f"http://127.0.0.1:{METRICS_PORT}", timeout=60) as c:
             fams = scrape(c)
+            # the summed registry has no name[] filter: the whole exposition, not a 500
+            filtered = c.get("/metrics", params={"name[]": "moe_ready"})
+            assert filtered.status_code == 200 and "moe_requests_total" in filtered.text, filtered.text[:300]
         assert value(fams["moe_requests"], "moe_requests_total", protocol="http_safetensors",
                      status="200") - before[0] == CONNECTIONS
     finally:

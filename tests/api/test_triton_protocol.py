@@ -10,13 +10,16 @@ import zlib
 
 import grpc
 import httpx
+import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from service.api import codecs
+from service.api import codecs, http
+from service.api.error_map import PayloadTooLarge
+from service.api.http import INFLATE_FLOOR
 from service.api.proto import grpc_predict_v2_pb2 as pb
 from tests.api.common import CFG, check, inputs
 from tests.api.test_e2e import triton_inputs
@@ -183,6 +186,9 @@ def test_the_metrics_port_serves_only_metrics(server):
     assert r.headers["content-type"].startswith("text/plain")
     om = httpx.get(f"{base}/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"}, timeout=10)
     assert om.status_code == 200 and om.text.rstrip().endswith("# EOF")
+    head = httpx.head(f"{base}/metrics", timeout=10)
+    assert head.status_code == 200 and head.content == b"" and head.headers["content-type"].startswith("text/plain")
+    assert httpx.post(f"{base}/metrics", timeout=10).status_code == 405
     for path in ("/v2/health/ready", "/", "/metrics/", "/metricsx", "/v2/models/moe/stats"):
         r = httpx.get(base + path, timeout=10)
         assert r.status_code == 404 and "moe_" not in r.text, (path, r.status_code, r.text[:200])
@@ -205,3 +211,19 @@ def test_timeout_parameter_errors_speak_microseconds(server):
     status, text = error_of(lambda: grpc_client(server).infer(MODEL, triton_inputs(grpcclient, x, ids, w),
                                                               timeout=-5))
     assert status == "StatusCode.INVALID_ARGUMENT" and "microseconds" in text and "-5" in text, text
+
+
+def test_a_small_body_may_grow_at_most_32_times_and_to_1_mib():
+    """Many bombs just under --max-request-bytes (a few KiB each) would each hold megabytes no
+    client sent: a body's decompressed size is also bounded by 32 times its compressed size, or
+    1 MiB whatever its size. Legitimate bodies (random values) come nowhere near."""
+    limit = 64 << 20
+    bomb = gzip.compress(bytes(limit - 1))  # ~64 KB for 64 MiB: under the byte limit, far past the ratio
+    chunks = [bomb[:1000], bomb[1000:]]
+    with pytest.raises(PayloadTooLarge, match=r"decompresses to over \d+ bytes \(32 times its size\)"):
+        http.inflate(chunks, "gzip", limit)
+    small = bytes(INFLATE_FLOOR)  # 1 MiB of zeros from ~1 KB: the floor lets it through
+    assert b"".join(http.inflate([gzip.compress(small)], "gzip", limit)) == small
+    noise = np.random.default_rng(5).standard_normal(1 << 18).astype(np.float32).tobytes()
+    body = zlib.compress(noise)
+    assert b"".join(http.inflate([body[:7], body[7:]], "deflate", limit)) == noise

@@ -237,6 +237,7 @@ def test_silent_ranks_are_explained(monkeypatch):
     g._procs = [Proc(os.getpid())] * 4
     assert g._silence([1, 3], "heartbeat after step 2", 2.0) == (
         "heartbeat after step 2: ranks [1, 3] did not answer within 2 s (the others did)")
+    assert "within 1200 s" in g._silence([0, 1, 2, 3], "start", 1200.0)  # (not 1.2e+03)
     text = g._silence([0, 1, 2, 3], "step 9", 12.5)
     assert text.startswith("step 9: the group did not answer within 12.5 s; all ranks [0, 1, 2, 3] are listed")
     assert "one stalled rank holds every one" in text
