@@ -36,7 +36,7 @@ import time
 import uvicorn
 
 from service import logfilter
-from service.api.address import bind_error, host_port, listen_socket
+from service.api.address import bind_error, grpc_port_taken, host_port, listen_socket
 from service.api.batcher import Batcher
 from service.api.connections import bounded_protocol, ensure_file_limit
 from service.api.frontend import Frontend
@@ -242,8 +242,9 @@ class Server:
         if self.fleet is not None:
             # SO_REUSEPORT would share a port that another server (of the same user) holds with it:
             # a plain bind of each port first refuses that instead.
-            taken = [f"{host_port(s.host, p)} ({why})" for p in (s.http_port, s.grpc_port)
-                     if (why := bind_error(s.host, p)) is not None]
+            checks = ((s.http_port, bind_error(s.host, s.http_port)),
+                      (s.grpc_port, grpc_port_taken(s.host, s.grpc_port)))  # (grpc binds more addresses)
+            taken = [f"{host_port(s.host, p)} ({why})" for p, why in checks if why is not None]
             if taken:
                 log.error("cannot listen on %s", ", ".join(taken))
                 return EXIT_CANNOT_LISTEN

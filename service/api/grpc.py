@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from service.api import codecs
-from service.api.address import bind_error, host_port
+from service.api.address import bind_error, grpc_port_taken, host_port
 from service.api.error_map import classify, message
 from service.api.frontend import Frontend
 from service.api.proto import grpc_predict_v2_pb2 as pb
@@ -271,6 +271,8 @@ class GrpcServer:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server, pool=_reflection_pool())
         address = host_port(host, port)
+        if not reuse_port and (held := grpc_port_taken(host, port)) is not None:
+            raise OSError(f"the gRPC server cannot listen on {address}: {held}")
         try:
             self.port = self.server.add_insecure_port(address)
         except RuntimeError:  # grpc >= 1.57 raises where older ones returned 0

@@ -12,7 +12,7 @@ import pytest
 import safetensors.torch
 import tritonclient.grpc as grpcclient
 
-from service.api.address import host_port
+from service.api.address import grpc_addresses, host_port
 from service.config import Settings
 from service.server import EXIT_CANNOT_LISTEN
 from tests.api.common import check, inputs
@@ -57,6 +57,28 @@ def test_a_port_another_server_holds_is_refused(tmp_path, protocol):
         log = _start_fails(tmp_path, f"--{protocol}-port", str(port))
     name = {"grpc": "gRPC", "http": "HTTP", "metrics": "metrics"}[protocol]
     assert f"the {name} server cannot listen on 127.0.0.1:{port}: [Errno 98] Address already in use" in log, log
+
+
+def test_grpc_binds_every_address_of_its_host():
+    """grpc binds each address of --host and starts if any one binds: the addresses it binds are
+    the ones checked for another server (0.0.0.0 is also its dual-stack `::`; localhost both
+    loopbacks, whatever /etc/hosts says)."""
+    assert grpc_addresses("0.0.0.0") == ["0.0.0.0", "::"]
+    assert grpc_addresses("127.0.0.1") == ["127.0.0.1"] and grpc_addresses("::1") == ["::1"]
+    assert {"127.0.0.1", "::1"} <= set(grpc_addresses("localhost"))
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+@pytest.mark.parametrize("host,held,checked", [("localhost", "127.0.0.1", "127.0.0.1"), ("localhost", "::1", "::1"),
+                                               ("0.0.0.0", "::1", "::")])  # (:: dual-stack holds ::1 too)
+def test_a_grpc_port_held_on_one_of_its_addresses_is_refused(tmp_path, host, held, checked):
+    """Another server on one of the addresses grpc binds for --host (the user's trial, again: grpc
+    started on the others, and that address's clients reached the other server)."""
+    port = free_port()
+    with socket.create_server((held, port), family=socket.AF_INET6 if ":" in held else socket.AF_INET):
+        log = _start_fails(tmp_path, "--host", host, "--grpc-port", str(port))
+    assert f"the gRPC server cannot listen on {host}:{port}: another socket holds {host_port(checked, port)}" in log, \
+        log[-3000:]
 
 
 def test_an_address_not_of_this_host_is_refused(tmp_path):
