@@ -589,8 +589,9 @@ def _require_keys(found, names: tuple[str, ...], where: str) -> None:
                            f"expected {', '.join(names)}")
 
 
-def _json_array(data, name: str, np_dtype) -> torch.Tensor:
-    """Nested JSON lists of numbers -> a tensor; np_dtype None means integers are required.
+def _json_array(data, name: str, np_dtype, range_name: str | None = None) -> torch.Tensor:
+    """Nested JSON lists of numbers -> a tensor; np_dtype None means integers are required. A finite
+    value past np_dtype's range is refused naming `range_name` (default: np_dtype's numpy name).
 
     Parsed without a dtype: np.asarray(["1.5", true], dtype=float32) would accept both. One
     C-level pass over the leaves' types then catches strings, null and booleans (which numpy
@@ -627,7 +628,8 @@ def _json_array(data, name: str, np_dtype) -> torch.Tensor:
             with np.errstate(over="raise"):
                 arr = arr.astype(np_dtype)
         except FloatingPointError:
-            raise InvalidInput(f"{name} has values outside the range of {np.dtype(np_dtype).name}") from None
+            raise InvalidInput(f"{name} has values outside the range of {range_name or np.dtype(np_dtype).name}") \
+                from None
     return torch.from_numpy(np.ascontiguousarray(arr))
 
 
@@ -679,8 +681,8 @@ def _v2_json_data(data, dtype: torch.dtype, shape: list[int], name: str) -> torc
     turn a float beyond FP16's range into an infinity the error would misname)."""
     if dtype in INT_DTYPES:
         t = _within(_json_array(data, name, None), dtype, name)
-    else:
-        t = _json_array(data, name, np.float32)
+    else:  # numpy rounds the parsed float64 to FP16 once (through float32, 65519.999 became 65520: inf)
+        t = _json_array(data, name, np.float16 if dtype == torch.float16 else np.float32, V2_NAMES[dtype])
     if t.numel() != shape[0] * shape[1]:
         raise InvalidInput(f"input '{name}' has {t.numel()} values; shape {shape} needs {shape[0] * shape[1]}")
     out = t.reshape(shape).to(dtype)

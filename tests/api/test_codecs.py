@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import grpc
 import pytest
@@ -447,12 +448,27 @@ def test_v2_json_floats_beyond_the_datatype_are_refused(datatype, value):
         doc = v2_doc()
         doc["inputs"][i].update(datatype=datatype)
         doc["inputs"][i]["data"][-1] = value
-        named = "float32" if datatype == "FP32" else datatype  # (FP32: JSON's float64 read into float32)
-        with pytest.raises(InvalidInput, match=f"{name}'? has values outside the range of {named}"):
+        with pytest.raises(InvalidInput, match=f"{name}'? has values outside the range of {datatype}"):
             codecs.decode_v2_http(json.dumps(doc).encode(), None, SPEC)
     if datatype == "FP32":
         with pytest.raises(InvalidInput, match="topk_weights has values outside the range of float32"):
             codecs.decode_forward_json(forward_body(topk_weights=[[0.5, value]] * 3), SPEC)
+
+
+@pytest.mark.parametrize("value,kept", [(65504.0, 65504.0), (65519.0, 65504.0), (65519.999, 65504.0),
+                                        (-65519.999, -65504.0), (6e-8, 2 ** -24), (-0.0, -0.0), (65520.0, None)])
+def test_v2_json_fp16_rounds_once_at_its_limit(value, kept):
+    """A JSON number is rounded to FP16 once (through float32, 65519.999 became 65520 and then an
+    infinity: refused, though FP16's nearest value is 65504); 65520 and past are beyond FP16."""
+    doc = v2_doc()
+    doc["inputs"][0].update(datatype="FP16")
+    doc["inputs"][0]["data"][-1] = value
+    if kept is None:
+        with pytest.raises(InvalidInput, match="hidden_states has values outside the range of FP16"):
+            codecs.decode_v2_http(json.dumps(doc).encode(), None, SPEC)
+        return
+    got = codecs.decode_v2_http(json.dumps(doc).encode(), None, SPEC).x.reshape(-1)[-1]
+    assert got.dtype == torch.float16 and float(got) == kept and math.copysign(1, float(got)) == math.copysign(1, kept)
 
 
 def test_v2_input_with_both_data_and_binary_data_size_is_refused():
