@@ -166,6 +166,7 @@ def test_the_rollout_gap_is_documented(kinds):
     rolling = kinds["Deployment"]["spec"]["strategy"]["rollingUpdate"]
     if rolling["maxSurge"] == 0 and kinds["HorizontalPodAutoscaler"]["spec"]["minReplicas"] == 1:
         k8s = (ROOT / "docs" / "DEPLOY.md").read_text().split("## Kubernetes", 1)[1].split("\n## ", 1)[0]
+        k8s = " ".join(k8s.split())  # (lines wrap anywhere)
         assert "every rollout is an outage" in k8s and "minReplicas: 2" in k8s, "DEPLOY must warn of the rollout gap"
 
 
