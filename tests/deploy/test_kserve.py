@@ -19,10 +19,9 @@ import sys
 
 import kubernetes_validate
 import pytest
-
-from service.config import Settings
 from cloudcoil.models.prometheus_operator import v1 as monitoring
 
+from service.config import Settings
 from tests.deploy.common import (
     ALERTS,
     DEPLOY,
@@ -236,7 +235,8 @@ def test_the_kserve_pods_are_not_selected_by_the_plain_manifests(docs):
             for selector in (spec.get("selector"), spec.get("podSelector")):
                 if isinstance(selector, dict):
                     wanted = selector.get("matchLabels", selector)
-                    assert not wanted.items() <= pod_labels.items(), f"{doc['kind']} {path.name} selects the KServe pods"
+                    assert not wanted.items() <= pod_labels.items(), \
+                        f"{doc['kind']} {path.name} selects the KServe pods"
 
 
 def test_the_walkthrough_pushes_the_image_and_applies_every_file():
