@@ -192,3 +192,12 @@ def test_dashboards_are_local_and_need_a_password(compose):
     password = env["GF_SECURITY_ADMIN_PASSWORD"]
     assert re.fullmatch(r"\$\{GRAFANA_ADMIN_PASSWORD:\?[^}]+\}", password), \
         f"the admin password must come from the environment with no default: {password}"
+
+
+def test_deploy_says_who_is_pid_1(moe):
+    """Before: DEPLOY said the server "is PID 1 and gets SIGTERM"; under compose `init: true` makes
+    tini PID 1 (it forwards the signal). Every paragraph that names PID 1 must name tini too."""
+    assert moe["init"] is True
+    text = (ROOT / "docs" / "DEPLOY.md").read_text()
+    paragraphs = [p for p in re.split(r"\n- |\n\n", text) if "PID 1" in p]
+    assert paragraphs and all("tini" in p and "init: true" in p for p in paragraphs), paragraphs
