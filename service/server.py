@@ -401,7 +401,7 @@ class Server:
             self.metrics.worker_restarts.inc()
             await self._pause(delay)
 
-    def _give_up(self, failed_restarts: int, why) -> bool:
+    def _give_up(self, failed_restarts: int, why: object) -> bool:
         """After --max-restart-failures failed restarts in a row, stop the server with
         EXIT_RESTARTS_FAILED: a pod whose GPUs or driver went bad must not stay live for ever
         holding them; the orchestrator restarts or reschedules it. Nothing is in flight by then
