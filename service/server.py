@@ -8,7 +8,8 @@ With `--frontends N` > 1 this process is front end 0 and the owner of the rank g
       HTTP (uvicorn, :8000) and gRPC (grpc.aio, :8001) start at once: live, not ready
       supervisor: start the rank group -> one warm-up batch -> ready
                   a rank dies, raises or stops answering -> not ready, in-flight requests 503, close the group,
-                  back off (restart_backoff_s, doubling to MAX_BACKOFF_S), start again
+                  back off (restart_backoff_s, doubling to MAX_BACKOFF_S), start again; after
+                  max_restart_failures restarts in a row that never got it ready: exit 4
       SIGTERM/SIGINT: not ready, new requests 503, in-flight requests finish within
                   drain_timeout_s (every front end), servers stop, ranks stop, exit 0
 
@@ -20,6 +21,8 @@ problem, not a transient one; 2 where the ranks refused a setting (`--backend fu
 fused backend cannot run). A port that cannot be listened on (another process holds it, or
 `--host` is not an address of this host) exits with status 3, HTTP's, gRPC's or the metrics port
 alike; no port is shared with another server (SO_REUSEPORT only among one fleet's front ends).
+A rank group that `--max-restart-failures` restarts in a row could not get ready again (a GPU or
+driver gone bad) exits with status 4, so that the orchestrator restarts or reschedules the process.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from service.worker.warmup import expert_source, warm_up
 log = logging.getLogger("moe-serve")
 
 EXIT_CANNOT_LISTEN = 3  # a port taken or an address not this host's (uvicorn's own STARTUP_FAILURE code)
+EXIT_RESTARTS_FAILED = 4  # --max-restart-failures restarts of the rank group in a row never got it ready
 GRPC_STOP_GRACE_S = 1.0  # after the drain, what is left of gRPC calls gets this long
 MAX_DEFAULT_FRONTENDS = 4  # the default --frontends on a GPU host: min(this, CPU cores // 2)
 
@@ -315,7 +319,8 @@ class Server:
             self._wake.set()
 
     async def _supervise(self) -> None:
-        failures = 0
+        failures = 0  # since the last group that served HEALTHY_RESET_S: the back-off's exponent
+        failed_restarts = 0  # restarts in a row that never got the group ready
         first = True
         generation = 0  # of the attached group: a front end's step for an older one is refused
         while not self._stopping:
@@ -337,6 +342,9 @@ class Server:
                     self.request_stop()
                     return
                 failures += 1
+                failed_restarts += 1
+                if self._give_up(failed_restarts, exc):
+                    return
                 delay = self._backoff(failures)
                 log.error("restarting the rank group failed (%s); next try in %.1f s", exc, delay)
                 self.metrics.worker_restarts.inc()
@@ -359,6 +367,9 @@ class Server:
                     self.group = None
                     await asyncio.to_thread(group.close)
                     failures += 1
+                    failed_restarts += 1
+                    if self._give_up(failed_restarts, "a rank process exited while the front ends started"):
+                        return
                     self.metrics.worker_restarts.inc()
                     await self._pause(self._backoff(failures))
                     continue
@@ -369,6 +380,7 @@ class Server:
                     self.fe.accept()
                 await asyncio.to_thread(self.fleet.attach, group, generation)
             self.fe.set_ready(not self._stopping)
+            failed_restarts = 0
             log.info("ready (rank pids %s)", getattr(group, "pids", "?"))
             since = time.monotonic()
             await self._watch(group)
@@ -388,6 +400,20 @@ class Server:
             log.warning("the rank group failed; restart %d in %.1f s", failures, delay)
             self.metrics.worker_restarts.inc()
             await self._pause(delay)
+
+    def _give_up(self, failed_restarts: int, why: object) -> bool:
+        """After --max-restart-failures failed restarts in a row, stop the server with
+        EXIT_RESTARTS_FAILED: a pod whose GPUs or driver went bad must not stay live for ever
+        holding them; the orchestrator restarts or reschedules it. Nothing is in flight by then
+        (the failed group's requests got 503 when it was detached; later ones are refused)."""
+        limit = self.settings.max_restart_failures
+        if not limit or failed_restarts < limit:
+            return False
+        log.error("the rank group failed to restart %d times in a row (last: %s); giving up: exit %d "
+                  "(--max-restart-failures %d)", failed_restarts, why, EXIT_RESTARTS_FAILED, limit)
+        self.exit_code = EXIT_RESTARTS_FAILED
+        self.request_stop()
+        return True
 
     async def _pause(self, seconds: float) -> None:
         """Sleep, but wake up for a stop request."""

@@ -10,7 +10,7 @@ import json
 import shutil
 import subprocess
 
-from tests.deploy.common import ALERTS, DASHBOARD, load_yaml
+from tests.deploy.common import ALERTS, COMPOSE, DASHBOARD, DEPLOY, K8S, duration_s, load_yaml, load_yaml_all
 from tests.helpers import external_tool
 
 RULE_TESTS = ALERTS.parent / "alerts.test.yml"
@@ -50,6 +50,29 @@ def test_the_absent_target_case_catches_a_down_alert_without_absent(tmp_path):
     (tmp_path / ALERTS.name).write_text(text.replace(old, 'up{job="moe-serve"} == 0'))
     r = promtool("test", "rules", str(tmp_path / RULE_TESTS.name))
     assert r.returncode != 0 and "MoeServeDown" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def startup_budgets_s() -> dict[str, float]:
+    """How long each shipped deployment lets a start take before it calls the process broken."""
+    budgets = {"compose healthcheck": duration_s(load_yaml(COMPOSE)["services"]["moe-serve"]["healthcheck"]
+                                                 ["start_period"])}
+    (deployment,) = [d for d in load_yaml_all(K8S / "deployment.yaml") if d["kind"] == "Deployment"]
+    runtime = load_yaml(DEPLOY / "kserve" / "servingruntime.yaml")
+    for name, container in (("k8s", deployment["spec"]["template"]["spec"]["containers"][0]),
+                            ("kserve", runtime["spec"]["containers"][0])):
+        probe = container["startupProbe"]
+        budgets[f"{name} startup probe"] = probe["periodSeconds"] * probe["failureThreshold"]
+    return budgets
+
+
+def test_not_ready_never_pages_within_a_start():
+    """Before: MoeServeNotReady (critical) fired after 5 minutes not ready, yet a start may take 600 s
+    (MOE_START_TIMEOUT_S 300 s and the warm-up; the startup probe allows that): normal starts paged.
+    Its `for` must outlast every start budget shipped, with a scrape interval of slack."""
+    (rule,) = [r for g in load_yaml(ALERTS)["groups"] for r in g["rules"] if r.get("alert") == "MoeServeNotReady"]
+    scrape_s = duration_s(load_yaml(DEPLOY / "prometheus" / "prometheus.yml")["global"]["scrape_interval"])
+    for name, budget in startup_budgets_s().items():
+        assert duration_s(rule["for"]) >= budget + scrape_s, f"MoeServeNotReady pages within the {name}'s {budget} s"
 
 
 def panel_expr(title: str) -> str:

@@ -17,6 +17,7 @@ from service.config import Settings
 from tests.deploy.common import (
     DEPLOY,
     K8S,
+    ROOT,
     dockerfile_stages,
     duration_s,
     hardening_problems,
@@ -149,6 +150,24 @@ def test_service_servicemonitor_and_hpa_point_at_the_deployment(kinds, pod):
     target = hpa["spec"]["scaleTargetRef"]
     assert (target["kind"], target["name"]) == ("Deployment", deployment["metadata"]["name"])
     assert any(m["type"] == "Pods" for m in hpa["spec"]["metrics"]), "scale on a per-pod custom metric"
+
+
+def test_the_hpa_owns_the_replica_count(kinds):
+    """Before: `replicas: 1` in the Deployment beside the HPA: every `kubectl apply -k` scaled an
+    HPA-grown fleet back to one pod (Kubernetes' HPA docs: leave spec.replicas out)."""
+    deployment, hpa = kinds["Deployment"], kinds["HorizontalPodAutoscaler"]
+    assert hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    assert "replicas" not in deployment["spec"], "the HPA sets the count; apply must not reset it"
+
+
+def test_the_rollout_gap_is_documented(kinds):
+    """maxSurge 0 / maxUnavailable 1 with the HPA's minimum of one pod: a rollout stops the only
+    pod before its replacement is ready. DEPLOY must say so, and how to avoid it."""
+    rolling = kinds["Deployment"]["spec"]["strategy"]["rollingUpdate"]
+    if rolling["maxSurge"] == 0 and kinds["HorizontalPodAutoscaler"]["spec"]["minReplicas"] == 1:
+        k8s = (ROOT / "docs" / "DEPLOY.md").read_text().split("## Kubernetes", 1)[1].split("\n## ", 1)[0]
+        k8s = " ".join(k8s.split())  # (lines wrap anywhere)
+        assert "every rollout is an outage" in k8s and "minReplicas: 2" in k8s, "DEPLOY must warn of the rollout gap"
 
 
 def test_pod_is_hardened(pod, container):

@@ -1,0 +1,109 @@
+"""A rank group that can never be restarted (a bad GPU, a broken driver): after
+--max-restart-failures failed restarts in a row the server exits with EXIT_RESTARTS_FAILED, so that
+the orchestrator restarts or reschedules it, instead of staying live for ever; 0 never gives up.
+
+In process: the first group is a real CPU group (it must start and warm up for the server to serve);
+it is killed, and every group after it fails to start as a lost GPU does."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from service.config import Settings
+from service.errors import WorkerError
+from service.server import EXIT_RESTARTS_FAILED, Server
+
+READY_TIMEOUT_S = 180.0  # the real group's start and warm-up (4 CPU ranks, ~10-20 s here)
+EXIT_TIMEOUT_S = 60.0  # a few failed starts without back-off take well under a second
+
+
+class NeverStarts:
+    """A rank group whose start always fails, as one on a GPU that fell off the bus."""
+
+    starts = 0
+
+    def start(self) -> None:
+        NeverStarts.starts += 1
+        raise WorkerError("rank 0: CUDA error: no CUDA-capable device is detected")
+
+    def close(self) -> None:
+        pass
+
+
+class Running:
+    """A Server on ephemeral loopback ports in a thread of its own: its exit code once it returns."""
+
+    def __init__(self, max_restart_failures: int, caplog):
+        settings = Settings(device="cpu", host="127.0.0.1", http_port=0, grpc_port=0, restart_backoff_s=0,
+                            max_restart_failures=max_restart_failures)
+        self.groups: list = []
+
+        def factory():
+            group = self.server._new_group() if not self.groups else NeverStarts()
+            self.groups.append(group)
+            return group
+
+        NeverStarts.starts = 0
+        self.server = Server(settings, group_factory=factory)
+        self.code: int | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self.server.fe.ready:
+            assert self.thread.is_alive() and time.monotonic() < deadline, f"not ready:\n{caplog.text[-3000:]}"
+            time.sleep(0.1)
+
+    def _run(self) -> None:
+        self.code = asyncio.run(self.server.serve())
+
+    def live(self) -> int:
+        return httpx.get(f"http://127.0.0.1:{self.server.http_port}/v2/health/live", timeout=10).status_code
+
+    def kill_a_rank(self) -> None:
+        os.kill(self.groups[0].pids[-1], signal.SIGKILL)
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            self.server._loop.call_soon_threadsafe(self.server.request_stop)
+        self.thread.join(EXIT_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("limit", [1, 3])
+def test_a_group_that_never_restarts_exits_with_its_own_status(limit, caplog):
+    caplog.set_level("INFO")
+    server = Running(limit, caplog)
+    try:
+        assert server.live() == 200
+        server.kill_a_rank()
+        server.thread.join(EXIT_TIMEOUT_S)
+        alive = server.thread.is_alive()
+    finally:
+        server.stop()
+    assert not alive, f"still serving after {NeverStarts.starts} failed restarts:\n{caplog.text[-3000:]}"
+    assert server.code == EXIT_RESTARTS_FAILED == 4
+    assert NeverStarts.starts == limit
+    assert (f"the rank group failed to restart {limit} times in a row (last: rank 0: CUDA error: no CUDA-capable "
+            f"device is detected); giving up: exit 4 (--max-restart-failures {limit})") in caplog.text
+
+
+def test_zero_never_gives_up(caplog):
+    caplog.set_level("INFO")
+    server = Running(0, caplog)
+    try:
+        server.kill_a_rank()
+        deadline = time.monotonic() + EXIT_TIMEOUT_S
+        while NeverStarts.starts < 20 and time.monotonic() < deadline:  # far past the default limit of 5
+            time.sleep(0.05)
+        assert NeverStarts.starts >= 20 and server.thread.is_alive(), caplog.text[-3000:]
+        assert server.live() == 200 and not server.server.fe.ready
+    finally:
+        server.stop()
+    assert not server.thread.is_alive() and server.code == 0  # SIGTERM's exit, as ever
+    assert "giving up" not in caplog.text
