@@ -218,8 +218,9 @@ class Settings(BaseSettings):
     restart_backoff_s: float = Field(1.0, ge=0,
         description="first delay before restarting a failed rank group; doubles on each failure, up to 30 s")
     max_restart_failures: int = Field(5, ge=0,
-        description="restarts of the rank group in a row that may fail (never ready) before the server gives up and "
-                    "exits with status 4, so that the orchestrator restarts or reschedules it; 0 = never give up")
+        description="failures of the rank group in a row (a restart that never got it ready, or a group that "
+                    "failed within 60 s of turning ready: a crash loop) before the server gives up and exits with "
+                    "status 4, so that the orchestrator restarts or reschedules it; 0 = never give up")
     slots: int = Field(2, ge=1, le=16, description="shared-memory batch slots per front-end process")
     copy_threads: int = Field(1, ge=1, le=16,
         description="threads of each front-end process that share a step's big copies (a request's rows into the "

@@ -319,8 +319,10 @@ class Server:
             self._wake.set()
 
     async def _supervise(self) -> None:
-        failures = 0  # since the last group that served HEALTHY_RESET_S: the back-off's exponent
-        failed_restarts = 0  # restarts in a row that never got the group ready
+        # Failures since the last group that served HEALTHY_RESET_S (a start that failed, or a group
+        # that failed sooner: a GPU that passes the warm-up and dies on the first batches is a crash
+        # loop, not a recovery): the back-off's exponent, and what --max-restart-failures counts.
+        failures = 0
         first = True
         generation = 0  # of the attached group: a front end's step for an older one is refused
         while not self._stopping:
@@ -342,8 +344,7 @@ class Server:
                     self.request_stop()
                     return
                 failures += 1
-                failed_restarts += 1
-                if self._give_up(failed_restarts, exc):
+                if self._give_up(failures, exc):
                     return
                 delay = self._backoff(failures)
                 log.error("restarting the rank group failed (%s); next try in %.1f s", exc, delay)
@@ -366,9 +367,10 @@ class Server:
                     log.error("a rank process of the group exited while the front ends started; restarting it")
                     self.group = None
                     await asyncio.to_thread(group.close)
+                    if self._stopping:  # (a SIGTERM during that close is a drain, not a give-up)
+                        return
                     failures += 1
-                    failed_restarts += 1
-                    if self._give_up(failed_restarts, "a rank process exited while the front ends started"):
+                    if self._give_up(failures, "a rank process exited while the front ends started"):
                         return
                     self.metrics.worker_restarts.inc()
                     await self._pause(self._backoff(failures))
@@ -380,7 +382,6 @@ class Server:
                     self.fe.accept()
                 await asyncio.to_thread(self.fleet.attach, group, generation)
             self.fe.set_ready(not self._stopping)
-            failed_restarts = 0
             log.info("ready (rank pids %s)", getattr(group, "pids", "?"))
             since = time.monotonic()
             await self._watch(group)
@@ -393,24 +394,30 @@ class Server:
                 self.fleet.detach(why)
             self.group = self._attached = None
             await asyncio.to_thread(group.close)
-            if time.monotonic() - since > HEALTHY_RESET_S:
+            if self._stopping:
+                return
+            served = time.monotonic() - since
+            if served > HEALTHY_RESET_S:
                 failures = 0
             failures += 1
+            if self._give_up(failures, f"the group failed {served:.0f} s after it turned ready"):
+                return
             delay = self._backoff(failures)
             log.warning("the rank group failed; restart %d in %.1f s", failures, delay)
             self.metrics.worker_restarts.inc()
             await self._pause(delay)
 
-    def _give_up(self, failed_restarts: int, why: object) -> bool:
-        """After --max-restart-failures failed restarts in a row, stop the server with
-        EXIT_RESTARTS_FAILED: a pod whose GPUs or driver went bad must not stay live for ever
-        holding them; the orchestrator restarts or reschedules it. Nothing is in flight by then
-        (the failed group's requests got 503 when it was detached; later ones are refused)."""
+    def _give_up(self, failures: int, why: object) -> bool:
+        """After --max-restart-failures failures in a row (failed starts, and groups that failed
+        within HEALTHY_RESET_S of turning ready), stop the server with EXIT_RESTARTS_FAILED: a pod
+        whose GPUs or driver went bad must not stay live for ever holding them; the orchestrator
+        restarts or reschedules it. Nothing is in flight by then (the failed group's requests got
+        503 when it was detached; later ones are refused)."""
         limit = self.settings.max_restart_failures
-        if not limit or failed_restarts < limit:
+        if not limit or failures < limit:
             return False
-        log.error("the rank group failed to restart %d times in a row (last: %s); giving up: exit %d "
-                  "(--max-restart-failures %d)", failed_restarts, why, EXIT_RESTARTS_FAILED, limit)
+        log.error("the rank group failed %d times in a row, none serving %.0f s (last: %s); giving up: exit %d "
+                  "(--max-restart-failures %d)", failures, HEALTHY_RESET_S, why, EXIT_RESTARTS_FAILED, limit)
         self.exit_code = EXIT_RESTARTS_FAILED
         self.request_stop()
         return True

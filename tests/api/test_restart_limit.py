@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import threading
 import time
@@ -40,13 +41,13 @@ class NeverStarts:
 class Running:
     """A Server on ephemeral loopback ports in a thread of its own: its exit code once it returns."""
 
-    def __init__(self, max_restart_failures: int, caplog):
+    def __init__(self, max_restart_failures: int, caplog, real_groups: bool = False):
         settings = Settings(device="cpu", host="127.0.0.1", http_port=0, grpc_port=0, restart_backoff_s=0,
                             max_restart_failures=max_restart_failures)
         self.groups: list = []
 
         def factory():
-            group = self.server._new_group() if not self.groups else NeverStarts()
+            group = self.server._new_group() if real_groups or not self.groups else NeverStarts()
             self.groups.append(group)
             return group
 
@@ -67,7 +68,7 @@ class Running:
         return httpx.get(f"http://127.0.0.1:{self.server.http_port}/v2/health/live", timeout=10).status_code
 
     def kill_a_rank(self) -> None:
-        os.kill(self.groups[0].pids[-1], signal.SIGKILL)
+        os.kill(self.groups[-1].pids[-1], signal.SIGKILL)
 
     def stop(self) -> None:
         if self.thread.is_alive():
@@ -88,9 +89,33 @@ def test_a_group_that_never_restarts_exits_with_its_own_status(limit, caplog):
         server.stop()
     assert not alive, f"still serving after {NeverStarts.starts} failed restarts:\n{caplog.text[-3000:]}"
     assert server.code == EXIT_RESTARTS_FAILED == 4
-    assert NeverStarts.starts == limit
-    assert (f"the rank group failed to restart {limit} times in a row (last: rank 0: CUDA error: no CUDA-capable "
-            f"device is detected); giving up: exit 4 (--max-restart-failures {limit})") in caplog.text
+    # the killed group served under HEALTHY_RESET_S: it is the first failure of the row
+    assert NeverStarts.starts == limit - 1
+    last = (r"rank 0: CUDA error: no CUDA-capable device is detected" if limit > 1
+            else r"the group failed \d+ s after it turned ready")
+    assert re.search(rf"the rank group failed {limit} times in a row, none serving 60 s \(last: {last}\); giving up: "
+                     rf"exit 4 \(--max-restart-failures {limit}\)", caplog.text), caplog.text[-3000:]
+
+
+def test_a_crash_loop_gives_up_too(caplog):
+    """Groups that start, pass the warm-up and turn ready, then fail at once (a GPU that dies on the
+    first real batches): each counts, as it served under HEALTHY_RESET_S (the count was reset at
+    every "ready", so this looped for ever with readiness flapping)."""
+    caplog.set_level("INFO")
+    server = Running(2, caplog, real_groups=True)
+    try:
+        server.kill_a_rank()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while len(server.groups) < 2 or not server.server.fe.ready:  # the second group is up and ready
+            assert server.thread.is_alive() and time.monotonic() < deadline, caplog.text[-3000:]
+            time.sleep(0.1)
+        server.kill_a_rank()
+        server.thread.join(EXIT_TIMEOUT_S)
+        alive = server.thread.is_alive()
+    finally:
+        server.stop()
+    assert not alive and server.code == EXIT_RESTARTS_FAILED, caplog.text[-3000:]
+    assert "the rank group failed 2 times in a row, none serving 60 s (last: the group failed" in caplog.text
 
 
 def test_zero_never_gives_up(caplog):

@@ -176,7 +176,7 @@ def test_metrics_annotations_are_where_kserve_reads_them(docs, runtime):
                                       "prometheus.kserve.io/path": "/metrics"}
     assert not any(k.startswith("prometheus") for k in docs["ServingRuntime"]["metadata"].get("annotations", {}))
     isvc_annotations = docs["InferenceService"]["metadata"]["annotations"]
-    assert isvc_annotations.get("serving.kserve.io/enable-prometheus-scraping") != "true"
+    assert isvc_annotations.get("serving.kserve.io/enable-prometheus-scraping") == "false"  # (not a cluster default)
 
 
 def alerts_job() -> str:
