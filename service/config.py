@@ -171,7 +171,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MOE_", extra="ignore", env_ignore_empty=True)
 
     host: str = Field("0.0.0.0", description="address the HTTP and gRPC servers bind: an IPv4 or IPv6 address "
-                      "(`::` every interface, IPv4 too; brackets optional) or a host name")
+                      "(`::` every interface, IPv4 too; brackets optional) or a host name (HTTP binds its IPv4 "
+                      "address, gRPC every address it resolves to)")
     http_port: int = Field(8000, ge=0, le=65535, description="HTTP port: `/moe/forward`, the v2 routes, `/metrics`")
     grpc_port: int = Field(8001, ge=0, le=65535,
         description="gRPC port: `inference.GRPCInferenceService` and `grpc.health.v1`")
@@ -219,8 +220,9 @@ class Settings(BaseSettings):
         description="first delay before restarting a failed rank group; doubles on each failure, up to 30 s")
     max_restart_failures: int = Field(5, ge=0,
         description="failures of the rank group in a row (a restart that never got it ready, or a group that "
-                    "failed within 60 s of turning ready: a crash loop) before the server gives up and exits with "
-                    "status 4, so that the orchestrator restarts or reschedules it; 0 = never give up")
+                    "failed within 60 s of turning ready: a crash loop; a group that served longer ends the row) "
+                    "before the server gives up and exits with status 4, so that the orchestrator restarts or "
+                    "reschedules it; 0 = never give up")
     slots: int = Field(2, ge=1, le=16, description="shared-memory batch slots per front-end process")
     copy_threads: int = Field(1, ge=1, le=16,
         description="threads of each front-end process that share a step's big copies (a request's rows into the "

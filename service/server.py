@@ -9,7 +9,7 @@ With `--frontends N` > 1 this process is front end 0 and the owner of the rank g
       supervisor: start the rank group -> one warm-up batch -> ready
                   a rank dies, raises or stops answering -> not ready, in-flight requests 503, close the group,
                   back off (restart_backoff_s, doubling to MAX_BACKOFF_S), start again; after
-                  max_restart_failures restarts in a row that never got it ready: exit 4
+                  max_restart_failures failures in a row (none after 60 s of serving): exit 4
       SIGTERM/SIGINT: not ready, new requests 503, in-flight requests finish within
                   drain_timeout_s (every front end), servers stop, ranks stop, exit 0
 
@@ -21,8 +21,9 @@ problem, not a transient one; 2 where the ranks refused a setting (`--backend fu
 fused backend cannot run). A port that cannot be listened on (another process holds it, or
 `--host` is not an address of this host) exits with status 3, HTTP's, gRPC's or the metrics port
 alike; no port is shared with another server (SO_REUSEPORT only among one fleet's front ends).
-A rank group that `--max-restart-failures` restarts in a row could not get ready again (a GPU or
-driver gone bad) exits with status 4, so that the orchestrator restarts or reschedules the process.
+A rank group that fails `--max-restart-failures` times in a row (restarts that never got it ready,
+or groups that failed within 60 s of turning ready: a GPU or driver gone bad) exits with status 4,
+so that the orchestrator restarts or reschedules the process.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from service.worker.warmup import expert_source, warm_up
 log = logging.getLogger("moe-serve")
 
 EXIT_CANNOT_LISTEN = 3  # a port taken or an address not this host's (uvicorn's own STARTUP_FAILURE code)
-EXIT_RESTARTS_FAILED = 4  # --max-restart-failures restarts of the rank group in a row never got it ready
+EXIT_RESTARTS_FAILED = 4  # --max-restart-failures failures of the rank group in a row, none after 60 s serving
 GRPC_STOP_GRACE_S = 1.0  # after the drain, what is left of gRPC calls gets this long
 MAX_DEFAULT_FRONTENDS = 4  # the default --frontends on a GPU host: min(this, CPU cores // 2)
 
@@ -319,10 +320,11 @@ class Server:
             self._wake.set()
 
     async def _supervise(self) -> None:
-        # Failures since the last group that served HEALTHY_RESET_S (a start that failed, or a group
-        # that failed sooner: a GPU that passes the warm-up and dies on the first batches is a crash
-        # loop, not a recovery): the back-off's exponent, and what --max-restart-failures counts.
-        failures = 0
+        failures = 0  # since the last group that served HEALTHY_RESET_S: the back-off's exponent
+        # What --max-restart-failures counts: failures in a row, each a start that failed or a group
+        # that failed within HEALTHY_RESET_S of turning ready (a GPU that passes the warm-up and dies
+        # on the first batches is a crash loop, not a recovery); a group that served longer ends the row.
+        row = 0
         first = True
         generation = 0  # of the attached group: a front end's step for an older one is refused
         while not self._stopping:
@@ -344,7 +346,8 @@ class Server:
                     self.request_stop()
                     return
                 failures += 1
-                if self._give_up(failures, exc):
+                row += 1
+                if self._give_up(row, exc):
                     return
                 delay = self._backoff(failures)
                 log.error("restarting the rank group failed (%s); next try in %.1f s", exc, delay)
@@ -370,7 +373,8 @@ class Server:
                     if self._stopping:  # (a SIGTERM during that close is a drain, not a give-up)
                         return
                     failures += 1
-                    if self._give_up(failures, "a rank process exited while the front ends started"):
+                    row += 1
+                    if self._give_up(row, "a rank process exited while the front ends started"):
                         return
                     self.metrics.worker_restarts.inc()
                     await self._pause(self._backoff(failures))
@@ -398,9 +402,11 @@ class Server:
                 return
             served = time.monotonic() - since
             if served > HEALTHY_RESET_S:
-                failures = 0
+                failures = row = 0
+            else:
+                row += 1
             failures += 1
-            if self._give_up(failures, f"the group failed {served:.0f} s after it turned ready"):
+            if self._give_up(row, f"the group failed {served:.0f} s after it turned ready"):
                 return
             delay = self._backoff(failures)
             log.warning("the rank group failed; restart %d in %.1f s", failures, delay)
@@ -409,7 +415,7 @@ class Server:
 
     def _give_up(self, failures: int, why: object) -> bool:
         """After --max-restart-failures failures in a row (failed starts, and groups that failed
-        within HEALTHY_RESET_S of turning ready), stop the server with EXIT_RESTARTS_FAILED: a pod
+        within HEALTHY_RESET_S of turning ready; `row` in _supervise), stop the server with EXIT_RESTARTS_FAILED: a pod
         whose GPUs or driver went bad must not stay live for ever holding them; the orchestrator
         restarts or reschedules it. Nothing is in flight by then (the failed group's requests got
         503 when it was detached; later ones are refused)."""

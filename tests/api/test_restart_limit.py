@@ -1,5 +1,6 @@
 """A rank group that can never be restarted (a bad GPU, a broken driver): after
---max-restart-failures failed restarts in a row the server exits with EXIT_RESTARTS_FAILED, so that
+--max-restart-failures failures in a row (failed restarts, and groups that failed within 60 s of
+turning ready; a group that served longer ends the row) the server exits with EXIT_RESTARTS_FAILED, so that
 the orchestrator restarts or reschedules it, instead of staying live for ever; 0 never gives up.
 
 In process: the first group is a real CPU group (it must start and warm up for the server to serve);
@@ -132,3 +133,23 @@ def test_zero_never_gives_up(caplog):
         server.stop()
     assert not server.thread.is_alive() and server.code == 0  # SIGTERM's exit, as ever
     assert "giving up" not in caplog.text
+
+
+def test_a_group_that_served_long_ends_the_row(monkeypatch, caplog):
+    """A group that served HEALTHY_RESET_S (here 0.5 s) and then failed does not count: with a
+    limit of 1 the server still tries one restart, and gives up on that failing (the count restarted
+    at the healthy group's failure gave up at once, restarting nothing)."""
+    import service.server as server_mod
+
+    monkeypatch.setattr(server_mod, "HEALTHY_RESET_S", 0.5)
+    caplog.set_level("INFO")
+    server = Running(1, caplog)
+    try:
+        time.sleep(1.0)  # past HEALTHY_RESET_S
+        server.kill_a_rank()
+        server.thread.join(EXIT_TIMEOUT_S)
+        alive = server.thread.is_alive()
+    finally:
+        server.stop()
+    assert not alive and server.code == EXIT_RESTARTS_FAILED, caplog.text[-3000:]
+    assert NeverStarts.starts == 1
