@@ -71,6 +71,12 @@ class Running:
     def kill_a_rank(self) -> None:
         os.kill(self.groups[-1].pids[-1], signal.SIGKILL)
 
+    def exits_after_a_kill(self) -> bool:
+        """Kill a rank of the newest group: whether the server then returns within EXIT_TIMEOUT_S."""
+        self.kill_a_rank()
+        self.thread.join(EXIT_TIMEOUT_S)
+        return not self.thread.is_alive()
+
     def stop(self) -> None:
         if self.thread.is_alive():
             self.server._loop.call_soon_threadsafe(self.server.request_stop)
@@ -83,9 +89,7 @@ def test_a_group_that_never_restarts_exits_with_its_own_status(limit, caplog):
     server = Running(limit, caplog)
     try:
         assert server.live() == 200
-        server.kill_a_rank()
-        server.thread.join(EXIT_TIMEOUT_S)
-        alive = server.thread.is_alive()
+        alive = not server.exits_after_a_kill()
     finally:
         server.stop()
     assert not alive, f"still serving after {NeverStarts.starts} failed restarts:\n{caplog.text[-3000:]}"
@@ -110,9 +114,7 @@ def test_a_crash_loop_gives_up_too(caplog):
         while len(server.groups) < 2 or not server.server.fe.ready:  # the second group is up and ready
             assert server.thread.is_alive() and time.monotonic() < deadline, caplog.text[-3000:]
             time.sleep(0.1)
-        server.kill_a_rank()
-        server.thread.join(EXIT_TIMEOUT_S)
-        alive = server.thread.is_alive()
+        alive = not server.exits_after_a_kill()
     finally:
         server.stop()
     assert not alive and server.code == EXIT_RESTARTS_FAILED, caplog.text[-3000:]
@@ -146,9 +148,7 @@ def test_a_group_that_served_long_ends_the_row(monkeypatch, caplog):
     server = Running(1, caplog)
     try:
         time.sleep(1.0)  # past HEALTHY_RESET_S
-        server.kill_a_rank()
-        server.thread.join(EXIT_TIMEOUT_S)
-        alive = server.thread.is_alive()
+        alive = not server.exits_after_a_kill()
     finally:
         server.stop()
     assert not alive and server.code == EXIT_RESTARTS_FAILED, caplog.text[-3000:]
