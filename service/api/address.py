@@ -29,13 +29,19 @@ def bind_error(host: str, port: int) -> str | None:
     SO_REUSEPORT) fails on a port that any other socket holds, whatever that one's options. The
     check of a fleet's ports before it binds them with SO_REUSEPORT, and the reason of a bind that
     failed without one (grpc's)."""
+    err = _bind_failure(host, port)
+    return None if err is None else str(err)
+
+
+def _bind_failure(host: str, port: int) -> OSError | None:
+    """A plain bind of host:port's error, or None when it binds (port 0 always does)."""
     if port == 0:
         return None
     try:
         with listen_socket(host, port):
             return None
     except OSError as err:
-        return str(err)
+        return err
 
 
 def grpc_addresses(host: str) -> list[str]:
@@ -59,14 +65,9 @@ def grpc_port_taken(host: str, port: int) -> str | None:
     binds (`grpc_addresses`): the OS's reason, naming that address when it is not `host` itself;
     None when none is held. Only "in use" counts: an address this machine cannot bind (no IPv6)
     grpc skips too."""
-    if port == 0:
-        return None
     for address in grpc_addresses(host):
-        try:
-            with listen_socket(address, port):
-                pass
-        except OSError as err:
-            if err.errno == errno.EADDRINUSE:
-                return str(err) if address == host else f"another socket holds {host_port(address, port)}: {err}"
+        err = _bind_failure(address, port)
+        if err is not None and err.errno == errno.EADDRINUSE:
+            return str(err) if address == host else f"another socket holds {host_port(address, port)}: {err}"
     return None
 
