@@ -7,7 +7,8 @@
 #   0. when GROUP=1: the rank group alone, no front end (bench/cpu_stages.py --device cuda, T=512 and
 #      8): stage and step-phase medians (StepStats.phases) in group.txt
 #   1b. bench/latency_split.py around a load per protocol (T=512) at each concurrency of SPLIT_CONC
-#      (default "1"; e.g. "1 4"): the server's own books (arrival to answer, the statistics' phases,
+#      (default "1"; e.g. "1 4") and protocol of SPLIT_PROTOCOLS (default "v2_binary grpc"; the shm ones with
+#      SERVE_FLAGS="--shared-memory system"): the server's own books (arrival to answer, the statistics' phases,
 #      layer, stages, moe_step_seconds and its phases moe_step_phase_seconds); SPLIT=0 skips
 #   2. bench/serve_load.py against it: v2 binary and gRPC, bf16 on the wire, T=512 and 2048,
 #      concurrency 1, 4, 16; the layer alone at the same step shapes in the same run (after the load);
@@ -104,12 +105,13 @@ fi
 if [[ "${SPLIT:-1}" == 1 ]]; then
 read -ra SPLIT_CONCS <<< "${SPLIT_CONC:-1}"
 for conc in "${SPLIT_CONCS[@]}"; do
-for proto in v2_binary grpc; do
+read -ra SPLIT_PROTOS <<< "${SPLIT_PROTOCOLS:-v2_binary grpc}"
+for proto in "${SPLIT_PROTOS[@]}"; do
   echo "== 1b. bench/latency_split.py around a concurrency-$conc load ($proto, T=512, bf16)"
   (( $(left) > 15 )) || { echo "skipped: budget spent"; continue; }
   "$PY" bench/latency_split.py --url http://127.0.0.1:18000 --save "/tmp/split_before_${proto}_c$conc.json" > /dev/null
   timeout -k 5 "$(cap 40)" "$PY" bench/serve_load.py --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
-    --protocols "$proto" --sizes 512 --concurrency "$conc" --seconds "$CELL_S" --no-direct "${SERVE_FLAGS[@]}" 2>&1 | grep -E "^\|"
+    --protocols "$proto" --sizes 512 --concurrency "$conc" --seconds "$CELL_S" --wire-dtype bf16 --no-direct 2>&1 | grep -E "^\|"
   "$PY" bench/latency_split.py --url http://127.0.0.1:18000 --before "/tmp/split_before_${proto}_c$conc.json" \
     | tee "$LOG/split_${proto}_c$conc.txt"
 done
