@@ -233,10 +233,11 @@ class Settings(BaseSettings):
         description="steps a CUDA rank holds in flight: 2 enqueues the next step (when its message waits or "
                     "arrives before this one's layer is done) before finishing this one, so the GPU does not idle "
                     "through the host work between steps; 1 runs one at a time (CPU ranks always do)")
-    rank_copy_streams: bool = Field(False,
-        description="experimental, not yet measured on a GPU: a CUDA rank copies a step's rows in and its answer "
-                    "out on two copy streams (through device staging buffers) beside the layers, so the next "
-                    "step's layer does not wait for those copies; off: every copy in the layer's stream")
+    rank_copy_streams: bool = Field(True,
+        description="a CUDA rank copies a step's rows in and its answer out on two copy streams (through device "
+                    "staging buffers) beside the layers, so the next step's layer does not wait for those copies "
+                    "(one H200, T=512: +5 % group steps/s, served v2 binary +11-21 % tokens/s at c=16, gRPC within noise); "
+                    "false: every copy in the layer's stream; CPU ranks have no copy streams")
     frontends: int | None = Field(None, ge=1, le=32,
         description="front-end processes serving the HTTP and gRPC ports (SO_REUSEPORT), each with its own batcher and "
                     "slots, all feeding the one rank group; default min(4, CPU cores // 2) on a GPU host, 1 on the CPU")
