@@ -236,7 +236,8 @@ class Settings(BaseSettings):
     rank_copy_streams: bool = Field(True,
         description="a CUDA rank copies a step's rows in and its answer out on two copy streams (through device "
                     "staging buffers) beside the layers, so the next step's layer does not wait for those copies "
-                    "(one H200, T=512: +5 % group steps/s, served v2 binary +11-21 % tokens/s at c=16, gRPC within noise); "
+                    "(one H200, T=512: +5 % group steps/s, served v2 binary +11-21 % tokens/s at c=16, gRPC "
+                    "within noise); "
                     "false: every copy in the layer's stream; CPU ranks have no copy streams")
     frontends: int | None = Field(None, ge=1, le=32,
         description="front-end processes serving the HTTP and gRPC ports (SO_REUSEPORT), each with its own batcher and "
