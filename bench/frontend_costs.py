@@ -10,17 +10,26 @@ into the answer (in the wire dtype), and encoding the answer (v2 binary parts; g
 plus serializing it). Median microseconds of --reps runs, one thread. The socket I/O, the event
 loop, thread hand-offs and the layer itself are not here: bench/serve_load.py measures the whole,
 py-spy (bench/gpu_serve.sh) shows the event loop's share.
+
+The step's own copies (compute_input and compute_output in the statistics: service.api.batcher's
+`_copy_in` / `_copy_out` / `_write_out`, as `_execute` calls them, with one copy thread), over the
+wire (the request's tensor) and over system shared memory (rows in a /dev/shm object, read with
+preadv, the answer written with pwritev), next to their floors: the bytes' memcpy, preadv and
+pwritev alone, and one pass of the check (the sum of the slot's rows).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import time
+from collections.abc import Iterator
 
 import torch
 
-from service.api import codecs
+from service.api import batcher, codecs, regions
 from service.config import preset
 from service.worker.shm import create_slots, remove_slots
 
@@ -39,6 +48,45 @@ def median_us(fn, reps: int, sync=None) -> float:
     return statistics.median(times) * 1e6
 
 
+@contextlib.contextmanager
+def shm_rows(t: torch.Tensor) -> Iterator[regions.RegionRows]:
+    """`t`'s bytes in a new /dev/shm object, as a registered region's rows (what a shm request's x is)."""
+    path = f"{regions.SHM_ROOT}/bench-costs-{os.getpid()}-{t.shape[0]}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.unlink(path)
+        os.pwrite(fd, regions._memory(t.contiguous()), 0)
+        st = os.fstat(fd)
+        size = t.numel() * t.element_size()
+        obj = regions._Object(regions.Region("bench", path, 0, size, st.st_dev, st.st_ino, 1), os.dup(fd))
+        yield regions.RegionRows(obj, 0, t.dtype, t.shape)
+    finally:
+        os.close(fd)
+
+
+def step_copies(slot, x: torch.Tensor, T: int, reps: int) -> dict[str, float]:
+    """Median us of the step's copies of T rows (x in the wire dtype) and of their floors."""
+    answer = torch.empty(T, x.shape[1], dtype=x.dtype)
+    same = x.to(slot.x.dtype)  # the bytes as the slot holds them: the floors' copy
+    mem = regions._memory(slot.x[:T])
+    t_us = {}
+    with shm_rows(x) as src, shm_rows(answer) as dst:
+        fd = src.obj.fd
+        t_us["floor: memcpy of the rows' slot bytes"] = median_us(lambda: slot.x[:T].copy_(same), reps)
+        t_us["floor: preadv of them from /dev/shm into the slot"] = median_us(lambda: os.preadv(fd, [mem], 0), reps)
+        t_us["floor: pwritev of them from the slot to /dev/shm"] = median_us(lambda: os.pwritev(fd, [mem], 0), reps)
+        t_us["floor: one pass of the check (sum of the slot's rows)"] = median_us(lambda: float(slot.x[:T].sum()), reps)
+        t_us["step copy in + check, wire (_copy_in)"] = median_us(
+            lambda: batcher._copy_in(slot.x[:T], x, 0, 0, T), reps)
+        t_us["step copy in + check, shm (_copy_in: preadv)"] = median_us(
+            lambda: batcher._copy_in(slot.x[:T], src, 0, 0, T), reps)
+        t_us["step copy out, wire (_copy_out into the answer)"] = median_us(
+            lambda: batcher._copy_out(answer, slot.out[:T], 0, T), reps)
+        t_us["step copy out, shm (_write_out: pwritev)"] = median_us(
+            lambda: batcher._write_out(dst, slot.out[:T], 0, T), reps)
+    return t_us
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="512,2048")
@@ -46,6 +94,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--preset", default="seed")
     args = p.parse_args()
+    torch.set_num_threads(1)  # as every front end (service.fleet.set_frontend_threads)
     cfg = preset(args.preset, R=1, C=max(int(s) for s in args.sizes.split(",")))
     spec = codecs.ModelSpec.of(cfg, max_tokens=1 << 20)
     wire = DTYPES[args.wire_dtype]
@@ -64,7 +113,7 @@ def main() -> None:
             sync = torch.cuda.synchronize
         print(f"# {cfg.describe()}, wire {args.wire_dtype}, "
               f"{'CUDA ' + torch.cuda.get_device_name() if cuda else 'CPU'}; "
-              f"torch {torch.__version__}; median us of {args.reps}")
+              f"torch {torch.__version__}; median us of {args.reps}; load average {os.getloadavg()[0]:.1f}")
         print("| stage | " + " | ".join(f"T={T}" for T in map(int, args.sizes.split(","))) + " |")
         print("|---|" + "---|" * len(args.sizes.split(",")))
         rows: dict[str, list[str]] = {}
@@ -108,6 +157,8 @@ def main() -> None:
                 t_us["rank copy-out (cast, D2H to the slot)"] = median_us(
                     lambda: slot.out[:T].copy_(out_dev[:T].copy_(out32[:T]), non_blocking=True), args.reps, sync)
             t_us["copy out of the slot (to wire dtype)"] = median_us(lambda: answer.copy_(slot.out[:T]), args.reps)
+            slot.out[:T].copy_(x)  # an answer's values
+            t_us.update(step_copies(slot, x, T, args.reps))
             t_us["encode v2 binary (parts)"] = median_us(lambda: codecs.encode_v2_http(answer, req, "moe"), args.reps)
             t_us["gRPC response made before the step (its rows filled by the copy out)"] = median_us(
                 lambda: codecs.serialize_grpc_response(codecs.grpc_response(req, "moe")), args.reps)

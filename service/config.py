@@ -226,9 +226,9 @@ class Settings(BaseSettings):
     slots: int = Field(2, ge=1, le=16, description="shared-memory batch slots per front-end process")
     copy_threads: int = Field(1, ge=1, le=16,
         description="threads of each front-end process that share a step's big copies (a request's rows into the "
-                    "slot with their check, its answer out into the response's buffer): a piece of 1 MiB or more, "
-                    "counted in the slot's dtype, is split into min(N, rows) row ranges, a smaller one stays whole; "
-                    "idle ones block, none spins; 1 copies in the step's thread")
+                    "slot with their check, its answer out into the response's buffer or output region): a piece "
+                    "of 1 MiB or more, counted in the slot's dtype, is split into min(N, rows) row ranges, a smaller "
+                    "one stays whole; idle ones block, none spins; 1 copies in the step's thread")
     rank_lookahead: int = Field(2, ge=1, le=2,
         description="steps a CUDA rank holds in flight: 2 enqueues the next step (when its message waits or "
                     "arrives before this one's layer is done) before finishing this one, so the GPU does not idle "

@@ -444,13 +444,15 @@ class Batcher:
                 if not isinstance(dst, RegionRows):  # the response's own buffer: nobody reads it once abandoned
                     self._split.run(functools.partial(_copy_out, dst, src), p.rows, p.rows * row_bytes)
                     continue
-                src = src.to(dst.dtype).contiguous()  # converted before the lock: _forget waits for the write only
+                # The client's output region: written under the request's lock, which `_forget` takes
+                # before its caller answers; RowSplit.run returns only once every range has written, so
+                # no range writes the region after that.
                 with job.lock:
                     if job.abandoned:
                         continue
-                    try:
-                        dst.write_from(src)
-                    except InvalidInput as err:  # its output region's object shrank since it was registered
+                    written = self._split.run(functools.partial(_write_out, dst, src), p.rows, p.rows * row_bytes)
+                    err = next((e for e in written if e is not None), None)
+                    if err is not None:  # its output region's object shrank since it was registered
                         job.reject(p.start, err)
             return stats, (t1 - t0, t2 - t1, time.perf_counter() - t2)
         finally:
@@ -463,6 +465,17 @@ class Batcher:
 def _copy_out(dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int) -> None:
     """Rows lo..hi of an answer out of the slot (`src`) into the response's buffer, in its dtype."""
     dst[lo:hi].copy_(src[lo:hi])
+
+
+def _write_out(dst: RegionRows, src: torch.Tensor, lo: int, hi: int) -> InvalidInput | None:
+    """Rows lo..hi of an answer out of the slot (`src`) into its output region (`dst`), converted to its
+    dtype on the way (per range: no intermediate of the whole piece): None, or the write's error (the
+    region's object shrank since it was registered; the same message whichever range finds it)."""
+    try:
+        dst[lo:hi].write_from(src[lo:hi])
+    except InvalidInput as err:
+        return err
+    return None
 
 
 def _copy_in(dst: torch.Tensor, src: Rows, first: int, lo: int, hi: int) -> RangeCheck:

@@ -774,6 +774,129 @@ def test_a_truncated_region_gets_the_same_400_whatever_the_copy_threads(objects,
     assert rel_err(out, group.ref(*good)) < TOL[torch.float32]
 
 
+def test_the_answer_is_written_into_its_region_in_split_ranges(objects, split_every_piece, monkeypatch):
+    """copy_threads=3 with every piece split: a request of two steps (BUDGET + 7 rows) has each piece
+    of its answer written into its output region in 3 row ranges, as the answer to the wire is copied
+    out (before: one whole write per piece, on the step thread alone), and the region holds the
+    wire's answer bit for bit."""
+    import service.api.batcher as batcher_mod
+
+    T = BUDGET + 7
+    x, ids, w = batch(T, seed=74)
+    table = regions.RegionTable.create()
+    obj = objects(nbytes(x))
+    real, ranges = batcher_mod._write_out, []
+
+    def write_out(dst, src, lo, hi):
+        ranges.append((dst.at, lo, hi))
+        return real(dst, src, lo, hi)
+
+    monkeypatch.setattr(batcher_mod, "_write_out", write_out)
+
+    async def main():
+        own = regions.Regions(table)
+        own.register("out", obj.key, 0, nbytes(x))
+        out = own.rows("out", 0, nbytes(x), torch.float32, list(x.shape), "output 'output'", output=True)
+        b = await started(FakeGroup(BATCHER_CFG), copy_threads=3)
+        wire = await b.submit(x, ids, w, timeout_s=5.0)
+        await b.submit(x, ids, w, timeout_s=5.0, out=out)
+        await b.close()
+        return wire
+
+    wire = asyncio.run(main())
+    table.close()
+    row = x.shape[1] * x.element_size()
+    assert sorted(ranges) == [(0, 0, 2), (0, 2, 5), (0, 5, 8), (BUDGET * row, 0, 2), (BUDGET * row, 2, 4),
+                              (BUDGET * row, 4, 7)], ranges
+    assert torch.equal(obj.read(torch.float32, x.shape), wire)
+
+
+def test_no_range_writes_the_output_region_after_its_request_is_cancelled(objects, split_every_piece, monkeypatch):
+    """copy_threads=3: the request is cancelled (its client left) while its answer's ranges are being
+    written into its output region (the step thread's range done, the helpers' still to write, each
+    waiting until the cancel is being handled): the cancel waits for every range, so the client, who
+    reuses its region once it has its error, finds its own bytes there (the bug this guards against:
+    the request's lock released before the helpers' ranges had written)."""
+    import service.api.batcher as batcher_mod
+
+    x, ids, w = batch(BUDGET, seed=75)
+    table = regions.RegionTable.create()
+    obj = objects(nbytes(x))
+    real_write, real_forget = batcher_mod._write_out, batcher_mod.Batcher._forget
+    forgetting = concurrent.futures.Future()
+    events: list[str] = []
+    here: dict = {}
+
+    def write_out(dst, src, lo, hi):
+        if lo == 0:  # the step thread's range: cancel the request now
+            here["loop"].call_soon_threadsafe(here["task"].cancel)
+            return real_write(dst, src, lo, hi)
+        forgetting.result(timeout=5)  # the loop is in _forget, waiting for the request's lock
+        time.sleep(0.05)
+        err = real_write(dst, src, lo, hi)
+        events.append(f"range {lo} written")
+        return err
+
+    def forget(self, job):
+        if not forgetting.done():
+            forgetting.set_result(None)
+        real_forget(self, job)
+        events.append("forgotten")
+
+    monkeypatch.setattr(batcher_mod, "_write_out", write_out)
+    monkeypatch.setattr(batcher_mod.Batcher, "_forget", forget)
+
+    async def main():
+        own = regions.Regions(table)
+        own.register("out", obj.key, 0, nbytes(x))
+        out = own.rows("out", 0, nbytes(x), torch.float32, list(x.shape), "output 'output'", output=True)
+        b = await started(FakeGroup(BATCHER_CFG), copy_threads=3)
+        here["loop"] = asyncio.get_running_loop()
+        here["task"] = asyncio.ensure_future(b.submit(x, ids, w, timeout_s=5.0, out=out))
+        with pytest.raises(asyncio.CancelledError):
+            await here["task"]
+        reuse = torch.randn(x.shape, generator=torch.Generator().manual_seed(76))
+        obj.write(reuse)  # the client's next request, at once
+        await b.close(timeout_s=5.0)
+        return reuse
+
+    reuse = asyncio.run(main())
+    table.close()
+    assert sorted(events[:2]) == ["range 2 written", "range 5 written"] and events[2:] == ["forgotten"], events
+    assert torch.equal(obj.read(torch.float32, x.shape), reuse), "a range wrote the region after the cancel"
+
+
+@pytest.mark.parametrize("copy_threads", [1, 3])
+def test_a_truncated_output_region_gets_the_same_400_whatever_the_copy_threads(objects, split_every_piece,
+                                                                                copy_threads):
+    """An output object truncated after it was registered, past row 6 of 8 (inside the last of 3
+    ranges): the request gets the truncation error, naming the object's size and the bytes its
+    region needs, with one copy thread and with 3 (ranges before the cut may have written: a failed
+    request's output bytes are unspecified); the next request of the same batcher is answered."""
+    x, ids, w = batch(BUDGET, seed=77)
+    table = regions.RegionTable.create()
+    obj = objects(nbytes(x))
+    group = FakeGroup(BATCHER_CFG)
+
+    async def main():
+        own = regions.Regions(table)
+        own.register("out", obj.key, 0, nbytes(x))
+        out = own.rows("out", 0, nbytes(x), torch.float32, list(x.shape), "output 'output'", output=True)
+        os.truncate(f"/dev/shm/{os.path.basename(obj.key)}", nbytes(x) * 6 // BUDGET)
+        b = await started(group, copy_threads=copy_threads)
+        with pytest.raises(InvalidInput) as err:
+            await b.submit(x, ids, w, timeout_s=5.0, out=out)
+        good = batch(5, seed=78)
+        answer = await b.submit(*good, timeout_s=5.0)
+        await b.close()
+        return str(err.value), good, answer
+
+    msg, good, answer = asyncio.run(main())
+    table.close()
+    assert f"is now {nbytes(x) * 6 // BUDGET} bytes; the region needs {nbytes(x)} (bytes 0..{nbytes(x) - 1})" in msg
+    assert rel_err(answer, group.ref(*good)) < TOL[torch.float32]
+
+
 def test_a_truncated_object_is_named_with_its_size_and_the_bytes_needed(objects):
     """A region whose object was cut to 100 bytes after it was registered: reading its rows and
     writing an answer into it both say how large the object is now and how many bytes the region
