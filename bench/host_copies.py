@@ -18,7 +18,8 @@ The pinned kinds need CUDA (skipped without). Pieces: memcpy of the rows in (sam
 from a /dev/shm object (a shm request), the check alone (codecs.rows_error: one sum), the batcher's
 copy in + check (`_copy_in`, wire and shm), the copy in fused with the check chunk by chunk (256 KiB
 and 1 MiB: does the re-read of 4 MiB cost here?), the copy out (memcpy, and pwritev to /dev/shm as
-`_write_out`), and, pinned, the copy out right after a DMA wrote slot.out (as after a step).
+`_write_out`), and, in the slot pinned here, the copy out right after a DMA wrote slot.out (as after
+a step: the device's writes leave none of those lines in the CPU's caches).
 Then NUMA: the nodes and their CPUs (/sys; `numactl -H` if present), this process's affinity, where
 the slot's pages are (/proc/self/numa_maps), and with more than one node the 1-thread copies again
 with the step thread bound to each node's CPUs. Median us of --reps; a table per section; load average.
@@ -45,7 +46,11 @@ from service.api.regions import copy_rows
 from service.config import preset
 from service.worker.shm import Slot, create_slots, remove_slots
 
+PINNED_HERE = "slot pinned here"
 CHUNKS = (256 << 10, 1 << 20)  # the fused copy + check's chunk bytes
+LSCPU = {"Model name", "Socket(s)", "Core(s) per socket", "Thread(s) per core", "NUMA node(s)", "CPU max MHz",
+         "L2 cache", "L3 cache", "Hypervisor vendor", "Flags"}
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx", "erms")  # of lscpu's: the ones a bf16 sum and a memcpy may use
 
 
 def median_us(fn: Callable[[], object], reps: int, before: Callable[[], object] | None = None) -> float:
@@ -126,6 +131,17 @@ def numa() -> tuple[list[str], dict[int, list[int]]]:
             nodes[int(name[4:])] = _cpus(cpus)
             lines.append(f"{name}: cpus {cpus}")
     lines.append(f"this process may run on cpus {_ranges(sorted(os.sched_getaffinity(0)))}")
+    if shutil.which("lscpu"):
+        try:
+            out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5).stdout.splitlines()
+        except (OSError, subprocess.SubprocessError) as e:
+            out = [f"lscpu failed: {e}"]
+        for line in out:
+            key, _, value = line.partition(":")
+            if key.strip() == "Flags":
+                value = " ".join(f for f in value.split() if f.startswith(FLAGS))
+            if key.strip() in LSCPU:
+                lines.append(f"lscpu: {key.strip()}: {value.strip()}")
     if shutil.which("numactl"):
         try:
             lines += ["numactl -H:"] + subprocess.run(["numactl", "-H"], capture_output=True, text=True,
@@ -193,7 +209,7 @@ def main() -> int:
             from service.worker.rank import pin_slot
 
             pin_slot(slots[1])
-            kinds["slot pinned here"] = slots[1]
+            kinds[PINNED_HERE] = slots[1]
             ctx = mp.get_context("spawn")
             here, there = ctx.Pipe()
             rank = ctx.Process(target=_rank, args=(cfg, slots[2].path, there), daemon=True)
@@ -216,7 +232,7 @@ def main() -> int:
         for T in sizes:
             for n in (int(t) for t in args.threads.split(",")):
                 split = batcher.RowSplit(n)
-                cols = {k: step.submit(pieces, s, T, split, args.reps, dma if "pinned" in k else None).result()
+                cols = {k: step.submit(pieces, s, T, split, args.reps, dma if k == PINNED_HERE else None).result()
                         for k, s in kinds.items()}
                 split.close()
                 table(f"T={T} ({T * cfg.H * cfg.dtype.itemsize >> 20} MiB), {n} thread(s), us", cols)

@@ -897,6 +897,42 @@ def test_a_truncated_output_region_gets_the_same_400_whatever_the_copy_threads(o
     assert rel_err(answer, group.ref(*good)) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("T", [1, 7])
+def test_rows_converted_chunk_by_chunk_equal_one_conversion(objects, monkeypatch, T):
+    """Rows whose region's dtype is not the slot's are converted a chunk of rows at a time (3 rows of
+    fp32 here: chunks of 3, 3 and 1 for T=7), never through a copy of the whole: read into bf16 rows
+    they are the whole tensor's conversion bit for bit, bf16 rows written into an fp32 region (and a
+    non-contiguous fp32 view) read back as their own values, and an object cut inside the last chunk
+    gets the truncation error naming its size."""
+    monkeypatch.setattr(regions, "CONVERT_BYTES", 3 * 8 * 4)
+    gen = torch.Generator().manual_seed(79)
+    x = torch.randn(T, 8, generator=gen) * 100
+    table = regions.RegionTable.create()
+    objs = {name: objects(nbytes(x)) for name in ("in", "out", "strided")}
+    objs["in"].write(x)
+    own = regions.Regions(table)
+    for name, obj in objs.items():
+        own.register(name, obj.key, 0, nbytes(x))
+
+    def rows(name):
+        return own.rows(name, 0, nbytes(x), torch.float32, list(x.shape), f"{name} rows", output=name != "in")
+
+    got = torch.empty(T, 8, dtype=torch.bfloat16)
+    rows("in").read_into(got)
+    assert torch.equal(got, x.to(torch.bfloat16))
+    rows("out").write_from(got)
+    assert torch.equal(objs["out"].read(torch.float32, x.shape), got.float())
+    strided = torch.randn(T, 16, generator=gen)[:, ::2]
+    rows("strided").write_from(strided)
+    assert torch.equal(objs["strided"].read(torch.float32, x.shape), strided)
+    if T > 6:
+        os.truncate(f"/dev/shm/{os.path.basename(objs['in'].key)}", nbytes(x) - 4)
+        cut = f"is now {nbytes(x) - 4} bytes; the region needs {nbytes(x)}"
+        with pytest.raises(InvalidInput, match=re.escape(cut)):
+            rows("in").read_into(got)
+    table.close()
+
+
 def test_a_truncated_object_is_named_with_its_size_and_the_bytes_needed(objects):
     """A region whose object was cut to 100 bytes after it was registered: reading its rows and
     writing an answer into it both say how large the object is now and how many bytes the region
