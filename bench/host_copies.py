@@ -18,7 +18,8 @@ The pinned kinds need CUDA (skipped without). Pieces: memcpy of the rows in (sam
 from a /dev/shm object (a shm request), the check alone (codecs.rows_error: one sum), the batcher's
 copy in + check (`_copy_in`, wire and shm), the copy in fused with the check chunk by chunk (256 KiB
 and 1 MiB: does the re-read of 4 MiB cost here?), the copy out (memcpy, and pwritev to /dev/shm as
-`_write_out`), and, in the slot pinned here, the copy out right after a DMA wrote slot.out (as after
+`_write_out`), the copies in again after 2 ms of sleep each (a core idle between requests, as at
+concurrency 1: clock and C-state), and, in the slot pinned here, the copy out right after a DMA wrote slot.out (as after
 a step: the device's writes leave none of those lines in the CPU's caches).
 Then NUMA: the nodes and their CPUs (/sys; `numactl -H` if present), this process's affinity, where
 the slot's pages are (/proc/self/numa_maps), and with more than one node the 1-thread copies again
@@ -95,6 +96,9 @@ def pieces(slot: Slot, T: int, split: batcher.RowSplit, reps: int, dma=None) -> 
 
         time_ranges("memcpy in", lambda lo, hi: dst[lo:hi].copy_(x[lo:hi]))
         time_ranges("preadv in (from /dev/shm)", lambda lo, hi: copy_rows(dst[lo:hi], src[lo:hi]))
+        idle = functools.partial(time.sleep, 0.002)  # as a step thread between requests at concurrency 1
+        time_ranges("memcpy in after 2 ms idle", lambda lo, hi: dst[lo:hi].copy_(x[lo:hi]), idle)
+        time_ranges("preadv in after 2 ms idle", lambda lo, hi: copy_rows(dst[lo:hi], src[lo:hi]), idle)
         time_ranges("check alone (sum)", lambda lo, hi: codecs.rows_error(dst[lo:hi], x[lo:hi]))
         time_ranges("_copy_in wire (memcpy + check)", functools.partial(batcher._copy_in, dst, x, 0))
         time_ranges("_copy_in shm (preadv + check)", functools.partial(batcher._copy_in, dst, src, 0))
