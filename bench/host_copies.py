@@ -22,8 +22,9 @@ and 1 MiB: does the re-read of 4 MiB cost here?), the copy out (memcpy, and pwri
 concurrency 1: clock and C-state), and, in the slot pinned here, the copy out right after a DMA wrote slot.out (as after
 a step: the device's writes leave none of those lines in the CPU's caches).
 Then NUMA: the nodes and their CPUs (/sys; `numactl -H` if present), this process's affinity, where
-the slot's pages are (/proc/self/numa_maps), and with more than one node the 1-thread copies again
-with the step thread bound to each node's CPUs. Median us of --reps; a table per section; load average.
+the slot's pages are (/proc/self/numa_maps), and with more than one node whose CPUs this process may
+use, the 1-thread copies of the first size again with the step thread bound to each node's CPUs.
+Median us of --reps; a table per section; the load average.
 """
 
 from __future__ import annotations
@@ -240,22 +241,23 @@ def main() -> int:
                         for k, s in kinds.items()}
                 split.close()
                 table(f"T={T} ({T * cfg.H * cfg.dtype.itemsize >> 20} MiB), {n} thread(s), us", cols)
-        if len(nodes) > 1:
-            one = batcher.RowSplit(1)
-            for T in sizes:
-                cols = {}
-                for node, cpus in nodes.items():
-                    def bound(node_cpus=cpus, T=T):
-                        allowed = os.sched_getaffinity(0)
-                        os.sched_setaffinity(0, node_cpus)  # this (step) thread only
-                        try:
-                            return {k: pieces(s, T, one, args.reps) for k, s in kinds.items()}
-                        finally:
-                            os.sched_setaffinity(0, allowed)
-                    for k, v in step.submit(bound).result().items():
-                        cols[f"{k}, thread on node {node}"] = v
-                table(f"T={T}, 1 thread, the step thread bound to one node's CPUs, us", cols)
+        allowed = os.sched_getaffinity(0)
+        usable = {node: sorted(set(cpus) & allowed) for node, cpus in nodes.items() if set(cpus) & allowed}
+        if len(usable) > 1:  # (nodes without CPUs this process may use are left out)
+            one, T, cols = batcher.RowSplit(1), sizes[0], {}
+            for node, cpus in usable.items():
+                def bound(node_cpus=cpus):
+                    os.sched_setaffinity(0, node_cpus)  # this (step) thread only
+                    try:
+                        return {k: pieces(s, T, one, args.reps) for k, s in kinds.items()}
+                    finally:
+                        os.sched_setaffinity(0, allowed)
+                for k, v in step.submit(bound).result().items():
+                    cols[f"{k}, thread on node {node}"] = v
+            table(f"T={T}, 1 thread, the step thread bound to one node's CPUs, us", cols)
             one.close()
+        elif len(nodes) > 1:
+            print(f"\nthis process may use the CPUs of node(s) {sorted(usable)} only: no per-node comparison")
         step.shutdown()
     finally:
         if rank is not None:
