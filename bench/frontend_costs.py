@@ -146,6 +146,8 @@ def main() -> None:
                     lambda: codecs.validate(req.x, req.ids, req.w, spec), args.reps),
                 "copy into the slot (to layer dtype)": median_us(
                     lambda: (slot.x[:T].copy_(req.x), slot.ids[:T].copy_(req.ids), slot.w[:T].copy_(req.w)), args.reps),
+                "  of which ids and weights ([T, K] each)": median_us(
+                    lambda: (slot.ids[:T].copy_(req.ids), slot.w[:T].copy_(req.w)), args.reps),
                 "check x's rows in the slot (rows_error)": median_us(
                     lambda: codecs.rows_error(slot.x[:T], req.x), args.reps),
             }
