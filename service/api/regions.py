@@ -301,8 +301,9 @@ class RegionRows:
 
     def _chunks(self) -> Iterator[tuple[int, int, torch.Tensor]]:
         """(lo, hi, scratch rows of this dtype for rows lo..hi) over the rows, CONVERT_BYTES at a time."""
+        assert len(self.shape) == 2, self.shape  # (rows of hidden_states or of the answer: [T, H])
         n = self.shape[0]
-        step = max(1, CONVERT_BYTES // max(1, self.row_bytes))
+        step = max(1, CONVERT_BYTES // self.row_bytes)
         scratch = torch.empty(min(step, n), *self.shape[1:], dtype=self.dtype)
         for lo in range(0, n, step):
             hi = min(lo + step, n)
