@@ -64,12 +64,30 @@ def shm_rows(t: torch.Tensor) -> Iterator[regions.RegionRows]:
         os.close(fd)
 
 
+def region_lookup(x: torch.Tensor, reps: int) -> float:
+    """Median us of one region lookup as a shm request's decode makes it (`Regions.rows`: the table's
+    flock and version pread, the cached descriptor), for a region registered in a table of its own."""
+    key = f"/bench-costs-lookup-{os.getpid()}"
+    path = regions.SHM_ROOT + key
+    size = x.numel() * x.element_size()
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    table = regions.RegionTable.create()
+    try:
+        os.truncate(path, size)
+        own = regions.Regions(table)
+        own.register("bench", key, 0, size)
+        return median_us(lambda: own.rows("bench", 0, size, x.dtype, list(x.shape), "hidden_states"), reps)
+    finally:
+        table.close()
+        os.unlink(path)
+
+
 def step_copies(slot, x: torch.Tensor, T: int, reps: int) -> dict[str, float]:
     """Median us of the step's copies of T rows (x in the wire dtype) and of their floors."""
     answer = torch.empty(T, x.shape[1], dtype=x.dtype)
     same = x.to(slot.x.dtype)  # the bytes as the slot holds them: the floors' copy
     mem = regions._memory(slot.x[:T])
-    t_us = {}
+    t_us = {"shm decode: one region lookup (Regions.rows)": region_lookup(x, reps)}
     with shm_rows(x) as src, shm_rows(answer) as dst:
         fd = src.obj.fd
         t_us["floor: memcpy of the rows' slot bytes"] = median_us(lambda: slot.x[:T].copy_(same), reps)
