@@ -15,7 +15,8 @@ The step's own copies (compute_input and compute_output in the statistics: servi
 `_copy_in` / `_copy_out` / `_write_out`, as `_execute` calls them, with one copy thread), over the
 wire (the request's tensor) and over system shared memory (rows in a /dev/shm object, read with
 preadv, the answer written with pwritev), next to their floors: the bytes' memcpy, preadv and
-pwritev alone, and one pass of the check (the sum of the slot's rows).
+pwritev alone, and one pass of the check (the sum of the slot's rows); and one region lookup as a
+shm request's decode makes it (`Regions.rows`).
 """
 
 from __future__ import annotations
