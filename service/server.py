@@ -265,9 +265,9 @@ class Server:
                 log.error("the metrics server cannot listen on %s: %s", host_port(s.host, s.metrics_port), err)
                 await self.endpoint.stop(time.monotonic())
                 return EXIT_CANNOT_LISTEN
+        metrics_at = f", metrics on {host_port(s.host, s.metrics_port)}" if s.metrics_port else ""
         log.info("serving HTTP (%s) on %s, gRPC on %s%s (pid %d)", s.http_impl, host_port(s.host, self.http_port),
-                 host_port(s.host, self.grpc_port), f", metrics on :{s.metrics_port}" if s.metrics_port else "",
-                 os.getpid())
+                 host_port(s.host, self.grpc_port), metrics_at, os.getpid())
 
         supervisor = loop.create_task(self._supervise())
         if self.fleet is not None:  # the other front ends start while the rank group does

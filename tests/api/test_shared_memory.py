@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import fcntl
 import gc
 import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 import weakref
@@ -1117,6 +1119,18 @@ def test_readme_example_runs(server):
 # ---- perf_analyzer ------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def perf_analyzer_objects():
+    """Held while perf_analyzer --shared-memory system runs, by every test run on this host.
+    perf_analyzer names its objects after the tensors (/hidden_states_0_0 ... /output), the same
+    in every run: two runs at once (two checkouts' tests on one machine) unlinked and resized each
+    other's objects ("Unable to unlink shared memory with key: topk_weights_0_2"; "its object
+    /output is now 1024 bytes")."""
+    with open(Path(tempfile.gettempdir()) / "moe-serve-tests-perf_analyzer-shm.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_perf_analyzer_with_system_shared_memory(server, protocol, tmp_path):
@@ -1133,8 +1147,9 @@ def test_perf_analyzer_with_system_shared_memory(server, protocol, tmp_path):
            "--measurement-mode", "count_windows", "--measurement-request-count", "10",
            "--stability-percentage", "1000", "--max-trials", "3"]
     before = httpx.get(f"{server.url}/v2/models/{MODEL}/stats", timeout=10).json()["model_stats"][0]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=PERF_ANALYZER_TIMEOUT_S,
-                         env=perf_analyzer_env())
+    with perf_analyzer_objects():
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=PERF_ANALYZER_TIMEOUT_S,
+                             env=perf_analyzer_env())
     out = run.stdout + run.stderr
     assert run.returncode == 0, out
     assert "unable to" not in out.lower(), out  # perf_analyzer says "Unable to ..." for what failed

@@ -179,8 +179,10 @@ def test_a_grpc_zip_bomb_is_refused_by_grpc_within_the_limit(server):
 
 def test_the_metrics_port_serves_only_metrics(server):
     """--metrics-port answers /metrics (the Prometheus text, or OpenMetrics on Accept) and a 404 on
-    every other path (before: the metrics on any path, /v2/health/ready included)."""
+    every other path (before: the metrics on any path, /v2/health/ready included). The start-up
+    log names its address as it names HTTP's and gRPC's (it said "metrics on :PORT", no host)."""
     base = f"http://127.0.0.1:{METRICS_PORT}"
+    assert f"metrics on 127.0.0.1:{METRICS_PORT} " in server.log(), server.log()[-3000:]
     r = httpx.get(f"{base}/metrics", timeout=10)
     assert r.status_code == 200 and "moe_requests_total" in r.text, r.text[:200]
     assert r.headers["content-type"].startswith("text/plain")
