@@ -45,6 +45,7 @@ def add_settings_flags(p: argparse.ArgumentParser, names=None) -> None:
             if typing.get_origin(arg) is typing.Literal:
                 metavar = "{" + ",".join(map(str, typing.get_args(arg))) + "}"
         help_text = (field.description or name.replace("_", " ")) + f" (default: {field.default})"
+        help_text = help_text.replace("%", "%%")  # argparse %-formats help: a description's "5 %" is text
         p.add_argument("--" + name.replace("_", "-"), dest=name, default=argparse.SUPPRESS,
                        metavar=metavar, help=help_text)
 
