@@ -36,12 +36,17 @@ from typing import Any
 
 import numpy as np
 
+from service.api.send_thread import ThreadedWrites
+
 log = logging.getLogger(__name__)
 
 FD_RESERVE = 256  # descriptors besides client connections: slots, rank pipes, the store, logs, grpc
 # The ASGI scope's key for the time (time.perf_counter) the request's first byte was read: where the
 # server's books start (service.api.http); absent for a request pipelined behind another.
 FIRST_BYTE = "moe.first_byte"
+# The ASGI scope's key for the connection's ThreadedWrites (service.api.send_thread): a response asks
+# it when its last bytes reached the kernel (service.api.http.PartsResponse's send time).
+WRITER = "moe.writer"
 REFUSED_LINGER_S = 1.0  # a refused connection's client gets this long to read its 503 and close
 _REFUSED_BODY = b'{"error": "too many connections (max_connections): every one has a request in flight"}'
 REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
@@ -81,7 +86,8 @@ class ConnectionBounds:
         self._refused = False  # answered 503 at the cap: what it sends is dropped
 
     def connection_made(self, transport: asyncio.Transport) -> None:
-        super().connection_made(transport)  # type: ignore[misc]
+        # large writes leave the loop (service.api.send_thread); uvicorn keeps this as self.transport
+        super().connection_made(ThreadedWrites(transport, self.loop))  # type: ignore[misc]
         if len(self.connections) > self.max_connections:
             idle = [c for c in self.connections if isinstance(c, ConnectionBounds) and c is not self and not c.busy
                     and not c.transport.is_closing()]
@@ -110,6 +116,8 @@ class ConnectionBounds:
         if self._first_byte is not None and self.busy:  # its headers are in: the request has a scope
             self.cycle.scope.setdefault(FIRST_BYTE, self._first_byte)
             self._first_byte = None
+        if self.cycle is not None:
+            self.cycle.scope.setdefault(WRITER, self.transport)
 
     def on_message_begin(self) -> None:
         """httptools' parser callback: a request begins in the bytes being read, so this is its first
@@ -118,6 +126,7 @@ class ConnectionBounds:
         callback: there that stamp stands."""
         super().on_message_begin()  # type: ignore[misc]
         self.scope[FIRST_BYTE] = self._arrived  # type: ignore[attr-defined]
+        self.scope[WRITER] = self.transport  # type: ignore[attr-defined]
 
     @property
     def busy(self) -> bool:

@@ -1,0 +1,109 @@
+"""Large HTTP writes handed to the kernel by a worker thread, not by the event loop.
+
+On loopback TCP the kernel does a send's whole transmit in the sender's call: asyncio's
+transport.write of a 4 MiB answer took 1.6 ms of the loop on the 2-core VM (a memcpy of the same
+bytes: 0.3 ms; the whole answer went in one send(), nothing was left buffered) and ~1.1 ms on the
+H200 host (moe_response_send_seconds). For that time no other connection of the front end is read,
+parsed or answered (bench/NOTES.md, "Issue 11r"). Here a write of SEND_THREAD_MIN bytes or more on
+a connection with nothing else waiting is passed to send() in one of SEND_THREADS worker threads
+(send() releases the GIL) on a duplicate of the socket's descriptor, so a close or an abort of the
+connection meanwhile can never let the thread write into another connection that reuses the number.
+The thread sends what the socket takes now and never waits for a slow reader: whatever is left is
+handed to the transport, which buffers and drains it as before. Writes made meanwhile wait in order
+behind it, and a close waits for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+SEND_THREAD_MIN = 1 << 20  # below this a send costs the loop less than the hop to a thread and back (~0.1 ms)
+SEND_THREADS = 4  # per front-end process: more than the answers one loop has in flight at a time
+_pool: ThreadPoolExecutor | None = None
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(SEND_THREADS, thread_name_prefix="moe-send")
+    return _pool
+
+
+def _send_now(fd: int, data: memoryview) -> int:
+    """Send as much of `data` as the socket takes without waiting; the bytes sent (a failure is
+    left to the transport, which meets it on its own next send and closes the connection)."""
+    sent = 0
+    with socket.socket(fileno=os.dup(fd)) as sock:  # the duplicate is closed here, the socket stays open
+        try:
+            while sent < len(data):
+                sent += sock.send(data[sent:])
+        except OSError:  # BlockingIOError: the socket is full; the rest goes through the transport
+            pass
+    return sent
+
+
+class ThreadedWrites:
+    """Stands in for a connection's asyncio transport: large writes go to a worker thread, the rest
+    of the transport's interface is the transport's own."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop):
+        self._transport, self._loop = transport, loop
+        self._fd = transport.get_extra_info("socket").fileno()
+        self._waiting: list = []  # writes made while a thread sends, in order
+        self._sending = False
+        self._close = False  # close() was called while a thread sends
+        self._written: list[Callable[[], None]] = []  # when_written callbacks
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def write(self, data) -> None:
+        if self._sending:
+            self._waiting.append(data)
+        elif (len(data) >= SEND_THREAD_MIN and self._transport.get_write_buffer_size() == 0
+              and not self._transport.is_closing()):
+            self._sending = True
+            view = memoryview(data).cast("B")
+            future = asyncio.wrap_future(_executor().submit(_send_now, self._fd, view), loop=self._loop)
+            future.add_done_callback(lambda f: self._sent(view, f.result()))
+        else:
+            self._transport.write(data)
+
+    def _sent(self, view: memoryview, sent: int) -> None:
+        self._sending = False
+        if sent < len(view):
+            self._transport.write(view[sent:])
+        waiting, self._waiting = self._waiting, []
+        for data in waiting:
+            self.write(data)  # (may start the next thread send: the rest waits behind it again)
+        if self._sending:
+            return
+        callbacks, self._written = self._written, []
+        for callback in callbacks:
+            callback()
+        if self._close:
+            self._transport.close()
+
+    def when_written(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once every write so far is in the kernel or the transport's buffer."""
+        if self._sending:
+            self._written.append(callback)
+        else:
+            callback()
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + sum(len(d) for d in self._waiting)
+
+    def is_closing(self) -> bool:
+        return self._close or self._transport.is_closing()
+
+    def close(self) -> None:
+        if self._sending:
+            self._close = True
+        else:
+            self._transport.close()

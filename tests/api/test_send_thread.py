@@ -1,0 +1,232 @@
+"""Large writes sent by a worker thread (service.api.send_thread.ThreadedWrites): bytes arrive whole
+and in the order written (small writes behind a large one wait for it), a close waits for them, a
+client that does not read never holds a send thread, and through uvicorn (both protocols, with the
+direct body read) every answer of pipelined and concurrent requests is its own request's bytes.
+Every payload is fresh random bytes of an odd size."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+import uvicorn
+
+from service.api import send_thread
+from service.api.connections import bounded_protocol
+from service.api.send_thread import SEND_THREAD_MIN, SEND_THREADS, ThreadedWrites
+
+MAX_BODY = 16 << 20
+
+
+def payload(n: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def read_all(sock: socket.socket) -> bytes:
+    chunks = []
+    while chunk := sock.recv(1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def serve_writes(on_connect) -> tuple[asyncio.Server, int]:
+    """A server whose connections get a ThreadedWrites and are handed to `on_connect(writes)`."""
+    loop = asyncio.get_running_loop()
+
+    class Proto(asyncio.Protocol):
+        def connection_made(self, transport) -> None:
+            on_connect(ThreadedWrites(transport, loop))
+
+    server = await loop.create_server(Proto, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+def test_writes_arrive_whole_and_in_order_and_close_waits_for_them():
+    parts = [payload(n, seed) for seed, n in enumerate(
+        [17, 3 * SEND_THREAD_MIN + 5, 1, SEND_THREAD_MIN, 4099, 2 * SEND_THREAD_MIN + 1, 3])]
+    events: list[str] = []
+
+    async def main() -> bytes:
+        def on_connect(w: ThreadedWrites) -> None:
+            for p in parts:
+                w.write(memoryview(p) if len(p) >= SEND_THREAD_MIN else p)
+            w.when_written(lambda: events.append("written"))
+            w.close()
+            assert w.is_closing()
+            events.append("closed")
+
+        server, port = await serve_writes(on_connect)
+        got = await asyncio.to_thread(lambda: read_all(socket.create_connection(("127.0.0.1", port))))
+        server.close()
+        return got
+
+    got = asyncio.run(main())
+    assert got == b"".join(parts)  # EOF came after the last byte: the close waited
+    assert events == ["closed", "written"]  # the callback ran once the thread's sends were done
+
+
+def test_a_client_that_does_not_read_holds_no_send_thread():
+    """SEND_THREADS + 2 clients that do not read get answers far larger than a socket holds: the
+    threads send what fits and return, so one more client that reads gets its answer at once."""
+    big = payload(48 << 20, 1)
+    small = payload(SEND_THREAD_MIN + 3, 2)
+
+    async def main() -> tuple[bytes, float]:
+        idle: list[socket.socket] = []
+        writers: list[ThreadedWrites] = []
+        server, port = await serve_writes(writers.append)
+        for _ in range(SEND_THREADS + 2):
+            idle.append(socket.create_connection(("127.0.0.1", port)))
+        while len(writers) < len(idle):
+            await asyncio.sleep(0.01)
+        for w in writers:
+            w.write(memoryview(big))
+        await asyncio.sleep(0.2)
+        assert all(w.get_write_buffer_size() > 0 or w._transport.get_write_buffer_size() > 0 for w in writers)
+        reader = socket.create_connection(("127.0.0.1", port), timeout=10)  # a held thread: a timeout, no hang
+        while len(writers) < len(idle) + 1:
+            await asyncio.sleep(0.01)
+        start = time.perf_counter()
+        writers[-1].write(memoryview(small))
+        writers[-1].close()
+        got = await asyncio.to_thread(read_all, reader)
+        took = time.perf_counter() - start
+        for s in idle + [reader]:
+            s.close()
+        server.close()
+        return got, took
+
+    got, took = asyncio.run(main())
+    assert got == small
+    assert took < 5.0  # (a thread waiting for a reader would hold it until that client reads: never)
+
+
+def test_a_connection_reset_during_a_thread_send_ends_cleanly():
+    big = payload(32 << 20, 3)
+
+    async def main() -> None:
+        writers: list[ThreadedWrites] = []
+        server, port = await serve_writes(writers.append)
+        client = socket.create_connection(("127.0.0.1", port))
+        while not writers:
+            await asyncio.sleep(0.01)
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        writers[0].write(memoryview(big))
+        client.close()  # a reset mid-answer
+        writers[0].write(b"after")
+        writers[0].close()
+        for _ in range(200):
+            if not writers[0]._sending and writers[0]._transport.is_closing():
+                break
+            await asyncio.sleep(0.01)
+        assert not writers[0]._sending and writers[0]._transport.is_closing()
+        server.close()
+
+    asyncio.run(main())
+
+
+# ---- through uvicorn ----------------------------------------------------------------------
+
+
+async def echo_app(scope, receive, send) -> None:
+    """POST /echo: the body back, as it came, in one body message (a large one: a thread send)."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        chunks.append(bytes(message["body"]))
+        if not message.get("more_body", False):
+            break
+    body = b"".join(chunks)
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": memoryview(body)})
+
+
+@pytest.fixture(scope="module", params=["httptools", "h11"])
+def port(request):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    protocol = functools.partial(bounded_protocol(request.param, MAX_BODY), idle_timeout_s=30, max_connections=64)
+    server = uvicorn.Server(uvicorn.Config(echo_app, host="127.0.0.1", port=port, http=protocol, lifespan="off",
+                                           log_config=None, access_log=False))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    yield port
+    server.should_exit = True
+    thread.join(10)
+
+
+def request(data: bytes) -> bytes:
+    return f"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data
+
+
+def answers(sock: socket.socket, count: int) -> list[bytes]:
+    buf, out = bytearray(), []
+    while len(out) < count:
+        end = buf.find(b"\r\n\r\n")
+        if end >= 0:
+            head = bytes(buf[:end]).decode().lower().split("\r\n")
+            length = int(next(h for h in head if h.startswith("content-length:")).split(":")[1])
+            if len(buf) >= end + 4 + length:
+                assert head[0].split()[1] == "200"
+                out.append(bytes(buf[end + 4:end + 4 + length]))
+                del buf[:end + 4 + length]
+                continue
+        chunk = sock.recv(1 << 20)
+        if not chunk:
+            raise ConnectionError(f"closed after {len(out)} answers")
+        buf += chunk
+    return out
+
+
+def test_pipelined_large_answers_come_back_in_order(port):
+    bodies = [payload(n, 10 + i) for i, n in enumerate([SEND_THREAD_MIN + 1, 5, 3 * SEND_THREAD_MIN - 7,
+                                                        SEND_THREAD_MIN - 1, 2 * SEND_THREAD_MIN + 9])]
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"".join(map(request, bodies)))  # pipelined: every request in one go
+        assert answers(s, len(bodies)) == bodies
+        again = payload(4 * SEND_THREAD_MIN + 1, 20)  # the connection is still good
+        s.sendall(request(again))
+        assert answers(s, 1) == [again]
+
+
+def test_concurrent_connections_get_their_own_answers(port):
+    results: dict[int, list[bool]] = {}
+
+    def client(i: int) -> None:
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            ok = []
+            for r in range(4):
+                data = payload(SEND_THREAD_MIN + 1000 * i + r, 100 * i + r)
+                s.sendall(request(data))
+                ok.append(answers(s, 1) == [data])
+            results[i] = ok
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == {i: [True] * 4 for i in range(6)}
+
+
+def test_the_send_threads_are_used(port, monkeypatch):
+    """The large answers above did go through a send thread (not the transport's own write)."""
+    calls = []
+    real = send_thread._send_now
+    monkeypatch.setattr(send_thread, "_send_now", lambda fd, data: calls.append(len(data)) or real(fd, data))
+    data = payload(2 * SEND_THREAD_MIN + 11, 7)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(request(data))
+        assert answers(s, 1) == [data]
+    assert calls == [len(data)]
