@@ -65,7 +65,7 @@ def tcp_floor(data: memoryview, reps: int) -> list[float]:
                 s.sendall(data)
                 s.recv(1)
             th.join()
-    return [d - a for d, a in zip(done, starts)][2:]
+    return [d - a for d, a in zip(done, starts, strict=True)][2:]
 
 
 class Answer(asyncio.Protocol):
@@ -152,7 +152,7 @@ async def receive_once(data: memoryview, reps: int) -> tuple[list[float], list[f
     starts: list[float] = []
     await in_thread(client_sends, server.sockets[0].getsockname()[1], data, reps, starts)
     server.close()
-    return [d - s for d, s in zip(Receive.done_at, starts)], Receive.cpu_s
+    return [d - s for d, s in zip(Receive.done_at, starts, strict=True)], Receive.cpu_s
 
 
 async def measure(mib: int, reps: int, rounds: int) -> list[str]:
@@ -160,9 +160,9 @@ async def measure(mib: int, reps: int, rounds: int) -> list[str]:
     data = memoryview(np.random.default_rng(mib).integers(0, 256, size, dtype=np.uint8).tobytes())
     dst = np.empty(size, np.uint8)
     src = np.frombuffer(data, np.uint8)
-    res: dict[str, list[float]] = {k: [] for k in ("memcpy", "tcp", "receive", "receive loop cpu", "send transport loop",
-                                                     "send transport client", "send threaded loop",
-                                                     "send threaded client")}
+    res: dict[str, list[float]] = {k: [] for k in (
+        "memcpy", "tcp", "receive", "receive loop cpu", "send transport loop", "send transport client",
+        "send threaded loop", "send threaded client")}
     per = max(reps // rounds, 5)
     for _ in range(rounds):  # interleaved: each round times every variant
         for _ in range(per):

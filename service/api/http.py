@@ -71,7 +71,7 @@ class PartsResponse(Response):
             if writer is None:  # (an h11 request pipelined behind another)
                 sent(time.perf_counter() - started)
             else:
-                writer.when_written(lambda: sent(time.perf_counter() - started))
+                writer.when_written(lambda at: sent(at - started))
 
 
 def error_response(exc: BaseException) -> JSONResponse:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -34,9 +35,10 @@ def _executor() -> ThreadPoolExecutor:
     return _pool
 
 
-def _send_now(fd: int, data: memoryview) -> int:
+def _send_now(fd: int, data: memoryview) -> tuple[int, float]:
     """Send as much of `data` as the socket takes without waiting; the bytes sent (a failure is
-    left to the transport, which meets it on its own next send and closes the connection)."""
+    left to the transport, which meets it on its own next send and closes the connection) and when
+    the last send returned (time.perf_counter)."""
     sent = 0
     with socket.socket(fileno=os.dup(fd)) as sock:  # the duplicate is closed here, the socket stays open
         try:
@@ -44,7 +46,7 @@ def _send_now(fd: int, data: memoryview) -> int:
                 sent += sock.send(data[sent:])
         except OSError:  # BlockingIOError: the socket is full; the rest goes through the transport
             pass
-    return sent
+    return sent, time.perf_counter()
 
 
 class ThreadedWrites:
@@ -57,7 +59,8 @@ class ThreadedWrites:
         self._waiting: list = []  # writes made while a thread sends, in order
         self._sending = False
         self._close = False  # close() was called while a thread sends
-        self._written: list[Callable[[], None]] = []  # when_written callbacks
+        self._written: list[Callable[[float], None]] = []  # when_written callbacks
+        self._sent_at = 0.0  # when the last thread send returned
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
@@ -70,12 +73,12 @@ class ThreadedWrites:
             self._sending = True
             view = memoryview(data).cast("B")
             future = asyncio.wrap_future(_executor().submit(_send_now, self._fd, view), loop=self._loop)
-            future.add_done_callback(lambda f: self._sent(view, f.result()))
+            future.add_done_callback(lambda f: self._sent(view, *f.result()))
         else:
             self._transport.write(data)
 
-    def _sent(self, view: memoryview, sent: int) -> None:
-        self._sending = False
+    def _sent(self, view: memoryview, sent: int, at: float) -> None:
+        self._sending, self._sent_at = False, at
         if sent < len(view):
             self._transport.write(view[sent:])
         waiting, self._waiting = self._waiting, []
@@ -85,16 +88,18 @@ class ThreadedWrites:
             return
         callbacks, self._written = self._written, []
         for callback in callbacks:
-            callback()
+            callback(self._sent_at)
         if self._close:
             self._transport.close()
 
-    def when_written(self, callback: Callable[[], None]) -> None:
-        """Call `callback` once every write so far is in the kernel or the transport's buffer."""
+    def when_written(self, callback: Callable[[float], None]) -> None:
+        """Call `callback(at)` once every write so far is in the kernel or the transport's buffer:
+        `at` is when (time.perf_counter) the last thread send returned, or now if none is under way
+        (the loop's delay in running the callback is not the send's)."""
         if self._sending:
             self._written.append(callback)
         else:
-            callback()
+            callback(time.perf_counter())
 
     def get_write_buffer_size(self) -> int:
         return self._transport.get_write_buffer_size() + sum(len(d) for d in self._waiting)

@@ -55,7 +55,7 @@ def test_writes_arrive_whole_and_in_order_and_close_waits_for_them():
         def on_connect(w: ThreadedWrites) -> None:
             for p in parts:
                 w.write(memoryview(p) if len(p) >= SEND_THREAD_MIN else p)
-            w.when_written(lambda: events.append("written"))
+            w.when_written(lambda at: events.append("written"))
             w.close()
             assert w.is_closing()
             events.append("closed")
