@@ -33,6 +33,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from service.api.send_thread import ThreadedWrites  # noqa: E402
 
+SEND_THREADS = 4  # --send-threads of the threaded variant
+
 
 def median_us(values: list[float]) -> float:
     return statistics.median(values) * 1e6
@@ -76,7 +78,7 @@ class Answer(asyncio.Protocol):
     loop_s: list[float] = []
 
     def connection_made(self, transport) -> None:
-        self.t = ThreadedWrites(transport, asyncio.get_running_loop()) if self.threaded else transport
+        self.t = ThreadedWrites(transport, asyncio.get_running_loop(), SEND_THREADS) if self.threaded else transport
 
     def data_received(self, data: bytes) -> None:
         start = time.perf_counter()

@@ -44,8 +44,8 @@ FD_RESERVE = 256  # descriptors besides client connections: slots, rank pipes, t
 # The ASGI scope's key for the time (time.perf_counter) the request's first byte was read: where the
 # server's books start (service.api.http); absent for a request pipelined behind another.
 FIRST_BYTE = "moe.first_byte"
-# The ASGI scope's key for the connection's ThreadedWrites (service.api.send_thread): a response asks
-# it when its last bytes reached the kernel (service.api.http.PartsResponse's send time).
+# The ASGI scope's key for the connection's ThreadedWrites (service.api.send_thread; only with send
+# threads): a response asks it when its last bytes reached the kernel (PartsResponse's send time).
 WRITER = "moe.writer"
 REFUSED_LINGER_S = 1.0  # a refused connection's client gets this long to read its 503 and close
 _REFUSED_BODY = b'{"error": "too many connections (max_connections): every one has a request in flight"}'
@@ -85,9 +85,12 @@ class ConnectionBounds:
         self._arrived = 0.0  # when the bytes being read arrived
         self._refused = False  # answered 503 at the cap: what it sends is dropped
 
+    send_threads = 0  # set by bounded_protocol (Settings.send_threads)
+
     def connection_made(self, transport: asyncio.Transport) -> None:
-        # large writes leave the loop (service.api.send_thread); uvicorn keeps this as self.transport
-        super().connection_made(ThreadedWrites(transport, self.loop))  # type: ignore[misc]
+        if self.send_threads:  # large writes leave the loop (service.api.send_thread)
+            transport = ThreadedWrites(transport, self.loop, self.send_threads)  # type: ignore[assignment]
+        super().connection_made(transport)  # type: ignore[misc]
         if len(self.connections) > self.max_connections:
             idle = [c for c in self.connections if isinstance(c, ConnectionBounds) and c is not self and not c.busy
                     and not c.transport.is_closing()]
@@ -116,7 +119,7 @@ class ConnectionBounds:
         if self._first_byte is not None and self.busy:  # its headers are in: the request has a scope
             self.cycle.scope.setdefault(FIRST_BYTE, self._first_byte)
             self._first_byte = None
-        if self.cycle is not None:
+        if self.cycle is not None and isinstance(self.transport, ThreadedWrites):
             self.cycle.scope.setdefault(WRITER, self.transport)
 
     def on_message_begin(self) -> None:
@@ -126,7 +129,8 @@ class ConnectionBounds:
         callback: there that stamp stands."""
         super().on_message_begin()  # type: ignore[misc]
         self.scope[FIRST_BYTE] = self._arrived  # type: ignore[attr-defined]
-        self.scope[WRITER] = self.transport  # type: ignore[attr-defined]
+        if isinstance(self.transport, ThreadedWrites):
+            self.scope[WRITER] = self.transport  # type: ignore[attr-defined]
 
     @property
     def busy(self) -> bool:
@@ -310,17 +314,18 @@ class DirectBody:
         super().connection_lost(exc)  # type: ignore[misc]
 
 
-def bounded_protocol(http_impl: str, max_body_bytes: int = 0) -> type[asyncio.Protocol]:
-    """uvicorn's protocol class for `http_impl` (Settings.http_impl) with the bounds mixed in, and on
-    httptools the direct read of bodies up to `max_body_bytes` (Settings.max_request_bytes; 0: none).
+def bounded_protocol(http_impl: str, max_body_bytes: int = 0, send_threads: int = 0) -> type[asyncio.Protocol]:
+    """uvicorn's protocol class for `http_impl` (Settings.http_impl) with the bounds mixed in, on
+    httptools the direct read of bodies up to `max_body_bytes` (Settings.max_request_bytes; 0: none),
+    and with `send_threads` > 0 (Settings.send_threads) large writes by that many send threads.
     httptools is imported here, only when asked for: without it h11 still works."""
     if http_impl == "h11":
         from uvicorn.protocols.http.h11_impl import H11Protocol
 
-        return type("BoundedH11Protocol", (ConnectionBounds, H11Protocol), {})
+        return type("BoundedH11Protocol", (ConnectionBounds, H11Protocol), {"send_threads": send_threads})
     if http_impl == "httptools":
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
         return type("BoundedHttpToolsProtocol", (DirectBody, ConnectionBounds, HttpToolsProtocol),
-                    {"max_body_bytes": max_body_bytes})
+                    {"max_body_bytes": max_body_bytes, "send_threads": send_threads})
     raise ValueError(f"http_impl must be httptools or h11, got {http_impl!r}")

@@ -4,8 +4,8 @@ On loopback TCP the kernel does a send's whole transmit in the sender's call: as
 transport.write of a 4 MiB answer took 1.6 ms of the loop on the 2-core VM (a memcpy of the same
 bytes: 0.3 ms; the whole answer went in one send(), nothing was left buffered) and ~1.1 ms on the
 H200 host (moe_response_send_seconds). For that time no other connection of the front end is read,
-parsed or answered (bench/NOTES.md, "Issue 11r"). Here a write of SEND_THREAD_MIN bytes or more on
-a connection with nothing else waiting is passed to send() in one of SEND_THREADS worker threads
+parsed or answered (bench/NOTES.md, "Issue 11r"). With `--send-threads N` a write of SEND_THREAD_MIN
+bytes or more on a connection with nothing else waiting is passed to send() in one of N threads
 (send() releases the GIL) on a duplicate of the socket's descriptor, so a close or an abort of the
 connection meanwhile can never let the thread write into another connection that reuses the number.
 The thread sends what the socket takes now and never waits for a slow reader: whatever is left is
@@ -24,14 +24,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 SEND_THREAD_MIN = 1 << 20  # below this a send costs the loop less than the hop to a thread and back (~0.1 ms)
-SEND_THREADS = 4  # per front-end process: more than the answers one loop has in flight at a time
-_pool: ThreadPoolExecutor | None = None
+_pool: ThreadPoolExecutor | None = None  # the process's send threads (Settings.send_threads; one front end each)
 
 
-def _executor() -> ThreadPoolExecutor:
+def _executor(threads: int) -> ThreadPoolExecutor:
     global _pool
     if _pool is None:
-        _pool = ThreadPoolExecutor(SEND_THREADS, thread_name_prefix="moe-send")
+        _pool = ThreadPoolExecutor(threads, thread_name_prefix="moe-send")
     return _pool
 
 
@@ -53,8 +52,8 @@ class ThreadedWrites:
     """Stands in for a connection's asyncio transport: large writes go to a worker thread, the rest
     of the transport's interface is the transport's own."""
 
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop):
-        self._transport, self._loop = transport, loop
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop, threads: int):
+        self._transport, self._loop, self._threads = transport, loop, threads
         self._fd = transport.get_extra_info("socket").fileno()
         self._waiting: list = []  # writes made while a thread sends, in order
         self._sending = False
@@ -72,7 +71,7 @@ class ThreadedWrites:
               and not self._transport.is_closing()):
             self._sending = True
             view = memoryview(data).cast("B")
-            future = asyncio.wrap_future(_executor().submit(_send_now, self._fd, view), loop=self._loop)
+            future = asyncio.wrap_future(_executor(self._threads).submit(_send_now, self._fd, view), loop=self._loop)
             future.add_done_callback(lambda f: self._sent(view, *f.result()))
         else:
             self._transport.write(data)

@@ -7,6 +7,7 @@ Every payload is fresh random bytes of an odd size."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import socket
 import threading
@@ -18,9 +19,10 @@ import uvicorn
 
 from service.api import send_thread
 from service.api.connections import bounded_protocol
-from service.api.send_thread import SEND_THREAD_MIN, SEND_THREADS, ThreadedWrites
+from service.api.send_thread import SEND_THREAD_MIN, ThreadedWrites
 
 MAX_BODY = 16 << 20
+THREADS = 3  # send threads (Settings.send_threads) in these tests
 
 
 def payload(n: int, seed: int) -> bytes:
@@ -40,7 +42,7 @@ async def serve_writes(on_connect) -> tuple[asyncio.Server, int]:
 
     class Proto(asyncio.Protocol):
         def connection_made(self, transport) -> None:
-            on_connect(ThreadedWrites(transport, loop))
+            on_connect(ThreadedWrites(transport, loop, THREADS))
 
     server = await loop.create_server(Proto, "127.0.0.1", 0)
     return server, server.sockets[0].getsockname()[1]
@@ -70,17 +72,18 @@ def test_writes_arrive_whole_and_in_order_and_close_waits_for_them():
     assert events == ["closed", "written"]  # the callback ran once the thread's sends were done
 
 
-def test_a_client_that_does_not_read_holds_no_send_thread():
-    """SEND_THREADS + 2 clients that do not read get answers far larger than a socket holds: the
+def test_a_client_that_does_not_read_holds_no_send_thread(monkeypatch):
+    """THREADS + 2 clients that do not read get answers far larger than a socket holds: the
     threads send what fits and return, so one more client that reads gets its answer at once."""
     big = payload(48 << 20, 1)
     small = payload(SEND_THREAD_MIN + 3, 2)
+    monkeypatch.setattr(send_thread, "_pool", None)  # this process's pool, made with THREADS threads
 
     async def main() -> tuple[bytes, float]:
         idle: list[socket.socket] = []
         writers: list[ThreadedWrites] = []
         server, port = await serve_writes(writers.append)
-        for _ in range(SEND_THREADS + 2):
+        for _ in range(THREADS + 2):
             idle.append(socket.create_connection(("127.0.0.1", port)))
         while len(writers) < len(idle):
             await asyncio.sleep(0.01)
@@ -149,19 +152,23 @@ async def echo_app(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": memoryview(body)})
 
 
-@pytest.fixture(scope="module", params=["httptools", "h11"])
-def port(request):
+@pytest.fixture(scope="module", params=[("httptools", THREADS), ("h11", THREADS), ("httptools", 0)],
+                ids=["httptools", "h11", "no-send-threads"])
+def served(request):
+    """(port, send threads) of a uvicorn server of `echo_app` on a bounded protocol."""
+    http_impl, threads = request.param
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    protocol = functools.partial(bounded_protocol(request.param, MAX_BODY), idle_timeout_s=30, max_connections=64)
+    protocol = functools.partial(bounded_protocol(http_impl, MAX_BODY, threads), idle_timeout_s=30,
+                                 max_connections=64)
     server = uvicorn.Server(uvicorn.Config(echo_app, host="127.0.0.1", port=port, http=protocol, lifespan="off",
                                            log_config=None, access_log=False))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.01)
-    yield port
+    yield port, threads
     server.should_exit = True
     thread.join(10)
 
@@ -189,7 +196,8 @@ def answers(sock: socket.socket, count: int) -> list[bytes]:
     return out
 
 
-def test_pipelined_large_answers_come_back_in_order(port):
+def test_pipelined_large_answers_come_back_in_order(served):
+    port, _ = served
     bodies = [payload(n, 10 + i) for i, n in enumerate([SEND_THREAD_MIN + 1, 5, 3 * SEND_THREAD_MIN - 7,
                                                         SEND_THREAD_MIN - 1, 2 * SEND_THREAD_MIN + 9])]
     with socket.create_connection(("127.0.0.1", port)) as s:
@@ -200,7 +208,8 @@ def test_pipelined_large_answers_come_back_in_order(port):
         assert answers(s, 1) == [again]
 
 
-def test_concurrent_connections_get_their_own_answers(port):
+def test_concurrent_connections_get_their_own_answers(served):
+    port, _ = served
     results: dict[int, list[bool]] = {}
 
     def client(i: int) -> None:
@@ -220,8 +229,9 @@ def test_concurrent_connections_get_their_own_answers(port):
     assert results == {i: [True] * 4 for i in range(6)}
 
 
-def test_the_send_threads_are_used(port, monkeypatch):
-    """The large answers above did go through a send thread (not the transport's own write)."""
+def test_send_threads_are_used_exactly_when_set(served, monkeypatch):
+    """A large answer goes through a send thread with send threads set, and never without."""
+    port, threads = served
     calls = []
     real = send_thread._send_now
     monkeypatch.setattr(send_thread, "_send_now", lambda fd, data: calls.append(len(data)) or real(fd, data))
@@ -229,4 +239,56 @@ def test_the_send_threads_are_used(port, monkeypatch):
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.sendall(request(data))
         assert answers(s, 1) == [data]
-    assert calls == [len(data)]
+    assert calls == ([len(data)] if threads else [])
+
+
+# ---- the served path: python -m service --send-threads 2 ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    from tests.serverproc import ServerProcess
+
+    with ServerProcess.serving(tmp_path_factory.mktemp("send") / "server.log", "--send-threads", "2",
+                               "--max-request-bytes", str(MAX_BODY)) as proc:
+        yield proc
+
+
+def test_served_large_answers_with_send_threads_are_each_requests_own(service):
+    """Concurrent v2 binary requests whose answers are over SEND_THREAD_MIN (fp32, H=256: 1 KiB a
+    row), odd T over several steps, with a small one and a bad row among them: every answer is its
+    own request's layer output, the bad row gets its own 400, and the send book counts each answer."""
+    import httpx
+    import torch
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    from tests.api.common import check, inputs
+    from tests.api.test_e2e import scrape, triton_inputs, value
+
+    cases = [(1025, 1), (1537, 2), (3, 3), (1031, 4), (1100, 5)]
+    with httpx.Client(base_url=service.url, timeout=60) as http:
+        before = scrape(http)
+
+        def one(case):
+            T, seed = case
+            x, ids, w = inputs(T, seed=seed, kind=("balanced", "skewed", "empty_expert")[seed % 3])
+            if seed == 5:
+                x[T // 2, 7] = float("nan")
+            client = httpclient.InferenceServerClient(service.http_hostport, network_timeout=60)
+            try:
+                result = client.infer("moe", triton_inputs(httpclient, x, ids, w))
+            except InferenceServerException as e:
+                return T, seed, str(e)
+            check(torch.from_numpy(result.as_numpy("output").copy()), x, ids, w)
+            return T, seed, None
+
+        with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+            outcomes = list(pool.map(one, cases))
+        after = scrape(http)
+    assert [o[2] is None for o in outcomes] == [True, True, True, True, False]
+    assert outcomes[-1][2].startswith("[400]") and "(row 550)" in outcomes[-1][2], outcomes[-1][2]
+    sent = (value(after["moe_response_send_seconds"], "moe_response_send_seconds_count", protocol="v2_binary")
+            - value(before["moe_response_send_seconds"], "moe_response_send_seconds_count", protocol="v2_binary"))
+    assert sent == 4  # every answer's book came back from its send thread (the 400 is not sent in parts)
+    assert "2 send thread(s)" in service.log()
