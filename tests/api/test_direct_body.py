@@ -11,14 +11,13 @@ import asyncio
 import functools
 import hashlib
 import socket
-import threading
 import time
 
 import numpy as np
 import pytest
-import uvicorn
 
 from service.api.connections import DIRECT_BODY_MIN, FIRST_BYTE, bounded_protocol
+from tests.api.common import uvicorn_serving
 
 MAX_BODY = 8 << 20
 EVENTS: list[str] = []  # what the app saw: "disconnect" when a body ended with the client gone
@@ -56,19 +55,9 @@ async def app(scope, receive, send) -> None:
 
 @pytest.fixture(scope="module")
 def port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     protocol = functools.partial(bounded_protocol("httptools", MAX_BODY), idle_timeout_s=30, max_connections=64)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=protocol, lifespan="off",
-                                           log_config=None, access_log=False))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield port
-    server.should_exit = True
-    thread.join(10)
+    with uvicorn_serving(app, protocol) as port:
+        yield port
 
 
 def body(n: int, seed: int) -> bytes:

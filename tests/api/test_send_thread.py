@@ -15,11 +15,11 @@ import time
 
 import numpy as np
 import pytest
-import uvicorn
 
 from service.api import send_thread
 from service.api.connections import bounded_protocol
 from service.api.send_thread import SEND_THREAD_MIN, ThreadedWrites
+from tests.api.common import uvicorn_serving
 
 MAX_BODY = 16 << 20
 THREADS = 3  # send threads (Settings.send_threads) in these tests
@@ -157,20 +157,10 @@ async def echo_app(scope, receive, send) -> None:
 def served(request):
     """(port, send threads) of a uvicorn server of `echo_app` on a bounded protocol."""
     http_impl, threads = request.param
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     protocol = functools.partial(bounded_protocol(http_impl, MAX_BODY, threads), idle_timeout_s=30,
                                  max_connections=64)
-    server = uvicorn.Server(uvicorn.Config(echo_app, host="127.0.0.1", port=port, http=protocol, lifespan="off",
-                                           log_config=None, access_log=False))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield port, threads
-    server.should_exit = True
-    thread.join(10)
+    with uvicorn_serving(echo_app, protocol) as port:
+        yield port, threads
 
 
 def request(data: bytes) -> bytes:
