@@ -59,14 +59,9 @@ def tcp_floor(data: memoryview, reps: int) -> list[float]:
 
         th = threading.Thread(target=receive)
         th.start()
-        starts = []
-        with socket.create_connection(("127.0.0.1", port)) as s:
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            for _ in range(reps):
-                starts.append(time.perf_counter())
-                s.sendall(data)
-                s.recv(1)
-            th.join()
+        starts: list[float] = []
+        client_sends(port, data, reps, starts)
+        th.join()
     return [d - a for d, a in zip(done, starts, strict=True)][2:]
 
 

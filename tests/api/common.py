@@ -65,3 +65,22 @@ def uvicorn_serving(app, protocol):
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def http_answers(sock: socket.socket, count: int) -> list[tuple[int, bytes]]:
+    """`count` HTTP/1.1 responses (each with a Content-Length) read off `sock`: (status, body)."""
+    buf, out = b"", []
+    while len(out) < count:
+        end = buf.find(b"\r\n\r\n")
+        if end >= 0:
+            head = buf[:end].decode().lower().split("\r\n")
+            length = int(next(h for h in head if h.startswith("content-length:")).split(":")[1])
+            if len(buf) >= end + 4 + length:
+                out.append((int(head[0].split()[1]), buf[end + 4:end + 4 + length]))
+                buf = buf[end + 4 + length:]
+                continue
+        chunk = sock.recv(1 << 20)
+        if not chunk:
+            raise ConnectionError(f"closed after {len(out)} answers")
+        buf += chunk
+    return out

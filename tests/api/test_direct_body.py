@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from service.api.connections import DIRECT_BODY_MIN, FIRST_BYTE, bounded_protocol
+from tests.api.common import http_answers as answers
 from tests.api.common import uvicorn_serving
 
 MAX_BODY = 8 << 20
@@ -66,25 +67,6 @@ def body(n: int, seed: int) -> bytes:
 
 def request(data: bytes, path: str = "/echo", extra: str = "") -> bytes:
     return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n{extra}\r\n").encode() + data
-
-
-def answers(sock: socket.socket, count: int) -> list[tuple[int, bytes]]:
-    """`count` responses read off `sock`: (status, body)."""
-    buf, out = b"", []
-    while len(out) < count:
-        end = buf.find(b"\r\n\r\n")
-        if end >= 0:
-            head = buf[:end].decode().lower().split("\r\n")
-            length = int(next(h for h in head if h.startswith("content-length:")).split(":")[1])
-            if len(buf) >= end + 4 + length:
-                out.append((int(head[0].split()[1]), buf[end + 4:end + 4 + length]))
-                buf = buf[end + 4 + length:]
-                continue
-        chunk = sock.recv(1 << 20)
-        if not chunk:
-            raise ConnectionError(f"closed after {len(out)} answers")
-        buf += chunk
-    return out
 
 
 def echoed(data: bytes) -> tuple[int, int, str]:

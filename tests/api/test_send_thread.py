@@ -19,7 +19,7 @@ import pytest
 from service.api import send_thread
 from service.api.connections import bounded_protocol
 from service.api.send_thread import SEND_THREAD_MIN, ThreadedWrites
-from tests.api.common import uvicorn_serving
+from tests.api.common import http_answers, uvicorn_serving
 
 MAX_BODY = 16 << 20
 THREADS = 3  # send threads (Settings.send_threads) in these tests
@@ -168,22 +168,10 @@ def request(data: bytes) -> bytes:
 
 
 def answers(sock: socket.socket, count: int) -> list[bytes]:
-    buf, out = bytearray(), []
-    while len(out) < count:
-        end = buf.find(b"\r\n\r\n")
-        if end >= 0:
-            head = bytes(buf[:end]).decode().lower().split("\r\n")
-            length = int(next(h for h in head if h.startswith("content-length:")).split(":")[1])
-            if len(buf) >= end + 4 + length:
-                assert head[0].split()[1] == "200"
-                out.append(bytes(buf[end + 4:end + 4 + length]))
-                del buf[:end + 4 + length]
-                continue
-        chunk = sock.recv(1 << 20)
-        if not chunk:
-            raise ConnectionError(f"closed after {len(out)} answers")
-        buf += chunk
-    return out
+    """`count` answers' bodies off `sock`, each a 200."""
+    got = http_answers(sock, count)
+    assert [status for status, _ in got] == [200] * count
+    return [body for _, body in got]
 
 
 def test_pipelined_large_answers_come_back_in_order(served):
