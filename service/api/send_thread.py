@@ -6,8 +6,9 @@ bytes: 0.3 ms; the whole answer went in one send(), nothing was left buffered) a
 H200 host (moe_response_send_seconds). For that time no other connection of the front end is read,
 parsed or answered (bench/NOTES.md, "Issue 11r"). With `--send-threads N` a write of SEND_THREAD_MIN
 bytes or more on a connection with nothing else waiting is passed to send() in one of N threads
-(send() releases the GIL) on a duplicate of the socket's descriptor, so a close or an abort of the
-connection meanwhile can never let the thread write into another connection that reuses the number.
+(send() releases the GIL) on a duplicate of the socket's descriptor made before the hand-off, so a
+close or an abort of the connection meanwhile can never let the thread write into another
+connection that reuses the number.
 The thread sends what the socket takes now and never waits for a slow reader: whatever is left is
 handed to the transport, which buffers and drains it as before. Writes made meanwhile wait in order
 behind it, and a close waits for them.
@@ -34,12 +35,12 @@ def _executor(threads: int) -> ThreadPoolExecutor:
     return _pool
 
 
-def _send_now(fd: int, data: memoryview) -> tuple[int, float]:
-    """Send as much of `data` as the socket takes without waiting; the bytes sent (a failure is
-    left to the transport, which meets it on its own next send and closes the connection) and when
-    the last send returned (time.perf_counter)."""
+def _send_now(sock: socket.socket, data: memoryview) -> tuple[int, float]:
+    """Send as much of `data` as the socket takes without waiting, then close `sock` (a duplicate:
+    the connection stays open); the bytes sent (a failure is left to the transport, which meets it
+    on its own next send and closes the connection) and when the last send returned (perf_counter)."""
     sent = 0
-    with socket.socket(fileno=os.dup(fd)) as sock:  # the duplicate is closed here, the socket stays open
+    with sock:
         try:
             while sent < len(data):
                 sent += sock.send(data[sent:])
@@ -69,12 +70,25 @@ class ThreadedWrites:
             self._waiting.append(data)
         elif (len(data) >= SEND_THREAD_MIN and self._transport.get_write_buffer_size() == 0
               and not self._transport.is_closing()):
+            try:  # duplicated here, while the number is surely this connection's: a thread that
+                # duplicated it later could get another connection's socket if this one closed meanwhile
+                sock = socket.socket(fileno=os.dup(self._fd))
+            except OSError:  # (out of descriptors) the transport sends it
+                self._transport.write(data)
+                return
             self._sending = True
             view = memoryview(data).cast("B")
-            future = asyncio.wrap_future(_executor(self._threads).submit(_send_now, self._fd, view), loop=self._loop)
-            future.add_done_callback(lambda f: self._sent(view, *f.result()))
+            future = asyncio.wrap_future(_executor(self._threads).submit(_send_now, sock, view), loop=self._loop)
+            future.add_done_callback(lambda f: self._sent(view, *self._outcome(f)))
         else:
             self._transport.write(data)
+
+    @staticmethod
+    def _outcome(future: asyncio.Future) -> tuple[int, float]:
+        """What _send_now returned; nothing sent if it failed (the transport then sends it all)."""
+        if future.cancelled() or future.exception() is not None:
+            return 0, time.perf_counter()
+        return future.result()
 
     def _sent(self, view: memoryview, sent: int, at: float) -> None:
         self._sending, self._sent_at = False, at

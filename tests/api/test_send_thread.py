@@ -133,6 +133,68 @@ def test_a_connection_reset_during_a_thread_send_ends_cleanly():
     asyncio.run(main())
 
 
+def test_a_send_thread_never_writes_into_a_connection_that_reuses_the_descriptor(monkeypatch):
+    """The connection is aborted while its thread send waits for the GIL (held here at a gate) and
+    the next accepted connection gets the same descriptor number: the answer must not reach it (a
+    thread that duplicated the number only when it ran would send it there)."""
+    gate = threading.Event()
+    real = send_thread._send_now
+    monkeypatch.setattr(send_thread, "_send_now", lambda sock, data: gate.wait(10) and real(sock, data))
+    big = payload(3 * SEND_THREAD_MIN + 1, 4)
+
+    async def main() -> tuple[int, int, bytes]:
+        writers: list[ThreadedWrites] = []
+        server, port = await serve_writes(writers.append)
+        first = socket.create_connection(("127.0.0.1", port))
+        while not writers:
+            await asyncio.sleep(0.01)
+        fd = writers[0]._fd
+        second = socket.socket()  # its number taken now, so that the server's next accept gets `fd`
+        writers[0].write(memoryview(big))
+        writers[0].abort()  # its descriptor is closed at the loop's next turn
+        await asyncio.sleep(0.05)
+        second.connect(("127.0.0.1", port))
+        while len(writers) < 2:
+            await asyncio.sleep(0.01)
+        gate.set()
+        while writers[0]._sending:
+            await asyncio.sleep(0.01)
+        second.settimeout(0.3)
+        try:
+            leaked = second.recv(1 << 16)
+        except TimeoutError:
+            leaked = b""
+        first.close()
+        second.close()
+        server.close()
+        return fd, writers[1]._fd, leaked
+
+    fd, reused, leaked = asyncio.run(main())
+    assert reused == fd  # (else this run proves nothing: Linux gives the lowest free number)
+    assert leaked == b""
+
+
+def test_a_failed_duplicate_falls_back_to_the_transport(monkeypatch):
+    def no_descriptors(fd):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(send_thread.os, "dup", no_descriptors)
+    big = payload(2 * SEND_THREAD_MIN + 3, 5)
+
+    async def main() -> bytes:
+        def on_connect(w: ThreadedWrites) -> None:
+            w.write(memoryview(big))
+            assert not w._sending
+            w.close()
+
+        server, port = await serve_writes(on_connect)
+        got = await asyncio.to_thread(lambda: read_all(socket.create_connection(("127.0.0.1", port))))
+        server.close()
+        return got
+
+    assert asyncio.run(main()) == big
+
+
 # ---- through uvicorn ----------------------------------------------------------------------
 
 
@@ -212,7 +274,7 @@ def test_send_threads_are_used_exactly_when_set(served, monkeypatch):
     port, threads = served
     calls = []
     real = send_thread._send_now
-    monkeypatch.setattr(send_thread, "_send_now", lambda fd, data: calls.append(len(data)) or real(fd, data))
+    monkeypatch.setattr(send_thread, "_send_now", lambda sock, data: calls.append(len(data)) or real(sock, data))
     data = payload(2 * SEND_THREAD_MIN + 11, 7)
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.sendall(request(data))
