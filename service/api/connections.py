@@ -153,6 +153,18 @@ class ConnectionBounds:
         super().on_response_complete()  # type: ignore[misc]
         self._arm()
 
+    def eof_received(self) -> bool | None:
+        """The client half-closed (shutdown(SHUT_WR)). uvicorn's protocols return None, and asyncio
+        then closes the real transport at once: with a thread send under way its buffer is empty, so
+        the connection would be lost with the thread's unsent rest never written (a truncated answer).
+        With send threads the close is the ThreadedWrites' own, deferred until the thread's bytes are
+        handed back to the transport, which then drains them; the transport is kept open until then."""
+        keep_open = super().eof_received()  # type: ignore[misc]
+        if keep_open or not isinstance(self.transport, ThreadedWrites):
+            return keep_open
+        self.transport.close()
+        return True
+
     def connection_lost(self, exc: Exception | None) -> None:
         if self._idle_timer is not None:
             self._idle_timer.cancel()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import logging
 import socket
 import threading
 import time
@@ -280,6 +281,65 @@ def test_send_threads_are_used_exactly_when_set(served, monkeypatch):
         s.sendall(request(data))
         assert answers(s, 1) == [data]
     assert calls == ([len(data)] if threads else [])
+
+
+def gate_sends(monkeypatch) -> tuple[threading.Event, threading.Event, threading.Event]:
+    """(entered, gate, done): every thread send sets `entered`, waits (10 s at most) for `gate`,
+    sends, then sets `done`."""
+    entered, gate, done = threading.Event(), threading.Event(), threading.Event()
+    real = send_thread._send_now
+
+    def gated(sock, data):
+        entered.set()
+        gate.wait(10)
+        try:
+            return real(sock, data)
+        finally:
+            done.set()
+
+    monkeypatch.setattr(send_thread, "_send_now", gated)
+    return entered, gate, done
+
+
+def test_a_client_that_half_closes_during_a_thread_send_gets_the_whole_answer(served, monkeypatch):
+    """The client sends its request, then shutdown(SHUT_WR) while the answer's thread send is held:
+    the EOF must not close the connection under the thread (the rest it hands back to the transport
+    would be dropped: a truncated answer); the whole answer arrives, then the connection closes."""
+    port, threads = served
+    entered, gate, _ = gate_sends(monkeypatch)
+    data = payload(MAX_BODY - 13, 8)  # far more than the socket's buffers hold
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(request(data))
+        assert not threads or entered.wait(10)  # (with no send threads the transport sends it)
+        s.shutdown(socket.SHUT_WR)
+        time.sleep(0.2)  # the server's loop sees the EOF while the thread is held
+        gate.set()
+        assert answers(s, 1) == [data]
+        assert s.recv(1) == b""  # and then the server closes
+
+
+def test_a_connection_reset_during_a_served_thread_send_breaks_nothing(served, monkeypatch, caplog):
+    """The client resets its connection while the answer's thread send is held: the thread's send
+    fails, its rest goes to a transport that is gone; nothing is raised or logged as an error, and
+    the server answers the next connection."""
+    port, threads = served
+    if not threads:
+        pytest.skip("no thread send to interrupt")
+    entered, gate, done = gate_sends(monkeypatch)
+    data = payload(MAX_BODY - 29, 9)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(request(data))
+        assert entered.wait(10)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    time.sleep(0.2)  # the server's loop sees the reset (connection_lost) while the thread is held
+    gate.set()
+    assert done.wait(10)
+    monkeypatch.undo()
+    again = payload(SEND_THREAD_MIN + 17, 10)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(request(again))
+        assert answers(s, 1) == [again]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 # ---- the served path: python -m service --send-threads 2 ------------------------------------
