@@ -17,12 +17,15 @@ behind it, and a close waits for them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 SEND_THREAD_MIN = 1 << 20  # below this a send costs the loop less than the hop to a thread and back (~0.1 ms)
 _pool: ThreadPoolExecutor | None = None  # the process's send threads (Settings.send_threads; one front end each)
@@ -40,18 +43,28 @@ def _send_now(sock: socket.socket, data: memoryview) -> tuple[int, float]:
     the connection stays open); the bytes sent (a failure is left to the transport, which meets it
     on its own next send and closes the connection) and when the last send returned (perf_counter)."""
     sent = 0
-    with sock:
+    try:
+        while sent < len(data):
+            sent += sock.send(data[sent:])
+    except OSError:  # BlockingIOError: the socket is full; the rest goes through the transport
+        pass
+    finally:
         try:
-            while sent < len(data):
-                sent += sock.send(data[sent:])
-        except OSError:  # BlockingIOError: the socket is full; the rest goes through the transport
-            pass
+            sock.close()
+        except OSError as e:  # what was sent is in the kernel all the same: never sent twice
+            log.debug("closing a send thread's duplicate descriptor: %s", e)
     return sent, time.perf_counter()
 
 
 class ThreadedWrites:
-    """Stands in for a connection's asyncio transport: large writes go to a worker thread, the rest
-    of the transport's interface is the transport's own."""
+    """Stands in for a connection's asyncio transport: large writes go to a worker thread; write,
+    writelines, write_eof and close keep their order behind a thread send; the rest of the
+    transport's interface is the transport's own.
+
+    abort() is the transport's at once: a thread send under way finishes on its duplicate descriptor
+    (what the socket takes now: it never waits), so the client may get a longer prefix of the answer
+    before the connection ends; the answer is cut short either way, and the writes waiting behind the
+    send are dropped, as the transport drops its buffer."""
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop, threads: int):
         self._transport, self._loop, self._threads = transport, loop, threads
@@ -59,6 +72,7 @@ class ThreadedWrites:
         self._waiting: list = []  # writes made while a thread sends, in order
         self._sending = False
         self._close = False  # close() was called while a thread sends
+        self._eof = False  # write_eof() was called (while a thread sends: deferred like close)
         self._written: list[Callable[[float], None]] = []  # when_written callbacks
         self._sent_at = 0.0  # when the last thread send returned
 
@@ -66,6 +80,15 @@ class ThreadedWrites:
         return getattr(self._transport, name)
 
     def write(self, data) -> None:
+        if self._eof:
+            raise RuntimeError("Cannot call write() after write_eof()")
+        self._write(data)
+
+    def writelines(self, list_of_data) -> None:
+        for data in list_of_data:
+            self.write(data)
+
+    def _write(self, data) -> None:
         if self._sending:
             self._waiting.append(data)
         elif (len(data) >= SEND_THREAD_MIN and self._transport.get_write_buffer_size() == 0
@@ -76,6 +99,10 @@ class ThreadedWrites:
             except OSError:  # (out of descriptors) the transport sends it
                 self._transport.write(data)
                 return
+            # The descriptor is non-blocking already (one open file with the transport's), but a socket
+            # object takes Python's default timeout (socket.setdefaulttimeout), under which send() would
+            # wait for a slow reader: the thread must never wait.
+            sock.setblocking(False)
             self._sending = True
             view = memoryview(data).cast("B")
             future = asyncio.wrap_future(_executor(self._threads).submit(_send_now, sock, view), loop=self._loop)
@@ -92,18 +119,31 @@ class ThreadedWrites:
 
     def _sent(self, view: memoryview, sent: int, at: float) -> None:
         self._sending, self._sent_at = False, at
-        if sent < len(view):
-            self._transport.write(view[sent:])
-        waiting, self._waiting = self._waiting, []
-        for data in waiting:
-            self.write(data)  # (may start the next thread send: the rest waits behind it again)
-        if self._sending:
-            return
+        try:
+            if sent < len(view):
+                self._transport.write(view[sent:])
+            waiting, self._waiting = self._waiting, []
+            for data in waiting:
+                self._write(data)  # (may start the next thread send: the rest waits behind it again)
+        finally:
+            if not self._sending:
+                self._all_written()
+
+    def _all_written(self) -> None:
+        """Every write is in the kernel or the transport's buffer: the callbacks, then what was
+        deferred (a failing callback is logged, and skips neither the others nor the close)."""
         callbacks, self._written = self._written, []
-        for callback in callbacks:
-            callback(self._sent_at)
-        if self._close:
-            self._transport.close()
+        try:
+            for callback in callbacks:
+                try:
+                    callback(self._sent_at)
+                except Exception:
+                    log.exception("a when_written callback failed")
+        finally:
+            if self._eof:
+                self._transport.write_eof()
+            if self._close:
+                self._transport.close()
 
     def when_written(self, callback: Callable[[float], None]) -> None:
         """Call `callback(at)` once every write so far is in the kernel or the transport's buffer:
@@ -125,3 +165,12 @@ class ThreadedWrites:
             self._close = True
         else:
             self._transport.close()
+
+    def write_eof(self) -> None:
+        self._eof = True
+        if not self._sending:
+            self._transport.write_eof()
+
+    def abort(self) -> None:
+        self._waiting.clear()
+        self._transport.abort()

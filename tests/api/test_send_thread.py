@@ -37,13 +37,28 @@ def read_all(sock: socket.socket) -> bytes:
     return b"".join(chunks)
 
 
+_on_connect_failures: list[BaseException] = []  # asyncio only logs a protocol's exceptions
+
+
+@pytest.fixture(autouse=True)
+def on_connect_failures():
+    """A test fails if its `serve_writes` on_connect raised (an assertion in it, say)."""
+    _on_connect_failures.clear()
+    yield
+    assert not _on_connect_failures, _on_connect_failures
+
+
 async def serve_writes(on_connect) -> tuple[asyncio.Server, int]:
     """A server whose connections get a ThreadedWrites and are handed to `on_connect(writes)`."""
     loop = asyncio.get_running_loop()
 
     class Proto(asyncio.Protocol):
         def connection_made(self, transport) -> None:
-            on_connect(ThreadedWrites(transport, loop, THREADS))
+            try:
+                on_connect(ThreadedWrites(transport, loop, THREADS))
+            except BaseException as e:
+                _on_connect_failures.append(e)
+                raise
 
     server = await loop.create_server(Proto, "127.0.0.1", 0)
     return server, server.sockets[0].getsockname()[1]
@@ -196,6 +211,156 @@ def test_a_failed_duplicate_falls_back_to_the_transport(monkeypatch):
     assert asyncio.run(main()) == big
 
 
+def gate_sends(monkeypatch) -> tuple[threading.Event, threading.Event, threading.Event]:
+    """(entered, gate, done): every thread send sets `entered`, waits (10 s at most) for `gate`,
+    sends, then sets `done`."""
+    entered, gate, done = threading.Event(), threading.Event(), threading.Event()
+    real = send_thread._send_now
+
+    def gated(sock, data):
+        entered.set()
+        gate.wait(10)
+        try:
+            return real(sock, data)
+        finally:
+            done.set()
+
+    monkeypatch.setattr(send_thread, "_send_now", gated)
+    return entered, gate, done
+
+
+def serve_and_read(on_connect) -> bytes:
+    """Everything a client reads (until the server closes, 10 s at most) from a `serve_writes` server."""
+    async def main() -> bytes:
+        server, port = await serve_writes(on_connect)
+        got = await asyncio.to_thread(lambda: read_all(socket.create_connection(("127.0.0.1", port), timeout=10)))
+        server.close()
+        return got
+
+    return asyncio.run(main())
+
+
+def test_a_failing_when_written_callback_skips_neither_the_others_nor_the_close(caplog):
+    big = payload(3 * SEND_THREAD_MIN + 7, 11)
+    ran: list[float] = []
+
+    def fails(at: float) -> None:
+        raise ValueError("a callback's bug")
+
+    def on_connect(w: ThreadedWrites) -> None:
+        w.write(memoryview(big))
+        w.when_written(fails)
+        w.when_written(ran.append)
+        w.close()
+
+    assert serve_and_read(on_connect) == big  # (a close skipped: the read times out)
+    assert len(ran) == 1
+    assert any("when_written" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+def test_a_failing_close_of_the_duplicate_never_sends_bytes_twice(monkeypatch):
+    real = socket.socket
+
+    class CloseFails(real):  # type: ignore[misc, valid-type]
+        def close(self) -> None:
+            super().close()
+            raise OSError(9, "Bad file descriptor")
+
+    big = payload(2 * SEND_THREAD_MIN + 5, 12)
+
+    def on_connect(w: ThreadedWrites) -> None:
+        with monkeypatch.context() as m:  # only the duplicate made by this write
+            m.setattr(socket, "socket", CloseFails)
+            w.write(memoryview(big))
+        assert w._sending
+        w.close()
+
+    assert serve_and_read(on_connect) == big
+
+
+def test_a_default_socket_timeout_never_makes_a_send_thread_wait():
+    """With socket.setdefaulttimeout(t) the duplicate would wait up to t for a client that does not
+    read; the thread must send what the socket takes and return at once."""
+    big = payload(48 << 20, 13)
+
+    async def main() -> float:
+        writers: list[ThreadedWrites] = []
+        server, port = await serve_writes(writers.append)
+        client = socket.create_connection(("127.0.0.1", port), timeout=10)  # and never reads
+        while not writers:
+            await asyncio.sleep(0.01)
+        socket.setdefaulttimeout(3.0)
+        try:
+            start = time.perf_counter()
+            writers[0].write(memoryview(big))
+            while writers[0]._sending:
+                await asyncio.sleep(0.005)
+            took = time.perf_counter() - start
+        finally:
+            socket.setdefaulttimeout(None)
+        writers[0].abort()
+        client.close()
+        server.close()
+        return took
+
+    assert asyncio.run(main()) < 1.5  # (a waiting thread: 3 s)
+
+
+def test_writelines_and_write_eof_keep_their_place_behind_a_thread_send(monkeypatch):
+    _, gate, _ = gate_sends(monkeypatch)  # the thread sends only once every write below is made
+    parts = [payload(n, 20 + seed) for seed, n in enumerate([2 * SEND_THREAD_MIN + 3, 19, SEND_THREAD_MIN + 1, 7])]
+    tail = payload(5, 30)
+
+    def on_connect(w: ThreadedWrites) -> None:
+        w.write(memoryview(parts[0]))
+        assert w._sending
+        w.writelines([parts[1], memoryview(parts[2]), parts[3]])
+        w.write_eof()  # after every byte above, not at once
+        with pytest.raises(RuntimeError):
+            w.write(tail)
+        assert not w.is_closing()  # (a half-close: the server may still read)
+        gate.set()
+
+    assert serve_and_read(on_connect) == b"".join(parts)
+
+
+def test_an_abort_during_a_thread_send_ends_the_connection(monkeypatch):
+    """An abort while the thread send is held: the client sees at most a prefix of the answer, then
+    the end of the connection; nothing waits, the writes behind the send are dropped."""
+    entered, gate, done = gate_sends(monkeypatch)
+    big = payload(32 << 20, 14)
+    state: list[ThreadedWrites] = []
+
+    async def main() -> bytes:
+        server, port = await serve_writes(state.append)
+        client = socket.create_connection(("127.0.0.1", port), timeout=10)
+        while not state:
+            await asyncio.sleep(0.01)
+        w = state[0]
+        w.write(memoryview(big))
+        w.write(b"behind")
+        await asyncio.to_thread(entered.wait, 10)
+        w.abort()
+        assert w.is_closing()
+        gate.set()
+        try:
+            got = await asyncio.to_thread(read_all, client)
+        except ConnectionResetError:
+            got = b""
+        await asyncio.to_thread(done.wait, 10)
+        for _ in range(100):
+            if not w._sending:
+                break
+            await asyncio.sleep(0.01)
+        assert not w._sending and not w._waiting
+        client.close()
+        server.close()
+        return got
+
+    got = asyncio.run(main())
+    assert len(got) < len(big) and big.startswith(got)
+
+
 # ---- through uvicorn ----------------------------------------------------------------------
 
 
@@ -281,24 +446,6 @@ def test_send_threads_are_used_exactly_when_set(served, monkeypatch):
         s.sendall(request(data))
         assert answers(s, 1) == [data]
     assert calls == ([len(data)] if threads else [])
-
-
-def gate_sends(monkeypatch) -> tuple[threading.Event, threading.Event, threading.Event]:
-    """(entered, gate, done): every thread send sets `entered`, waits (10 s at most) for `gate`,
-    sends, then sets `done`."""
-    entered, gate, done = threading.Event(), threading.Event(), threading.Event()
-    real = send_thread._send_now
-
-    def gated(sock, data):
-        entered.set()
-        gate.wait(10)
-        try:
-            return real(sock, data)
-        finally:
-            done.set()
-
-    monkeypatch.setattr(send_thread, "_send_now", gated)
-    return entered, gate, done
 
 
 def test_a_client_that_half_closes_during_a_thread_send_gets_the_whole_answer(served, monkeypatch):
