@@ -30,7 +30,14 @@ def payload(n: int, seed: int) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
+def connect(port: int) -> socket.socket:
+    """A client connection whose every wait ends in 10 s (a regression fails the test, never hangs it)."""
+    return socket.create_connection(("127.0.0.1", port), timeout=10)
+
+
 def read_all(sock: socket.socket) -> bytes:
+    """Everything until the server closes (10 s at most for each recv)."""
+    sock.settimeout(10)
     chunks = []
     while chunk := sock.recv(1 << 20):
         chunks.append(chunk)
@@ -64,26 +71,31 @@ async def serve_writes(on_connect) -> tuple[asyncio.Server, int]:
     return server, server.sockets[0].getsockname()[1]
 
 
+def serve_and_read(on_connect) -> bytes:
+    """Everything a client reads (until the server closes, 10 s at most) from a `serve_writes` server."""
+    async def main() -> bytes:
+        server, port = await serve_writes(on_connect)
+        got = await asyncio.to_thread(lambda: read_all(connect(port)))
+        server.close()
+        return got
+
+    return asyncio.run(main())
+
+
 def test_writes_arrive_whole_and_in_order_and_close_waits_for_them():
     parts = [payload(n, seed) for seed, n in enumerate(
         [17, 3 * SEND_THREAD_MIN + 5, 1, SEND_THREAD_MIN, 4099, 2 * SEND_THREAD_MIN + 1, 3])]
     events: list[str] = []
 
-    async def main() -> bytes:
-        def on_connect(w: ThreadedWrites) -> None:
-            for p in parts:
-                w.write(memoryview(p) if len(p) >= SEND_THREAD_MIN else p)
-            w.when_written(lambda at: events.append("written"))
-            w.close()
-            assert w.is_closing()
-            events.append("closed")
+    def on_connect(w: ThreadedWrites) -> None:
+        for p in parts:
+            w.write(memoryview(p) if len(p) >= SEND_THREAD_MIN else p)
+        w.when_written(lambda at: events.append("written"))
+        w.close()
+        assert w.is_closing()
+        events.append("closed")
 
-        server, port = await serve_writes(on_connect)
-        got = await asyncio.to_thread(lambda: read_all(socket.create_connection(("127.0.0.1", port))))
-        server.close()
-        return got
-
-    got = asyncio.run(main())
+    got = serve_and_read(on_connect)
     assert got == b"".join(parts)  # EOF came after the last byte: the close waited
     assert events == ["closed", "written"]  # the callback ran once the thread's sends were done
 
@@ -100,14 +112,14 @@ def test_a_client_that_does_not_read_holds_no_send_thread(monkeypatch):
         writers: list[ThreadedWrites] = []
         server, port = await serve_writes(writers.append)
         for _ in range(THREADS + 2):
-            idle.append(socket.create_connection(("127.0.0.1", port)))
+            idle.append(connect(port))
         while len(writers) < len(idle):
             await asyncio.sleep(0.01)
         for w in writers:
             w.write(memoryview(big))
         await asyncio.sleep(0.2)
         assert all(w.get_write_buffer_size() > 0 or w._transport.get_write_buffer_size() > 0 for w in writers)
-        reader = socket.create_connection(("127.0.0.1", port), timeout=10)  # a held thread: a timeout, no hang
+        reader = connect(port)  # a held thread: a timeout, no hang
         while len(writers) < len(idle) + 1:
             await asyncio.sleep(0.01)
         start = time.perf_counter()
@@ -125,28 +137,46 @@ def test_a_client_that_does_not_read_holds_no_send_thread(monkeypatch):
     assert took < 5.0  # (a thread waiting for a reader would hold it until that client reads: never)
 
 
-def test_a_connection_reset_during_a_thread_send_ends_cleanly():
+def test_a_connection_reset_during_a_thread_send_ends_cleanly(monkeypatch, caplog):
+    """The client resets the connection while the thread send is held: the transport sees the reset
+    at once; a write and a close made meanwhile wait behind the send; once the thread's send has
+    failed, the close reaches the transport (once, after the send), and nothing is logged as an error."""
+    entered, gate, done = gate_sends(monkeypatch)
     big = payload(32 << 20, 3)
 
-    async def main() -> None:
+    async def main() -> list[bool]:
         writers: list[ThreadedWrites] = []
         server, port = await serve_writes(writers.append)
-        client = socket.create_connection(("127.0.0.1", port))
+        client = connect(port)
         while not writers:
             await asyncio.sleep(0.01)
+        w, closes = writers[0], []
+        real_close = w._transport.close
+        w._transport.close = lambda: closes.append(w._sending) or real_close()  # type: ignore[method-assign]
         client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-        writers[0].write(memoryview(big))
-        client.close()  # a reset mid-answer
-        writers[0].write(b"after")
-        writers[0].close()
+        w.write(memoryview(big))
+        assert await asyncio.to_thread(entered.wait, 10)
+        client.close()  # a reset mid-send
         for _ in range(200):
-            if not writers[0]._sending and writers[0]._transport.is_closing():
+            if w._transport.is_closing():
                 break
             await asyncio.sleep(0.01)
-        assert not writers[0]._sending and writers[0]._transport.is_closing()
+        assert w._transport.is_closing() and w._sending  # the loop saw the reset, the thread is held
+        w.write(b"after")
+        w.close()
+        assert closes == [] and w.is_closing()  # deferred
+        gate.set()
+        assert await asyncio.to_thread(done.wait, 10)
+        for _ in range(200):
+            if not w._sending:
+                break
+            await asyncio.sleep(0.01)
+        assert not w._sending
         server.close()
+        return closes
 
-    asyncio.run(main())
+    assert asyncio.run(main()) == [False]  # closed once, after the thread's send
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 def test_a_send_thread_never_writes_into_a_connection_that_reuses_the_descriptor(monkeypatch):
@@ -161,11 +191,12 @@ def test_a_send_thread_never_writes_into_a_connection_that_reuses_the_descriptor
     async def main() -> tuple[int, int, bytes]:
         writers: list[ThreadedWrites] = []
         server, port = await serve_writes(writers.append)
-        first = socket.create_connection(("127.0.0.1", port))
+        first = connect(port)
         while not writers:
             await asyncio.sleep(0.01)
         fd = writers[0]._fd
         second = socket.socket()  # its number taken now, so that the server's next accept gets `fd`
+        second.settimeout(10)
         writers[0].write(memoryview(big))
         writers[0].abort()  # its descriptor is closed at the loop's next turn
         await asyncio.sleep(0.05)
@@ -197,18 +228,12 @@ def test_a_failed_duplicate_falls_back_to_the_transport(monkeypatch):
     monkeypatch.setattr(send_thread.os, "dup", no_descriptors)
     big = payload(2 * SEND_THREAD_MIN + 3, 5)
 
-    async def main() -> bytes:
-        def on_connect(w: ThreadedWrites) -> None:
-            w.write(memoryview(big))
-            assert not w._sending
-            w.close()
+    def on_connect(w: ThreadedWrites) -> None:
+        w.write(memoryview(big))
+        assert not w._sending
+        w.close()
 
-        server, port = await serve_writes(on_connect)
-        got = await asyncio.to_thread(lambda: read_all(socket.create_connection(("127.0.0.1", port))))
-        server.close()
-        return got
-
-    assert asyncio.run(main()) == big
+    assert serve_and_read(on_connect) == big
 
 
 def gate_sends(monkeypatch) -> tuple[threading.Event, threading.Event, threading.Event]:
@@ -227,17 +252,6 @@ def gate_sends(monkeypatch) -> tuple[threading.Event, threading.Event, threading
 
     monkeypatch.setattr(send_thread, "_send_now", gated)
     return entered, gate, done
-
-
-def serve_and_read(on_connect) -> bytes:
-    """Everything a client reads (until the server closes, 10 s at most) from a `serve_writes` server."""
-    async def main() -> bytes:
-        server, port = await serve_writes(on_connect)
-        got = await asyncio.to_thread(lambda: read_all(socket.create_connection(("127.0.0.1", port), timeout=10)))
-        server.close()
-        return got
-
-    return asyncio.run(main())
 
 
 def test_a_failing_when_written_callback_skips_neither_the_others_nor_the_close(caplog):
@@ -286,7 +300,7 @@ def test_a_default_socket_timeout_never_makes_a_send_thread_wait():
     async def main() -> float:
         writers: list[ThreadedWrites] = []
         server, port = await serve_writes(writers.append)
-        client = socket.create_connection(("127.0.0.1", port), timeout=10)  # and never reads
+        client = connect(port)  # and never reads
         while not writers:
             await asyncio.sleep(0.01)
         socket.setdefaulttimeout(3.0)
@@ -333,7 +347,7 @@ def test_an_abort_during_a_thread_send_ends_the_connection(monkeypatch):
 
     async def main() -> bytes:
         server, port = await serve_writes(state.append)
-        client = socket.create_connection(("127.0.0.1", port), timeout=10)
+        client = connect(port)
         while not state:
             await asyncio.sleep(0.01)
         w = state[0]
@@ -406,7 +420,7 @@ def test_pipelined_large_answers_come_back_in_order(served):
     port, _ = served
     bodies = [payload(n, 10 + i) for i, n in enumerate([SEND_THREAD_MIN + 1, 5, 3 * SEND_THREAD_MIN - 7,
                                                         SEND_THREAD_MIN - 1, 2 * SEND_THREAD_MIN + 9])]
-    with socket.create_connection(("127.0.0.1", port)) as s:
+    with connect(port) as s:
         s.sendall(b"".join(map(request, bodies)))  # pipelined: every request in one go
         assert answers(s, len(bodies)) == bodies
         again = payload(4 * SEND_THREAD_MIN + 1, 20)  # the connection is still good
@@ -419,7 +433,7 @@ def test_concurrent_connections_get_their_own_answers(served):
     results: dict[int, list[bool]] = {}
 
     def client(i: int) -> None:
-        with socket.create_connection(("127.0.0.1", port)) as s:
+        with connect(port) as s:
             ok = []
             for r in range(4):
                 data = payload(SEND_THREAD_MIN + 1000 * i + r, 100 * i + r)
@@ -442,7 +456,7 @@ def test_send_threads_are_used_exactly_when_set(served, monkeypatch):
     real = send_thread._send_now
     monkeypatch.setattr(send_thread, "_send_now", lambda sock, data: calls.append(len(data)) or real(sock, data))
     data = payload(2 * SEND_THREAD_MIN + 11, 7)
-    with socket.create_connection(("127.0.0.1", port)) as s:
+    with connect(port) as s:
         s.sendall(request(data))
         assert answers(s, 1) == [data]
     assert calls == ([len(data)] if threads else [])
@@ -455,7 +469,7 @@ def test_a_client_that_half_closes_during_a_thread_send_gets_the_whole_answer(se
     port, threads = served
     entered, gate, _ = gate_sends(monkeypatch)
     data = payload(MAX_BODY - 13, 8)  # far more than the socket's buffers hold
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+    with connect(port) as s:
         s.sendall(request(data))
         assert not threads or entered.wait(10)  # (with no send threads the transport sends it)
         s.shutdown(socket.SHUT_WR)
@@ -474,7 +488,7 @@ def test_a_connection_reset_during_a_served_thread_send_breaks_nothing(served, m
         pytest.skip("no thread send to interrupt")
     entered, gate, done = gate_sends(monkeypatch)
     data = payload(MAX_BODY - 29, 9)
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+    with connect(port) as s:
         s.sendall(request(data))
         assert entered.wait(10)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
@@ -483,7 +497,7 @@ def test_a_connection_reset_during_a_served_thread_send_breaks_nothing(served, m
     assert done.wait(10)
     monkeypatch.undo()
     again = payload(SEND_THREAD_MIN + 17, 10)
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+    with connect(port) as s:
         s.sendall(request(again))
         assert answers(s, 1) == [again]
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
