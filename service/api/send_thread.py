@@ -119,6 +119,7 @@ class ThreadedWrites:
 
     def _sent(self, view: memoryview, sent: int, at: float) -> None:
         self._sending, self._sent_at = False, at
+        log.debug("a send thread sent %d of %d bytes (the rest: the transport's)", sent, len(view))
         try:
             if sent < len(view):
                 self._transport.write(view[sent:])

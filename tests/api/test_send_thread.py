@@ -511,14 +511,16 @@ def service(tmp_path_factory):
     from tests.serverproc import ServerProcess
 
     with ServerProcess.serving(tmp_path_factory.mktemp("send") / "server.log", "--send-threads", "2",
-                               "--max-request-bytes", str(MAX_BODY)) as proc:
+                               "--max-request-bytes", str(MAX_BODY), env={"MOE_LOG_LEVEL": "DEBUG"}) as proc:
         yield proc
 
 
 def test_served_large_answers_with_send_threads_are_each_requests_own(service):
     """Concurrent v2 binary requests whose answers are over SEND_THREAD_MIN (fp32, H=256: 1 KiB a
     row), odd T over several steps, with a small one and a bad row among them: every answer is its
-    own request's layer output, the bad row gets its own 400, and the send book counts each answer."""
+    own request's layer output, the bad row gets its own 400, the send book counts each answer, and
+    each large answer went through a send thread (its debug line: not seen when server.py does not
+    pass --send-threads on to the protocol)."""
     import httpx
     import torch
     import tritonclient.http as httpclient
@@ -529,7 +531,7 @@ def test_served_large_answers_with_send_threads_are_each_requests_own(service):
 
     cases = [(1025, 1), (1537, 2), (3, 3), (1031, 4), (1100, 5)]
     with httpx.Client(base_url=service.url, timeout=60) as http:
-        before = scrape(http)
+        before, threaded_before = scrape(http), service.log().count("a send thread sent ")
 
         def one(case):
             T, seed = case
@@ -553,3 +555,5 @@ def test_served_large_answers_with_send_threads_are_each_requests_own(service):
             - value(before["moe_response_send_seconds"], "moe_response_send_seconds_count", protocol="v2_binary"))
     assert sent == 4  # every answer's book came back from its send thread (the 400 is not sent in parts)
     assert "2 send thread(s)" in service.log()
+    large = sum(T * 256 * 4 >= SEND_THREAD_MIN for T, seed in cases if seed != 5)
+    assert service.log().count("a send thread sent ") - threaded_before == large == 3
