@@ -10,7 +10,8 @@
 # Usage (device machine, repository root, web wheels installed under /tmp/site):
 #   TREES=". .base" ROUNDS=2 CELL_S=3 CONCURRENCY=4,16 [PYSPY_TREE=.] OUT=$OUT bash bench/gpu_serve_ab.sh
 # Knobs: BUDGET (s, default 400), PROTOCOLS (v2_binary,grpc; the shm ones need MOE_SHARED_MEMORY=system
-# in the environment, which every server inherits, as any MOE_ setting), SIZES (512), CONCURRENCY (4,16), CELL_S (3), ROUNDS (1), SITE (the
+# in the environment, which every server inherits, as any MOE_ setting), SIZES (512), CONCURRENCY (4,16), CELL_S (3), ROUNDS (1),
+# SPLIT (0; 1: bench/latency_split.py around each server's load, its receive/send lines printed), SITE (the
 # wheels' target, /tmp/site), PYTHON, OUT (else build/gpu_serve_ab). Everything it writes is packed
 # into ONE file, $OUT/serve_ab.tgz (also when a step fails); the summary is printed.
 # A root other than "." is a copy of another commit's tree inside this checkout (carried), e.g.
@@ -62,10 +63,17 @@ for round in $(seq "${ROUNDS:-1}"); do
     grep -E "front-end process|Traceback|ERROR" "$LOG/server_${name}_$round.txt" | head -n 4
     if (( ready )); then
       sleep 2  # the other front ends confirm the group (older trees bind before they know it)
+      (( ${SPLIT:-0} )) && timeout 20 "$PY" bench/latency_split.py --url http://127.0.0.1:18000 \
+        --save "$LOG/split_before_${name}_$round.json" > /dev/null 2>&1
       timeout -k 10 "$(cap 120)" "$PY" bench/serve_load.py --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
         --protocols "${PROTOCOLS:-v2_binary,grpc}" --sizes "${SIZES:-512}" --concurrency "${CONCURRENCY:-4,16}" \
         --seconds "$CELL_S" --wire-dtype bf16 --no-direct --json "$LOG/load_${name}_$round.json" > "$LOG/load_${name}_$round.txt" 2>&1
       echo "load rc=$?"; grep -E "^\|" "$LOG/load_${name}_$round.txt"
+      if (( ${SPLIT:-0} )); then  # the server's own books over the whole load (every cell together)
+        timeout 20 "$PY" bench/latency_split.py --url http://127.0.0.1:18000 \
+          --before "$LOG/split_before_${name}_$round.json" > "$LOG/split_${name}_$round.txt" 2>&1
+        grep -iE "receive|send|arrival" "$LOG/split_${name}_$round.txt" | head -n 8
+      fi
       if [[ "${PYSPY_TREE:-}" == "$entry" ]] && (( ! profiled )) && (( $(left) > 30 )); then
         profiled=1
         timeout -k 5 30 "$PY" bench/serve_load.py --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \

@@ -229,6 +229,11 @@ class Settings(BaseSettings):
                     "slot with their check, its answer out into the response's buffer or output region): a piece "
                     "of 1 MiB or more, counted in the slot's dtype, is split into min(N, rows) row ranges, a smaller "
                     "one stays whole; idle ones block, none spins; 1 copies in the step's thread")
+    send_threads: int = Field(0, ge=0, le=16,
+        description="threads of each front-end process that hand HTTP writes of 1 MiB or more (v2 binary answers) "
+                    "to the kernel in place of the event loop (loopback TCP does the whole transmit inside send(): "
+                    "~1.1-2 ms of the loop per 4 MiB); each sends what the socket takes and never waits for a slow "
+                    "reader; 0 = the loop writes everything")
     rank_lookahead: int = Field(2, ge=1, le=2,
         description="steps a CUDA rank holds in flight: 2 enqueues the next step (when its message waits or "
                     "arrives before this one's layer is done) before finishing this one, so the GPU does not idle "

@@ -104,8 +104,9 @@ class Metrics:
             ["protocol"], buckets=TIME_BUCKETS, registry=r)
         self.response_send = Histogram(
             "moe_response_send_seconds",
-            "HTTP v2 infer: time from a response's start to its last byte handed to the connection (after "
-            "moe_request_duration_seconds; waits for the client where the socket's buffer is full).",
+            "HTTP v2 infer: time from a response's start to its last byte handed to the kernel, or to the "
+            "transport's buffer where the socket is full (after moe_request_duration_seconds); with --send-threads, "
+            "to when the last thread send returned, the rest of a partial send then in the transport's buffer.",
             ["protocol"], buckets=TIME_BUCKETS, registry=r)
         self.requests = Counter(
             "moe_requests_total", "Requests answered, by protocol and status code.",

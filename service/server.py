@@ -119,7 +119,7 @@ class Endpoint:
         grpc_server = self._grpc
         self.fe.on_ready_change.append(lambda ready: loop.create_task(grpc_server.set_serving(ready)))
         await grpc_server.set_serving(self.fe.ready)  # a change during start() came before the hook
-        protocol = functools.partial(bounded_protocol(s.http_impl, s.max_request_bytes),
+        protocol = functools.partial(bounded_protocol(s.http_impl, s.max_request_bytes, s.send_threads),
                                      idle_timeout_s=s.idle_timeout_s, max_connections=s.max_connections)
         config = uvicorn.Config(create_app(self.fe), host=s.host, port=http_port, log_config=None,
                                 access_log=False, lifespan="off", http=protocol,
@@ -185,9 +185,9 @@ class Server:
         log.info("device %s (%s); layer %s; backend %s; weights %s", self.device, why, cfg.describe(),
                  settings.backend, settings.weights or f"synthetic (seed {settings.seed})")
         log.info("batching: %d tokens per step (R*C), delay %.2f ms, queue %d tokens, deadline %.1f s; "
-                 "%d front-end process(es) of %d slots and %d copy thread(s) each", cfg.tokens_per_step,
-                 settings.batch_delay_ms, settings.queue_tokens, settings.request_timeout_s, self.frontends,
-                 settings.slots, settings.copy_threads)
+                 "%d front-end process(es) of %d slots, %d copy thread(s) and %d send thread(s) each",
+                 cfg.tokens_per_step, settings.batch_delay_ms, settings.queue_tokens, settings.request_timeout_s,
+                 self.frontends, settings.slots, settings.copy_threads, settings.send_threads)
         set_frontend_threads()
         self.group_factory = group_factory or self._new_group
         self.endpoint = Endpoint(settings, cfg, settings.slots, on_failure=self._on_step_failure)

@@ -36,12 +36,17 @@ from typing import Any
 
 import numpy as np
 
+from service.api.send_thread import ThreadedWrites
+
 log = logging.getLogger(__name__)
 
 FD_RESERVE = 256  # descriptors besides client connections: slots, rank pipes, the store, logs, grpc
 # The ASGI scope's key for the time (time.perf_counter) the request's first byte was read: where the
 # server's books start (service.api.http); absent for a request pipelined behind another.
 FIRST_BYTE = "moe.first_byte"
+# The ASGI scope's key for the connection's ThreadedWrites (service.api.send_thread; only with send
+# threads): a response asks it when its last bytes reached the kernel (PartsResponse's send time).
+WRITER = "moe.writer"
 REFUSED_LINGER_S = 1.0  # a refused connection's client gets this long to read its 503 and close
 _REFUSED_BODY = b'{"error": "too many connections (max_connections): every one has a request in flight"}'
 REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
@@ -80,7 +85,11 @@ class ConnectionBounds:
         self._arrived = 0.0  # when the bytes being read arrived
         self._refused = False  # answered 503 at the cap: what it sends is dropped
 
+    send_threads = 0  # set by bounded_protocol (Settings.send_threads)
+
     def connection_made(self, transport: asyncio.Transport) -> None:
+        if self.send_threads:  # large writes leave the loop (service.api.send_thread)
+            transport = ThreadedWrites(transport, self.loop, self.send_threads)  # type: ignore[assignment]
         super().connection_made(transport)  # type: ignore[misc]
         if len(self.connections) > self.max_connections:
             idle = [c for c in self.connections if isinstance(c, ConnectionBounds) and c is not self and not c.busy
@@ -110,6 +119,8 @@ class ConnectionBounds:
         if self._first_byte is not None and self.busy:  # its headers are in: the request has a scope
             self.cycle.scope.setdefault(FIRST_BYTE, self._first_byte)
             self._first_byte = None
+        if self.cycle is not None and isinstance(self.transport, ThreadedWrites):
+            self.cycle.scope.setdefault(WRITER, self.transport)
 
     def on_message_begin(self) -> None:
         """httptools' parser callback: a request begins in the bytes being read, so this is its first
@@ -118,6 +129,8 @@ class ConnectionBounds:
         callback: there that stamp stands."""
         super().on_message_begin()  # type: ignore[misc]
         self.scope[FIRST_BYTE] = self._arrived  # type: ignore[attr-defined]
+        if isinstance(self.transport, ThreadedWrites):
+            self.scope[WRITER] = self.transport  # type: ignore[attr-defined]
 
     @property
     def busy(self) -> bool:
@@ -139,6 +152,18 @@ class ConnectionBounds:
     def on_response_complete(self) -> None:
         super().on_response_complete()  # type: ignore[misc]
         self._arm()
+
+    def eof_received(self) -> bool | None:
+        """The client half-closed (shutdown(SHUT_WR)). uvicorn's protocols return None, and asyncio
+        then closes the real transport at once: with a thread send under way its buffer is empty, so
+        the connection would be lost with the thread's unsent rest never written (a truncated answer).
+        With send threads the close is the ThreadedWrites' own, deferred until the thread's bytes are
+        handed back to the transport, which then drains them; the transport is kept open until then."""
+        keep_open = super().eof_received()  # type: ignore[misc]
+        if keep_open or not isinstance(self.transport, ThreadedWrites):
+            return keep_open
+        self.transport.close()
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._idle_timer is not None:
@@ -301,17 +326,18 @@ class DirectBody:
         super().connection_lost(exc)  # type: ignore[misc]
 
 
-def bounded_protocol(http_impl: str, max_body_bytes: int = 0) -> type[asyncio.Protocol]:
-    """uvicorn's protocol class for `http_impl` (Settings.http_impl) with the bounds mixed in, and on
-    httptools the direct read of bodies up to `max_body_bytes` (Settings.max_request_bytes; 0: none).
+def bounded_protocol(http_impl: str, max_body_bytes: int = 0, send_threads: int = 0) -> type[asyncio.Protocol]:
+    """uvicorn's protocol class for `http_impl` (Settings.http_impl) with the bounds mixed in, on
+    httptools the direct read of bodies up to `max_body_bytes` (Settings.max_request_bytes; 0: none),
+    and with `send_threads` > 0 (Settings.send_threads) large writes by that many send threads.
     httptools is imported here, only when asked for: without it h11 still works."""
     if http_impl == "h11":
         from uvicorn.protocols.http.h11_impl import H11Protocol
 
-        return type("BoundedH11Protocol", (ConnectionBounds, H11Protocol), {})
+        return type("BoundedH11Protocol", (ConnectionBounds, H11Protocol), {"send_threads": send_threads})
     if http_impl == "httptools":
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
         return type("BoundedHttpToolsProtocol", (DirectBody, ConnectionBounds, HttpToolsProtocol),
-                    {"max_body_bytes": max_body_bytes})
+                    {"max_body_bytes": max_body_bytes, "send_threads": send_threads})
     raise ValueError(f"http_impl must be httptools or h11, got {http_impl!r}")

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from service.api import codecs
-from service.api.connections import FIRST_BYTE
+from service.api.connections import FIRST_BYTE, WRITER
 from service.api.error_map import (
     RETRY_AFTER_S,
     BodyTimeout,
@@ -51,7 +51,8 @@ REGISTER_BODY_LIMIT = 4096  # bytes of a shared-memory register request ({"key",
 class PartsResponse(Response):
     """A response whose body is sent as several parts (bytes-like: the answer tensor's memory is
     sent as it is, never joined into one bytes object); `sent(seconds)` is called with the time
-    from its start to its last part handed to the connection."""
+    from its start to its last part in the kernel or the transport's buffer (a large part is sent
+    by a thread: service.api.send_thread)."""
 
     def __init__(self, parts: list, media_type: str, headers: dict | None = None,
                  sent: Callable[[float], None] | None = None):
@@ -65,7 +66,12 @@ class PartsResponse(Response):
         for i, part in enumerate(self.parts):
             await send({"type": "http.response.body", "body": part, "more_body": i + 1 < len(self.parts)})
         if self.sent is not None:
-            self.sent(time.perf_counter() - started)
+            sent = self.sent
+            writer = scope.get(WRITER)
+            if writer is None:  # (an h11 request pipelined behind another)
+                sent(time.perf_counter() - started)
+            else:
+                writer.when_written(lambda at: sent(at - started))
 
 
 def error_response(exc: BaseException) -> JSONResponse:

@@ -1,10 +1,17 @@
-"""Inputs and the fp32 reference for the API tests (the CPU preset, synthetic weights, seed 0)."""
+"""Inputs and the fp32 reference for the API tests (the CPU preset, synthetic weights, seed 0), and
+a bare uvicorn server of a small ASGI app on one of our connection protocols."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
+import socket
+import threading
+import time
 
 import torch
+import uvicorn
 
 from service.config import preset
 from service.moe.reference import full_weights, moe_reference
@@ -38,3 +45,42 @@ def check(out, x, ids, w) -> None:
     err = rel_err(out.float(), reference(x, ids, w))
     tol = tolerance(CFG.dtype, out.dtype)  # a 16-bit answer is the fp32 layer rounded once more
     assert err <= tol, f"relative error {err:.2e} over {tol:.1e} ({out.dtype})"
+
+
+@contextlib.contextmanager
+def uvicorn_serving(app, protocol):
+    """uvicorn serving the ASGI `app` on loopback in a thread, on `protocol` (a protocol class made by
+    service.api.connections.bounded_protocol, its keyword arguments bound); yields the port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=protocol, lifespan="off",
+                                           log_config=None, access_log=False))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def http_answers(sock: socket.socket, count: int) -> list[tuple[int, bytes]]:
+    """`count` HTTP/1.1 responses (each with a Content-Length) read off `sock`: (status, body)."""
+    buf, out = b"", []
+    while len(out) < count:
+        end = buf.find(b"\r\n\r\n")
+        if end >= 0:
+            head = buf[:end].decode().lower().split("\r\n")
+            length = int(next(h for h in head if h.startswith("content-length:")).split(":")[1])
+            if len(buf) >= end + 4 + length:
+                out.append((int(head[0].split()[1]), buf[end + 4:end + 4 + length]))
+                buf = buf[end + 4 + length:]
+                continue
+        chunk = sock.recv(1 << 20)
+        if not chunk:
+            raise ConnectionError(f"closed after {len(out)} answers")
+        buf += chunk
+    return out

@@ -11,14 +11,14 @@ import asyncio
 import functools
 import hashlib
 import socket
-import threading
 import time
 
 import numpy as np
 import pytest
-import uvicorn
 
 from service.api.connections import DIRECT_BODY_MIN, FIRST_BYTE, bounded_protocol
+from tests.api.common import http_answers as answers
+from tests.api.common import uvicorn_serving
 
 MAX_BODY = 8 << 20
 EVENTS: list[str] = []  # what the app saw: "disconnect" when a body ended with the client gone
@@ -56,19 +56,9 @@ async def app(scope, receive, send) -> None:
 
 @pytest.fixture(scope="module")
 def port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     protocol = functools.partial(bounded_protocol("httptools", MAX_BODY), idle_timeout_s=30, max_connections=64)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=protocol, lifespan="off",
-                                           log_config=None, access_log=False))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield port
-    server.should_exit = True
-    thread.join(10)
+    with uvicorn_serving(app, protocol) as port:
+        yield port
 
 
 def body(n: int, seed: int) -> bytes:
@@ -77,25 +67,6 @@ def body(n: int, seed: int) -> bytes:
 
 def request(data: bytes, path: str = "/echo", extra: str = "") -> bytes:
     return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n{extra}\r\n").encode() + data
-
-
-def answers(sock: socket.socket, count: int) -> list[tuple[int, bytes]]:
-    """`count` responses read off `sock`: (status, body)."""
-    buf, out = b"", []
-    while len(out) < count:
-        end = buf.find(b"\r\n\r\n")
-        if end >= 0:
-            head = buf[:end].decode().lower().split("\r\n")
-            length = int(next(h for h in head if h.startswith("content-length:")).split(":")[1])
-            if len(buf) >= end + 4 + length:
-                out.append((int(head[0].split()[1]), buf[end + 4:end + 4 + length]))
-                buf = buf[end + 4 + length:]
-                continue
-        chunk = sock.recv(1 << 20)
-        if not chunk:
-            raise ConnectionError(f"closed after {len(out)} answers")
-        buf += chunk
-    return out
 
 
 def echoed(data: bytes) -> tuple[int, int, str]:
