@@ -185,13 +185,14 @@ def test_an_overflowed_json_answer_names_its_dtype(dtype):
                       {"name": "topk_ids", "datatype": "INT64", "shape": [2, 2], "data": ids.tolist()},
                       {"name": "topk_weights", "datatype": "FP32", "shape": [2, 2], "data": w.tolist()}]}
     req = codecs.decode_v2_http(json.dumps(doc).encode(), None, SPEC)
-    out = x.clone()
-    out[1, 3] = float("inf")  # what the layer's answer holds when it overflowed its dtype
-    expected = f"beyond the {codecs.DTYPE_NAMES[dtype]} range"
-    with pytest.raises(InvalidInput, match=expected):
-        codecs.encode_v2_http(out, req, "moe")
-    with pytest.raises(InvalidInput, match=expected):
-        codecs.encode_forward_json(out)
+    for value in (float("inf"), float("nan")):  # a NaN too: orjson would write it as null
+        out = x.clone()
+        out[1, 3] = value  # what the layer's answer holds when it overflowed its dtype
+        expected = f"beyond the {codecs.DTYPE_NAMES[dtype]} range"
+        with pytest.raises(InvalidInput, match=expected):
+            codecs.encode_v2_http(out, req, "moe")
+        with pytest.raises(InvalidInput, match=expected):
+            codecs.encode_forward_json(out)
 
 
 def test_the_timeout_parameter_is_checked_in_microseconds():
@@ -393,6 +394,118 @@ def test_json_integers_are_numbers():
         codecs.decode_forward_json(forward_body(topk_ids=[[0, 2 ** 70]] * 3), SPEC)
     with pytest.raises(InvalidInput, match="hidden_states has values outside the range of float32"):
         codecs.decode_forward_json(forward_body(hidden_states=[[2 ** 200, 0, 0, 0, 0]] * 3), SPEC)
+
+
+# ---- orjson parses and writes the JSON routes; what it refuses but json reads is answered as before ----
+
+
+def _no_stdlib_json(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the stdlib's json was called on a valid body")
+    monkeypatch.setattr(json, "loads", refuse)
+    monkeypatch.setattr(json, "dumps", refuse)
+
+
+def test_valid_json_bodies_and_answers_never_use_the_stdlib_json(monkeypatch):
+    """The stdlib's json took 35-90 ms to parse a T=512 body and 70 ms to write its answer holding
+    the GIL, stalling every other client of the front end (user's trial 3): a valid request, in
+    every JSON format, and its answer go through orjson alone."""
+    x, ids, w = tensors(T=7, seed=11)
+    fwd = json.dumps({"hidden_states": x.tolist(), "topk_ids": ids.tolist(), "topk_weights": w.tolist()}).encode()
+    v2 = json.dumps(v2_doc(id="r1")).encode()
+    blobs = [codecs.to_bytes(x), codecs.to_bytes(ids.int()), codecs.to_bytes(w)]
+    header = json.dumps({"inputs": [
+        {"name": n, "datatype": d, "shape": list(t.shape), "parameters": {"binary_data_size": len(b)}}
+        for n, d, t, b in zip(codecs.INPUT_NAMES, ("FP32", "INT32", "FP32"), (x, ids, w), blobs, strict=True)
+    ]}).encode()
+    _no_stdlib_json(monkeypatch)
+    req = codecs.decode_forward_json(fwd, SPEC)
+    assert torch.equal(req.x, x) and torch.equal(req.ids, ids.int()) and torch.equal(req.w, w)
+    assert codecs.encode_forward_json(req.x).startswith(b'{"output":[[')
+    req = codecs.decode_v2_http(v2, None, SPEC)
+    assert req.request_id == "r1" and req.x.shape == (1, SPEC.H)
+    assert b'"model_name":"moe"' in b"".join(codecs.encode_v2_http(req.x, req, "moe")[0])
+    req = codecs.decode_v2_http(header + b"".join(blobs), str(len(header)), SPEC)
+    assert torch.equal(req.x, x) and torch.equal(req.ids, ids.int())
+    req.binary_output = True
+    parts, n = codecs.encode_v2_http(req.x, req, "moe")
+    assert n == len(parts[0]) and bytes(parts[1]) == codecs.to_bytes(x)
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity"])
+def test_nan_and_infinity_literals_are_named_as_values(literal):
+    """orjson refuses these literals with its own parse error ("unexpected character ... char 5");
+    a request holding one is refused as before: the input that holds it, and for hidden_states
+    the row (found where the rows land in the step's slot)."""
+    sentinel = 12345.5  # a number json writes as b"12345.5", replaced by the literal
+    x, ids, w = tensors(seed=12)  # T=3, as forward_body
+    x[2, 3] = sentinel
+    req = codecs.decode_forward_json(forward_body(hidden_states=x.tolist()).replace(b"12345.5", literal), SPEC)
+    bad = codecs.rows_error(req.x, req.x)
+    assert bad is not None and bad[0] == 2 and "hidden_states contains NaN or infinity (row 2)" in str(bad[1])
+    w[0, 1] = sentinel
+    with pytest.raises(InvalidInput, match="topk_weights contains NaN"):
+        codecs.decode_forward_json(forward_body(topk_weights=w.tolist()).replace(b"12345.5", literal), SPEC)
+    doc = v2_doc()
+    doc["inputs"][2]["data"][1] = sentinel
+    with pytest.raises(InvalidInput, match="topk_weights contains NaN"):
+        codecs.decode_v2_http(json.dumps(doc).encode().replace(b"12345.5", literal), None, SPEC)
+
+
+def test_integers_past_64_bits_are_named_as_before():
+    """orjson reads an integer literal past 64 bits as a float (topk_ids would then "must hold
+    integers") or refuses it past a double ("number is infinity"): both are named as before."""
+    for big in (2 ** 64, -(2 ** 63) - 1, 10 ** 30):
+        with pytest.raises(InvalidInput, match="topk_ids has values outside the int64 range"):
+            codecs.decode_forward_json(forward_body(topk_ids=[[0, big]] * 3), SPEC)
+        doc = v2_doc()
+        doc["inputs"][1].update(datatype="INT32", data=[1, big])
+        with pytest.raises(InvalidInput, match="topk_ids has values outside the int64 range"):
+            codecs.decode_v2_http(json.dumps(doc).encode(), None, SPEC)
+    with pytest.raises(InvalidInput, match="hidden_states has integers too large for a float"):
+        codecs.decode_forward_json(forward_body(hidden_states=[[10 ** 400, 0, 0, 0, 0]] * 3), SPEC)
+    req = codecs.decode_forward_json(forward_body(hidden_states=[[2 ** 64, 0, 0, 0, 1]] * 3), SPEC)
+    assert req.x[0].tolist() == [2.0 ** 64, 0, 0, 0, 1]  # a float input takes it, rounded once
+    with pytest.raises(InvalidInput, match="topk_ids must hold integers"):  # a fraction stays that
+        codecs.decode_forward_json(forward_body(topk_ids=[[0, 1.5]] * 3), SPEC)
+
+
+def test_json_bodies_orjson_refuses_keep_their_old_answer():
+    """UTF-16 (json detects it; orjson reads UTF-8 only) is still read, invalid UTF-8 is malformed
+    JSON, a request id with a lone surrogate is echoed, and a duplicate key keeps its last value:
+    as json did."""
+    x, ids, w = tensors(T=3, seed=13)
+    body = forward_body()
+    req = codecs.decode_forward_json(body.decode().encode("utf-16"), SPEC)
+    assert torch.equal(req.x, codecs.decode_forward_json(body, SPEC).x)
+    with pytest.raises(InvalidInput, match="malformed JSON"):
+        codecs.decode_forward_json(b"\xff" + body, SPEC)
+    doc = v2_doc(id="\ud800")  # a lone surrogate: json reads and writes it, orjson neither
+    req = codecs.decode_v2_http(json.dumps(doc).encode(), None, SPEC)
+    assert json.loads(b"".join(codecs.encode_v2_http(req.x, req, "moe")[0]))["id"] == "\ud800"
+    dup = body[:-1] + b', "topk_ids": ' + json.dumps([[5, 4]] * 3).encode() + b"}"
+    assert codecs.decode_forward_json(dup, SPEC).ids.tolist() == [[5, 4]] * 3
+    for not_object in (b"[]", b"1", b'"x"', b"null"):
+        with pytest.raises(InvalidInput, match="the JSON body must be an object"):
+            codecs.decode_forward_json(not_object, SPEC)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_json_answers_round_trip_exactly(dtype):
+    """Every value of the answer, as a client's json parses it, is the answer's value bit for bit
+    (random bit patterns: subnormals, extremes, -0.0 included)."""
+    gen = torch.Generator().manual_seed(14)
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (37, SPEC.H), generator=gen, dtype=torch.int64)
+    width = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[dtype]
+    out = (bits.to(torch.int32) if width == torch.int32 else (bits % 2 ** 16 - 2 ** 15).to(torch.int16)).view(dtype)
+    out = torch.where(torch.isfinite(out), out, torch.zeros((), dtype=dtype))
+    out[0, :4] = torch.tensor([-0.0, torch.finfo(dtype).max, torch.finfo(dtype).tiny, -torch.finfo(dtype).max])
+    back = torch.tensor(json.loads(codecs.encode_forward_json(out))["output"], dtype=torch.float32).to(dtype)
+    assert torch.equal(back.view(width), out.view(width))
+    req = codecs.decode_v2_http(json.dumps(v2_doc()).encode(), None, SPEC)
+    doc = json.loads(b"".join(codecs.encode_v2_http(out, req, "moe")[0]))
+    got = torch.tensor(doc["outputs"][0]["data"], dtype=torch.float32).to(dtype).reshape(out.shape)
+    assert doc["outputs"][0]["shape"] == [37, SPEC.H] and torch.equal(got.view(width), out.view(width))
 
 
 # ---- values beyond the declared datatype: a named 400, never a wrapped or rounded value ----------
