@@ -293,14 +293,33 @@ def decode_v2_http(body: Body, header_length: str | None, spec: ModelSpec, regio
     return decoded
 
 
+# What decides whether a body is decoded, or an answer encoded, off the event loop (the front end's
+# OFFLOAD_ELEMENTS): about the elements of binary data that work costs. A JSON body counts each
+# byte, an answer written as JSON JSON_NUMBER_WORK per number: orjson parses ~5 ns a byte (2.7 MB
+# at T=512, H=256: 10-15 ms on the CPU VM) and tolist + orjson write ~40 ns a number, where copying
+# a binary element takes ~1 ns. In a thread the work still holds the GIL, but the event loop gets
+# it back every switch interval (5 ms) instead of after the whole body: beside one client looping
+# JSON T=512, a T=1 gRPC client's p50 went from 36-58 to 21-26 ms (bench/RESULTS.md, "Issue 11
+# item 3").
+JSON_NUMBER_WORK = 16
+
+
+def forward_decode_work(body: Body, json_body: bool) -> int:
+    """The decode work of a /moe/forward body: its bytes (JSON) or its bytes / 4 (safetensors)."""
+    size = sum(map(len, body)) if isinstance(body, list) else len(body)
+    return size if json_body else size // 4
+
+
 def v2_http_decode_work(body: Body, header_length: str | None) -> int:
-    """About the elements decode_v2_http handles: the JSON part's bytes / 4 (binary blobs are
-    viewed, not parsed, and hidden_states' values are checked later, in the slot), or the whole
-    body's when it came in several chunks (joined first: a copy). What decides whether decoding
-    leaves the event loop; a malformed length is the decoder's to name."""
+    """The decode work of a v2 body: a JSON body's bytes; with binary tensors, the JSON header's
+    bytes / 4 (binary blobs are viewed, not parsed, and hidden_states' values are checked later,
+    in the slot), or the whole body's when it came in several chunks (joined first: a copy). A
+    malformed length is the decoder's to name."""
     chunks = body if isinstance(body, list) else [body]
     size = sum(map(len, chunks))
-    if len(chunks) == 1 and header_length is not None and header_length.isdigit():
+    if header_length is None:
+        return size
+    if len(chunks) == 1 and header_length.isdigit():
         size = min(int(header_length), size)
     return size // 4
 

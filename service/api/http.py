@@ -250,14 +250,15 @@ def create_app(fe: Frontend) -> FastAPI:
             body = await read_body(request, limit, timeout or fe.settings.request_timeout_s)
             received(protocol, request)
             decode = codecs.decode_safetensors if media == SAFETENSORS else codecs.decode_forward_json
-            req = await fe.offload(sum(map(len, body)) // 4, decode, body, fe.spec)
+            req = await fe.offload(codecs.forward_decode_work(body, media == JSON), decode, body, fe.spec)
             req.timeout_s = timeout
             out = await fe.infer(req)
             assert isinstance(out, torch.Tensor)  # (no shared memory on /moe/forward)
             if media == SAFETENSORS:
                 return Response(await fe.offload(out.numel(), codecs.encode_safetensors, out),
                                 media_type=SAFETENSORS)
-            return Response(await fe.offload(out.numel(), codecs.encode_forward_json, out), media_type=JSON)
+            return Response(await fe.offload(out.numel() * codecs.JSON_NUMBER_WORK, codecs.encode_forward_json, out),
+                            media_type=JSON)
 
         return await answer(protocol, request, handle)
 
@@ -320,7 +321,7 @@ def create_app(fe: Frontend) -> FastAPI:
             req.timeout_s = timeout or req.timeout_s
             out = await fe.infer(req)
             # Binary output is a JSON header and a view of `out`: nothing worth a thread hop.
-            work = 0 if req.binary_output or req.out_region is not None else out.shape.numel()
+            work = 0 if req.binary_output or req.out_region is not None else out.shape.numel() * codecs.JSON_NUMBER_WORK
             parts, json_length = await fe.offload(work, codecs.encode_v2_http, out, req, fe.model_name)
             sent = fe.metrics.response_send.labels(protocol).observe
             if json_length is None:

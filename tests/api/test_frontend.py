@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
 import pytest
 import torch
+from fastapi.testclient import TestClient
+from safetensors.torch import save
 
 from service.api import codecs, frontend
 from service.api.batcher import Batcher
 from service.api.grpc import InferenceServicer
+from service.api.http import create_app
 from service.config import Settings
 from service.errors import GroupUnavailable
 from service.metrics import PROTOCOLS, Metrics
@@ -68,6 +72,59 @@ def test_grpc_decodes_large_typed_contents_off_the_event_loop(monkeypatch):
             assert torch.equal(out.reshape(T, CFG.H), x)
     on_loop = {(T, raw): thread is threading.main_thread() for T, raw, thread in decoded_on}
     assert on_loop == {(3, True): True, (3, False): True, (big, True): True, (big, False): False}, on_loop
+
+
+def test_large_json_bodies_and_answers_leave_the_event_loop(monkeypatch):
+    """A JSON body is parsed, and a JSON answer written, in a worker thread when it is large
+    (T=512 at H=256: 2.7 MB, 131k numbers; orjson holds the GIL ~15 ms for it, and in a thread the
+    event loop gets the GIL back every switch interval); T=8 stays on the loop, and so does a
+    safetensors body of T=512 (bytes / 4 elements)."""
+    fe = make_frontend()
+    where: list[tuple[str, int, bool]] = []
+
+    def recording(name):
+        fn = getattr(codecs, name)
+
+        def call(*args, **kwargs):
+            try:
+                asyncio.get_running_loop()
+                on_loop = True
+            except RuntimeError:
+                on_loop = False
+            result = fn(*args, **kwargs)
+            rows = result.x.shape[0] if name.startswith("decode") else args[0].shape[0]
+            where.append((name, rows, on_loop))
+            return result
+        return call
+
+    for name in ("decode_forward_json", "encode_forward_json", "decode_v2_http", "encode_v2_http",
+                 "decode_safetensors", "encode_safetensors"):
+        monkeypatch.setattr(codecs, name, recording(name))
+
+    async def echo(req, transport_timeout_s=None, out=None):
+        return req.x.float()
+
+    monkeypatch.setattr(fe, "infer", echo)
+    with TestClient(create_app(fe)) as http:
+        for T in (8, 512):
+            x, ids, w = inputs(T, seed=T)
+            r = http.post("/moe/forward", json={"hidden_states": x.tolist(), "topk_ids": ids.tolist(),
+                                                "topk_weights": w.tolist()})
+            assert r.status_code == 200 and torch.equal(torch.tensor(r.json()["output"]), x), r.text[:200]
+            body = {"inputs": [{"name": n, "datatype": d, "shape": list(t.shape), "data": t.reshape(-1).tolist()}
+                               for n, d, t in zip(codecs.INPUT_NAMES, ("FP32", "INT64", "FP32"), (x, ids, w),
+                                                  strict=True)]}
+            r = http.post("/v2/models/moe/infer", content=json.dumps(body))
+            assert r.status_code == 200, r.text[:200]
+            assert torch.equal(torch.tensor(r.json()["outputs"][0]["data"]).reshape(T, CFG.H), x)
+            r = http.post("/moe/forward", content=save({"hidden_states": x, "topk_ids": ids, "topk_weights": w}),
+                          headers={"content-type": "application/x-safetensors"})
+            assert r.status_code == 200, r.text[:200]
+    on_loop = {(name, T): loop for name, T, loop in where}
+    json_names = ("decode_forward_json", "encode_forward_json", "decode_v2_http", "encode_v2_http")
+    assert on_loop == {**{(n, 8): True for n in json_names}, **{(n, 512): False for n in json_names},
+                       ("decode_safetensors", 8): True, ("encode_safetensors", 8): True,
+                       ("decode_safetensors", 512): True, ("encode_safetensors", 512): True}, on_loop
 
 
 def test_one_list_of_protocols():
