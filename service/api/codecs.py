@@ -299,8 +299,8 @@ def decode_v2_http(body: Body, header_length: str | None, spec: ModelSpec, regio
 # at T=512, H=256: 10-15 ms on the CPU VM) and tolist + orjson write ~40 ns a number, where copying
 # a binary element takes ~1 ns. In a thread the work still holds the GIL, but the event loop gets
 # it back every switch interval (5 ms) instead of after the whole body: beside one client looping
-# JSON T=512, a T=1 gRPC client's p50 went from 36-58 to 21-26 ms (bench/RESULTS.md, "Issue 11
-# item 3").
+# JSON T=512, a T=1 gRPC client's p50 was 21-35 ms against 36-58 on the loop, v2 binary's the same
+# (bench/NOTES.md, "Issue 11 item 3").
 JSON_NUMBER_WORK = 16
 
 
