@@ -23,8 +23,8 @@
 # Wheels .whl needs (cp312, manylinux x86_64). Already there: pydantic, pydantic-core, pydantic-settings,
 # annotated-types, typing-inspection, python-dotenv. The image has anyio, h11, click, httpx, numpy,
 # safetensors, prometheus-client, typing-extensions, annotated-doc, urllib3, certifi, six, but not
-# fastapi (which needs opentelemetry-api), starlette, uvicorn, httptools, the grpcio health and reflection
-# packages or tritonclient; its grpcio / protobuf may be older than the generated stubs demand
+# fastapi (which needs opentelemetry-api), starlette, uvicorn, httptools, orjson (service/api/codecs.py
+# imports it), the grpcio health and reflection packages or tritonclient; its grpcio / protobuf may be older than the generated stubs demand
 # (grpcio>=1.72.1, protobuf>=6.30.0), so those two travel too. tritonclient 2.41 (tests only; no bench
 # script needs it) wants geventhttpclient<=2.0.2, which has no cp312 wheel: 2.0.12 is the nearest that has one.
 #   echo /.whl/ >> .git/info/exclude   # already there
@@ -33,7 +33,7 @@
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
 #     --platform manylinux1_x86_64 -d .whl \
 #     fastapi==0.165.0 starlette==1.10.0 opentelemetry-api==1.45.2 uvicorn==0.54.0 httptools==0.9.0 \
-#     grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2
+#     orjson==3.13.0 grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2
 # (about 15 MB in all; bench/gpu_serve.sh also wants py-spy. The tests' own
 # client, tritonclient==2.41.0, needs python-rapidjson==1.25 geventhttpclient==2.0.12 gevent==26.9.0
 # greenlet==3.5.6 zope.event==6.2 zope.interface==8.7 brotli==1.2.1 besides.)
