@@ -31,7 +31,9 @@
 # each in turn (the second's files get a _<client> suffix). SIZES (default 512,2048) and CONCURRENCY
 # (default 1,4,16) set step 2's cells, PROTOCOLS (default v2_binary,grpc) its protocols: add v2_shm,grpc_shm
 # (Triton's system shared memory, issue 11s) with SERVE_FLAGS="--shared-memory system"; PYSPY_PROTOCOLS
-# step 1's protocols.
+# step 1's protocols, PYSPY_CONC its concurrency (default 4), PYSPY_FLAGS py-spy's extra flags (e.g. "--idle
+# --native"; top.txt has every thread's CPU share meanwhile). REPEAT=N runs each step-2 cell N times (new
+# connections each time); SPREAD=1 adds how each cell's connections spread over the server's processes.
 # Files (packed into ONE file, $OUT/serve.tgz, else build/gpu_serve/serve.tgz: a device call returns
 # at most 8 files): server.txt pyspy.txt serve_load.txt serve_load.json load.txt
 # split_<protocol>_c<concurrency>.txt group.txt costs.txt slots.txt http_<impl>.txt http_<impl>.json
@@ -91,13 +93,19 @@ if (( ready == 0 )); then tail -n 40 "$LOG/server.txt"; exit 1; fi
 echo "== 1. py-spy under load"
 if [[ "${PROFILE:-1}" == 1 ]]; then
 timeout -k 5 "$(cap 60)" "$PY" bench/serve_load.py --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
-  --protocols "${PYSPY_PROTOCOLS:-grpc,v2_binary}" --sizes 512 --concurrency 4 --seconds 12 --no-direct \
+  --protocols "${PYSPY_PROTOCOLS:-grpc,v2_binary}" --sizes 512 --concurrency "${PYSPY_CONC:-4}" --seconds 12 --no-direct \
   "${SERVE_FLAGS[@]}" > "$LOG/pyspy_load.txt" 2>&1 &
 LOADPID=$!
 sleep 5
+# every thread's CPU share while loaded (is a neighbour spinning?): three 1 s samples of the server's processes
+top -H -b -d 1 -n 3 -w 250 > "$LOG/top.txt" 2>&1 &
+TOPPID=$!
+read -ra PYSPY_EXTRA <<< "${PYSPY_FLAGS:-}"  # e.g. "--idle --native": idle frames, and where a thread waits for the GIL
+[[ " ${PYSPY_EXTRA[*]} " == *" --native "* ]] || PYSPY_EXTRA+=(--nonblocking)  # py-spy pauses for native stacks
 timeout -k 5 "$(cap 30)" "$PYSPY" record --pid "$SERVER" --subprocesses --rate 100 --duration 8 --format raw \
-  --output "$LOG/pyspy.txt" --nonblocking > "$LOG/pyspy_log.txt" 2>&1
+  "${PYSPY_EXTRA[@]}" --output "$LOG/pyspy.txt" > "$LOG/pyspy_log.txt" 2>&1
 echo "py-spy rc=$?"; tail -n 3 "$LOG/pyspy_log.txt"
+wait "$TOPPID"; awk '/^top -/{n++} n==3' "$LOG/top.txt" | head -n 40
 wait "$LOADPID"; echo "profile load rc=$?"; grep -E "^\|" "$LOG/pyspy_load.txt" | head -n 6
 fi
 
@@ -127,7 +135,7 @@ suffix=$([[ "$client" == "${CLIENT_LIST[0]}" ]] || echo "_$client")
 timeout -k 10 "$(cap 240)" "$PY" bench/serve_load.py --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
   --sizes "${SIZES:-512,2048}" --concurrency "${CONCURRENCY:-1,4,16}" --seconds "$CELL_S" --wire-dtype bf16 \
   --protocols "${PROTOCOLS:-v2_binary,grpc}" --json "$LOG/serve_load$suffix.json" --client "$client" \
-  "${SERVE_FLAGS[@]}" > "$LOG/serve_load$suffix.txt" 2>&1
+  --repeat "${REPEAT:-1}" ${SPREAD:+--spread} "${SERVE_FLAGS[@]}" > "$LOG/serve_load$suffix.txt" 2>&1
 SL_RC=$?
 tail -n 20 "$LOG/serve_load$suffix.txt"
 done

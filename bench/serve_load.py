@@ -352,12 +352,17 @@ class Clients:
             self.conns.append(a)
             self.procs.append(p)
 
-    def run(self, c: int, job: tuple, seconds: float) -> tuple[list[float], float, list]:
-        """Latencies, the cell's wall time, and the per-request timestamps of clients that keep them."""
+    def run(self, c: int, job: tuple, seconds: float, probe=None) -> tuple[list[float], float, list]:
+        """Latencies, the cell's wall time, and the per-request timestamps of clients that keep them;
+        `probe()`, when given, is called once in the middle of the timed loop (its value in self.probed)."""
         start_at = time.time() + 1.0 + 0.05 * c  # room for every client's connection and warm-up
         stop_at = start_at + seconds
         for conn in self.conns[:c]:
             conn.send((*job, start_at, stop_at))
+        self.probed = None
+        if probe is not None:
+            time.sleep(max(0.0, start_at + seconds / 2 - time.time()))
+            self.probed = probe()
         lats, end, stamps = [], start_at, []
         for conn in self.conns[:c]:
             status, value, t, *more = conn.recv()
@@ -373,6 +378,34 @@ class Clients:
             conn.send(None)
         for p in self.procs:
             p.join(10)
+
+
+def connection_spread(port: int) -> str:
+    """How the established connections to local TCP `port` are spread over processes, read from /proc:
+    the counts per process, largest first ("2+1+1": 3 processes hold 4 connections), "" where /proc
+    says nothing. With SO_REUSEPORT (several front ends) the kernel hashes each connection to one
+    process; 4 connections land on 4 different ones only ~9 % of the time."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    cols = line.split()
+                    if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "01":  # local port, ESTABLISHED
+                        inodes.add(cols[9])
+        except OSError:
+            continue
+    counts: dict[str, int] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    counts[pid] = counts.get(pid, 0) + 1
+        except OSError:
+            continue
+    return "+".join(str(n) for n in sorted(counts.values(), reverse=True))
 
 
 # ---- the server -------------------------------------------------------------------------------
@@ -501,6 +534,10 @@ def main() -> int:
     p.add_argument("--client", default="stock", choices=("stock", "raw"),
                    help="HTTP through http.client (what a user's script does) or a raw socket (one sendall, "
                         "recv_into one buffer: what the server alone costs); gRPC is grpc's own client either way")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run each cell this many times (new connections each time: a fresh SO_REUSEPORT spread)")
+    p.add_argument("--spread", action="store_true",
+                   help="report how each cell's connections spread over the server's processes (read from /proc)")
     p.add_argument("--json", help="write the figures here")
     args, serve_flags = p.parse_known_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -540,15 +577,19 @@ def main() -> int:
                 target = grpc_target if proto in ("grpc", "grpc_shm") else url
                 job = (proto, target, f"/v2/models/{args.model}/infer", body, header_len, T * cfg.H * wire_size,
                        finite)
+                port = int(target.rsplit(":", 1)[1])
+                probe = (lambda port=port: connection_spread(port)) if args.spread else None
                 for c in conc:
-                    lats, wall, _ = clients.run(c, job, args.seconds)
-                    q = statistics.quantiles(lats, n=100, method="inclusive") if len(lats) > 1 else [lats[0]] * 99
-                    row = {"protocol": proto, "T": T, "concurrency": c, "requests": len(lats),
-                           "tok_s": len(lats) * T / wall, "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3,
-                           "step_tokens": min(cfg.tokens_per_step, T * c)}
-                    results.append(row)
-                    print(f"  {proto} T={T} c={c}: {row['requests']} requests, {row['tok_s']:.0f} tok/s, "
-                          f"p50 {row['p50_ms']:.1f} ms", flush=True)
+                    for _ in range(args.repeat):
+                        lats, wall, _ = clients.run(c, job, args.seconds, probe)
+                        q = statistics.quantiles(lats, n=100, method="inclusive") if len(lats) > 1 else [lats[0]] * 99
+                        row = {"protocol": proto, "T": T, "concurrency": c, "requests": len(lats),
+                               "tok_s": len(lats) * T / wall, "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3,
+                               "step_tokens": min(cfg.tokens_per_step, T * c), "spread": clients.probed}
+                        results.append(row)
+                        print(f"  {proto} T={T} c={c}: {row['requests']} requests, {row['tok_s']:.0f} tok/s, "
+                              f"p50 {row['p50_ms']:.1f} ms" + (f", connections {row['spread']}" if args.spread else ""),
+                              flush=True)
         after = layer_seconds(url)
         load_s = time.time() - t_load
     finally:
@@ -565,8 +606,9 @@ def main() -> int:
                                      sorted({r["step_tokens"] for r in results}), args.direct_steps)
     busy_s, steps = after[0] - before[0], after[1] - before[1]
 
-    print("\n| protocol | T | concurrency | requests | tokens/s | p50 ms | p99 ms | direct tokens/s (step) | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| protocol | T | concurrency | requests | tokens/s | p50 ms | p99 ms | direct tokens/s (step) | ratio |"
+          + (" connections per process |" if args.spread else ""))
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|" if args.spread else ""))
     for r in results:
         d = direct.get(r["step_tokens"])
         r["direct_tok_s"] = d["tok_s"] if d else None
@@ -574,7 +616,8 @@ def main() -> int:
         dtxt = f"{d['tok_s']:,.0f} ({r['step_tokens']}, {d['s'] * 1e6:.0f} us {d['backend']})" if d else "n/a"
         rtxt = f"{r['ratio']:.0%}" if d else "n/a"
         print(f"| {r['protocol']} | {r['T']} | {r['concurrency']} | {r['requests']} | {r['tok_s']:,.0f} "
-              f"| {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {dtxt} | {rtxt} |")
+              f"| {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {dtxt} | {rtxt} |"
+              + (f" {r['spread'] or '?'} |" if args.spread else ""))
     print(f"\nserver moe_layer_seconds over the load: {steps:.0f} steps, {busy_s:.2f} s of layer time in "
           f"{load_s:.1f} s ({busy_s / max(load_s, 1e-9):.0%} busy, including the cells' warm-up gaps)")
     if args.json:
