@@ -55,6 +55,7 @@ from service.fleet import (
     WATCH_INTERVAL_S,
     Fleet,
     backoff_s,
+    direct_regions,
     set_frontend_threads,
 )
 from service.metrics import Metrics, merge, serve_metrics
@@ -220,7 +221,7 @@ class Server:
                            seed=s.seed, backend=s.backend, slots=s.slots * self.frontends,
                            step_timeout_s=s.step_timeout_s, start_timeout_s=s.start_timeout_s,
                            log_level=s.log_level.upper(), lookahead=s.rank_lookahead,
-                           copy_streams=s.rank_copy_streams)
+                           copy_streams=s.rank_copy_streams, direct_regions=direct_regions(s))
 
     # ---- the process -----------------------------------------------------------------------
 
