@@ -326,6 +326,13 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _direct_needs_shared_memory(self) -> Settings:
+        if self.shm_direct and self.shared_memory != "system":
+            raise ValueError("shm_direct reads and writes clients' system shared-memory regions; it needs "
+                             "shared_memory: system (--shared-memory system)")
+        return self
+
+    @model_validator(mode="after")
     def _ports_differ(self) -> Settings:
         ports = [p for p in (self.http_port, self.grpc_port, self.metrics_port) if p]
         if len(ports) != len(set(ports)):

@@ -196,6 +196,9 @@ class Server:
         # Triton's system shared memory: one registry for every front end (service.api.regions)
         self.regions = RegionTable.create() if settings.shared_memory == "system" else None
         if self.regions is not None:
+            log.info("system shared memory on: %s", "the ranks read and write regions of the compute dtype "
+                     "themselves (shm_direct)" if direct_regions(settings) else "the front ends copy rows in and out")
+        if self.regions is not None:
             self.fe.regions = Regions(self.regions)
         self.fleet = Fleet(settings, cfg, self.frontends, self.fe.snapshot, self._on_remote_failure,
                            regions_fd=self.regions.fd if self.regions is not None else None) \

@@ -19,11 +19,12 @@ import time
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from service.api import regions
 from service.api.batcher import Batcher
 from service.api.regions import RegionRows
-from service.config import LayerConfig
+from service.config import LayerConfig, Settings
 from service.errors import DeadlineExceeded, InvalidInput
 from service.metrics import Metrics
 from service.worker import direct
@@ -405,3 +406,10 @@ def test_a_non_owner_front_ends_direct_steps(two_direct_frontends, objects):
     finally:
         for c in clients:
             c.close()
+
+
+def test_shm_direct_needs_shared_memory():
+    """The setting without the extension would be a flag that does nothing: refused, naming what it needs."""
+    with pytest.raises(ValidationError, match="needs shared_memory: system"):
+        Settings(shm_direct=True)
+    assert Settings(shm_direct=True, shared_memory="system").shm_direct
