@@ -15,8 +15,11 @@ end recorded it when the region was registered. The rank opens the object by its
 end does (`open_object`: O_NOFOLLOW, O_NONBLOCK, a regular file, never one of the server's own
 names), refuses it when fstat's identity is not the source's (the key now names another object),
 and keeps it in a small cache keyed by identity (`Objects`: at most MAX_OBJECTS objects and
-MAX_BYTES bytes, least recently used evicted; an open descriptor keeps the inode, so an identity in
-the cache always names the object it was opened as).
+MAX_BYTES bytes, least recently used evicted, and those no name leads to any more dropped when the
+idle rank is pinged; an open descriptor keeps the inode, so an identity in the cache always names
+the object it was opened as). An object the client removed while its region stays registered is
+not found by a rank that does not hold it (the request's 400; the copy path still reads it through
+the front end's descriptor).
 
 - A CUDA rank maps the object (MAP_SHARED), registers the mapping with CUDA once (page-locked,
   as the slots: service.worker.rank.pin_slot) and DMAs rows between it and the device; the CPU
@@ -178,6 +181,13 @@ class Objects:
         self._entries[ident] = entry
         self._evict(keep | {ident})
         return entry
+
+    def prune(self) -> None:
+        """Drop the objects that no name leads to any more (the client removed them): their pages
+        would otherwise stay pinned until evicted. (A rank prunes when pinged: an idle group.)"""
+        for ident, entry in list(self._entries.items()):
+            if os.fstat(entry.fd).st_nlink == 0:
+                self._drop(ident)
 
     def close(self) -> None:
         for ident in list(self._entries):

@@ -294,6 +294,7 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
                 log.info("stopping after seq %d", last_seq)
                 objects.close()
                 return
+            objects.prune()  # (idle: nothing in flight uses them)
             conn.send(("pong", rank, last_seq, None))
             continue
         _, seq, slot_index, T, *more = msg
