@@ -14,11 +14,11 @@ owner:
         ("detach", why), ("drain",), ("collect", id),      ("started", pid), ("listening", pid),
         ("scraped", id, [Snapshot])                        ("attached", gen), ("scrape", id),
                                                              ("collected", id, Snapshot)
-      one step connection per slot of a front end <--->   ("step", gen, n, T, sources) -> ("done", n, StepStats)
+      one step connection per slot of a front end <--->   ("step", gen, n, T[, sources]) -> ("done", n, StepStats)
         (a thread here calls group.run on that slot)        | ("failed", n, kind, text)
 
 - The group's slots: `slots * N`; front end i owns [i*slots, (i+1)*slots). A front end writes its
-  rows into its slot, sends ("step", gen, n, T, sources); the slot's thread here runs `group.run` and
+  rows into its slot, sends ("step", gen, n, T[, sources]); the slot's thread here runs `group.run` and
   answers (sources: the rows the ranks read from and write into clients' objects, --shm-direct:
   service.worker.direct). One hop more than front end 0's own steps (measured in bench/RESULTS.md, issue 11b).
 - gen numbers the attached groups: a step of a front end that has not yet seen a restart (its
@@ -387,7 +387,8 @@ class Fleet:
         index = m.index * self.slots + j
         while True:
             try:
-                _, gen, n, T, sources = conn.recv()
+                _, gen, n, T, *more = conn.recv()  # (sources follow T when there are any)
+                sources = more[0] if more else ()
             except (EOFError, OSError):
                 return
             with self._lock:

@@ -2,7 +2,7 @@
 
 It serves HTTP and gRPC on the server's ports (SO_REUSEPORT) with its own batcher, and runs its
 steps on its share of the owner's rank group through `RemoteGroup`: the rows go into the slot
-(mapped from the descriptor the owner sent), ("step", gen, n, T, sources) goes to the owner, whose
+(mapped from the descriptor the owner sent), ("step", gen, n, T[, sources]) goes to the owner, whose
 thread calls group.run and answers (sources: --shm-direct's rows in clients' objects, which the ranks
 read and answer into themselves, service.worker.direct). It binds its listeners only after the
 owner's first ("attach", ...) or ("detach", why), so that a restarted front end never takes
@@ -66,7 +66,7 @@ class RemoteGroup:
         n = self._n[slot.index]
         deadline = time.monotonic() + self._timeout_s
         try:
-            conn.send(("step", self.gen, n, T, tuple(sources)))
+            conn.send(("step", self.gen, n, T, tuple(sources)) if sources else ("step", self.gen, n, T))
             while True:
                 if not conn.poll(max(0.0, deadline - time.monotonic())):
                     self.alive = False

@@ -112,6 +112,7 @@ def group(request):
     backend, streams = request.param
     with WorkerGroup(CFG, device="cuda", seed=SEED, backend=backend, copy_streams=streams,
                      direct_regions=True, start_timeout_s=600) as g:
+        assert g.backend == backend and g.copy_streams == streams
         yield g
 
 
