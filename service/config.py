@@ -252,6 +252,13 @@ class Settings(BaseSettings):
                     "register POSIX shared-memory objects (/dev/shm) and pass tensors through them instead of the "
                     "request and response bodies; `off` (default) refuses those calls, since the server then reads "
                     "and writes memory a client names")
+    shm_direct: bool = Field(False,
+        description="with `shared_memory: system`, the ranks read a request's hidden_states straight from the "
+                    "client's input region and write its answer straight into its output region (a CUDA rank by "
+                    "DMA through a page-locked mapping of the object) when both hold the compute dtype: the front "
+                    "end copies nothing for such a request (other requests, and regions of another dtype, keep "
+                    "the front end's copies); a request that fails (a row with NaN or infinity, a deadline) may "
+                    "have had its output region written, as Triton leaves outputs unspecified on error")
     max_connections: int = Field(1000, ge=1,
         description="open connections per protocol; at the limit HTTP closes the longest-idle one (or answers 503 "
                     "to the new one when every one has a request in flight), gRPC refuses new ones")
@@ -316,6 +323,13 @@ class Settings(BaseSettings):
     def _layer_needs_weights(self) -> Settings:
         if self.layer is not None and not self.weights:
             raise ValueError("layer picks a decoder layer of --weights (a model directory); no weights are set")
+        return self
+
+    @model_validator(mode="after")
+    def _direct_needs_shared_memory(self) -> Settings:
+        if self.shm_direct and self.shared_memory != "system":
+            raise ValueError("shm_direct reads and writes clients' system shared-memory regions; it needs "
+                             "shared_memory: system (--shared-memory system)")
         return self
 
     @model_validator(mode="after")

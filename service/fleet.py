@@ -14,12 +14,13 @@ owner:
         ("detach", why), ("drain",), ("collect", id),      ("started", pid), ("listening", pid),
         ("scraped", id, [Snapshot])                        ("attached", gen), ("scrape", id),
                                                              ("collected", id, Snapshot)
-      one step connection per slot of a front end <--->   ("step", gen, n, T) -> ("done", n, StepStats)
+      one step connection per slot of a front end <--->   ("step", gen, n, T[, sources]) -> ("done", n, StepStats)
         (a thread here calls group.run on that slot)        | ("failed", n, kind, text)
 
 - The group's slots: `slots * N`; front end i owns [i*slots, (i+1)*slots). A front end writes its
-  rows into its slot, sends ("step", gen, n, T); the slot's thread here runs `group.run` and
-  answers. One hop more than front end 0's own steps (measured in bench/RESULTS.md, issue 11b).
+  rows into its slot, sends ("step", gen, n, T[, sources]); the slot's thread here runs `group.run` and
+  answers (sources: the rows the ranks read from and write into clients' objects, --shm-direct:
+  service.worker.direct). One hop more than front end 0's own steps (measured in bench/RESULTS.md, issue 11b).
 - gen numbers the attached groups: a step of a front end that has not yet seen a restart (its
   rows are in the old group's memory) is refused ("failed", ..., "unavailable"), never run.
 - Supervision: a front end that dies is restarted (its slots' threads are joined first, so no
@@ -63,6 +64,11 @@ WATCH_INTERVAL_S = 0.5            # how often idle processes are checked
 MAX_BACKOFF_S = 30.0              # a restart's back-off doubles up to this
 HEALTHY_RESET_S = 60.0            # a process that served this long resets its back-off
 PR_SET_NAME = 15                  # prctl option: the thread's name, shown in /proc/PID/comm
+
+
+def direct_regions(settings: Settings) -> bool:
+    """Whether the ranks read and write clients' shared-memory regions themselves (Settings.shm_direct)."""
+    return settings.shm_direct and settings.shared_memory == "system"
 
 
 def backoff_s(base: float, failures: int) -> float:
@@ -124,6 +130,7 @@ class SlotShare:
 
     def __init__(self, group, slots: list):
         self.group = group
+        self.direct_regions = getattr(group, "direct_regions", False)
         self._free = SlotPool(slots)
 
     def acquire_slot(self, timeout: float | None = None):
@@ -132,8 +139,8 @@ class SlotShare:
     def release(self, slot) -> None:
         self._free.put(slot)
 
-    def run(self, slot, T: int):
-        return self.group.run(slot, T)
+    def run(self, slot, T: int, sources=()):
+        return self.group.run(slot, T, sources)
 
 
 class _Member:
@@ -380,7 +387,8 @@ class Fleet:
         index = m.index * self.slots + j
         while True:
             try:
-                _, gen, n, T = conn.recv()
+                _, gen, n, T, *more = conn.recv()  # (sources follow T when there are any)
+                sources = more[0] if more else ()
             except (EOFError, OSError):
                 return
             with self._lock:
@@ -390,7 +398,7 @@ class Fleet:
                 reply: tuple = ("failed", n, "unavailable", why)
             else:
                 try:
-                    reply = ("done", n, group.run(group.slots[index], T))
+                    reply = ("done", n, group.run(group.slots[index], T, sources))
                 except (WorkerError, GroupUnavailable) as exc:
                     reply = ("failed", n, "worker" if isinstance(exc, WorkerError) else "unavailable", str(exc))
                     self.on_failure(group, exc)

@@ -2,12 +2,13 @@
 
 It serves HTTP and gRPC on the server's ports (SO_REUSEPORT) with its own batcher, and runs its
 steps on its share of the owner's rank group through `RemoteGroup`: the rows go into the slot
-(mapped from the descriptor the owner sent), ("step", gen, n, T) goes to the owner, whose thread
-calls group.run and answers. It binds its listeners only after the owner's first ("attach", ...)
-or ("detach", why), so that a restarted front end never takes connections it would refuse while
-the others serve; readiness then follows those messages. ("drain",) or SIGTERM drains and exits
-0; the control channel closing (the owner exited) stops the process at once, failing what it
-still holds with 503.
+(mapped from the descriptor the owner sent), ("step", gen, n, T[, sources]) goes to the owner, whose
+thread calls group.run and answers (sources: --shm-direct's rows in clients' objects, which the ranks
+read and answer into themselves, service.worker.direct). It binds its listeners only after the
+owner's first ("attach", ...) or ("detach", why), so that a restarted front end never takes
+connections it would refuse while the others serve; readiness then follows those messages.
+("drain",) or SIGTERM drains and exits 0; the control channel closing (the owner exited) stops the
+process at once, failing what it still holds with 503.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from multiprocessing.connection import Connection
 from service.api.regions import Regions, RegionTable
 from service.config import LayerConfig, Settings
 from service.errors import GroupUnavailable, WorkerError
-from service.fleet import FRONTEND_STOP_GRACE_S, Channel, name_process, set_frontend_threads
+from service.fleet import FRONTEND_STOP_GRACE_S, Channel, direct_regions, name_process, set_frontend_threads
 from service.worker.shm import Slot, SlotPool
 
 log = logging.getLogger("moe-serve.frontend")
@@ -38,8 +39,9 @@ class RemoteGroup:
     """This front end's slots of the owner's rank group (acquire_slot / run / release, as WorkerGroup)."""
 
     def __init__(self, gen: int, backend: str, slots: list[Slot], conns: list[Connection], sent: list[int],
-                 timeout_s: float):
+                 timeout_s: float, direct_regions: bool = False):
         self.gen, self.backend = gen, backend
+        self.direct_regions = direct_regions  # the owner's group reads and writes sources (--shm-direct)
         self.alive = True
         self._conns = conns
         self._timeout_s = timeout_s
@@ -54,8 +56,9 @@ class RemoteGroup:
     def release(self, slot: Slot) -> None:
         self._free.put(slot)
 
-    def run(self, slot: Slot, T: int):
-        """One step on rows [0, T) of the slot, run by the owner; the answer is in slot.out[:T]."""
+    def run(self, slot: Slot, T: int, sources=()):
+        """One step on rows [0, T) of the slot, run by the owner; the answer is in slot.out[:T] (but for
+        the rows of `sources`: in the objects they name)."""
         if not self.alive:
             raise GroupUnavailable("the rank group is not running")
         conn = self._conns[slot.index]
@@ -63,7 +66,7 @@ class RemoteGroup:
         n = self._n[slot.index]
         deadline = time.monotonic() + self._timeout_s
         try:
-            conn.send(("step", self.gen, n, T))
+            conn.send(("step", self.gen, n, T, tuple(sources)) if sources else ("step", self.gen, n, T))
             while True:
                 if not conn.poll(max(0.0, deadline - time.monotonic())):
                     self.alive = False
@@ -186,7 +189,8 @@ class Replica:
                     slots.append(Slot.open(self.cfg, j, f"/proc/self/fd/{fd}"))
                     os.close(fd)
                 group = RemoteGroup(gen, backend, slots, self.steps, self.sent,
-                                    self.settings.step_timeout_s + STEP_ANSWER_MARGIN_S)
+                                    self.settings.step_timeout_s + STEP_ANSWER_MARGIN_S,
+                                    direct_regions=direct_regions(self.settings))
                 call(self._attach, group)
             elif kind == "regions":  # the shared-memory registry (before the group's state)
                 self.fe.regions = Regions(RegionTable(self.ctl.recv_fds(1)[0]))

@@ -55,6 +55,7 @@ from service.fleet import (
     WATCH_INTERVAL_S,
     Fleet,
     backoff_s,
+    direct_regions,
     set_frontend_threads,
 )
 from service.metrics import Metrics, merge, serve_metrics
@@ -195,6 +196,9 @@ class Server:
         # Triton's system shared memory: one registry for every front end (service.api.regions)
         self.regions = RegionTable.create() if settings.shared_memory == "system" else None
         if self.regions is not None:
+            log.info("system shared memory on: %s", "the ranks read and write regions of the compute dtype "
+                     "themselves (shm_direct)" if direct_regions(settings) else "the front ends copy rows in and out")
+        if self.regions is not None:
             self.fe.regions = Regions(self.regions)
         self.fleet = Fleet(settings, cfg, self.frontends, self.fe.snapshot, self._on_remote_failure,
                            regions_fd=self.regions.fd if self.regions is not None else None) \
@@ -220,7 +224,7 @@ class Server:
                            seed=s.seed, backend=s.backend, slots=s.slots * self.frontends,
                            step_timeout_s=s.step_timeout_s, start_timeout_s=s.start_timeout_s,
                            log_level=s.log_level.upper(), lookahead=s.rank_lookahead,
-                           copy_streams=s.rank_copy_streams)
+                           copy_streams=s.rank_copy_streams, direct_regions=direct_regions(s))
 
     # ---- the process -----------------------------------------------------------------------
 

@@ -32,6 +32,21 @@ answer or its error (or its caller is cancelled: a disconnect, a gRPC cancel), n
 its output any more (`_Job.abandoned`), before any response is sent: a step already running computes
 its rows and discards them. A request of several steps that fails may have had its earlier steps'
 rows written (its output's bytes are then unspecified, as Triton's).
+
+Direct pieces (`--shm-direct`, a group whose `direct_regions` is true): a piece whose hidden_states
+lie in a client's shared-memory region and whose answer goes into one, both in the slot's dtype, is
+not copied at all here: its ids and w go into the slot as any piece's, and the step carries a
+*source* naming its slot rows, the input object and byte, and the output object and byte
+(service.worker.direct); each rank reads its rows of it from the object, checks them (a row with
+NaN or infinity is zeroed there, and the request gets the same 400 as `codecs.rows_error` gives,
+naming its row) and writes their answer into the output object during `group.run`. Everything else
+(wire requests, regions of another dtype, a request whose rows already failed) takes the copies
+above, in the same step. Since the answer lands in the client's region during `group.run`, a
+request with a direct piece in a step (`_Job.direct`, counted under its lock from before the
+descriptor is made until that step returned) is not answered, nor failed (its deadline, a cancel),
+before that step has returned: `submit` waits for it (`_Job.settled`) without blocking the loop.
+Its one visible difference: a request that fails (a bad row, its deadline) may have had its output
+region written; once its answer or error is sent, nothing is.
 """
 
 from __future__ import annotations
@@ -39,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -48,7 +64,7 @@ from collections.abc import Callable
 
 import torch
 
-from service.api.codecs import rows_error
+from service.api.codecs import nonfinite_error, rows_error
 from service.api.regions import RegionRows, Rows, copy_rows
 from service.errors import DeadlineExceeded, GroupUnavailable, InvalidInput, Overloaded, WorkerError
 from service.metrics import Metrics
@@ -123,6 +139,11 @@ class _Job:
     # send a response (a client that got its error may reuse its output region at once)
     abandoned: bool = False
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    # direct pieces of it (--shm-direct) in a step that has not returned (under `lock`: a step thread
+    # counts one only while the request is not abandoned); `settled` is set once the last returns
+    # after it was abandoned, which `submit` waits for before its caller may answer
+    direct: int = 0
+    settled: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
     @property
     def T(self) -> int:
@@ -139,7 +160,7 @@ class _Job:
                 self.invalid, self.invalid_row = err, row
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Piece:
     job: _Job
     start: int  # first row of the job
@@ -265,6 +286,10 @@ class Batcher:
             raise DeadlineExceeded(f"no answer within the request's deadline of {timeout_s:g} s") from None
         finally:
             self._forget(job)
+            with job.lock:
+                writing = job.direct > 0
+            if writing:  # a step still writes its answer into the output region: no answer before it returned
+                await asyncio.shield(job.settled.wait())
             # A failure raised here is the job's future's own exception, whose traceback now holds
             # this frame: without these locals it holds no request (nor a region's object) in a
             # cycle that only the cyclic collector would free.
@@ -410,12 +435,24 @@ class Batcher:
         is marked `invalid` and its rows zeroed, here and in any later step that already holds
         some), one step, answers out of the slot. Returns the step's stats and the seconds of those
         three phases."""
+        held: list[_Piece] = []  # direct pieces: the ranks read and answer them (their jobs' `direct` counted)
+        try:
+            return self._run(group, pieces, T, held)
+        finally:
+            for p in held:
+                _settle(p.job)
+
+    def _run(self, group, pieces: list[_Piece], T: int, held: list[_Piece]):
+        """`_execute`'s work; the direct pieces it holds are appended to `held` (released by the caller
+        once the step has returned)."""
         slot = group.acquire_slot(timeout=self.slot_timeout_s)
         try:
             if self._closing:
                 raise GroupUnavailable("the server is shutting down")
             t0 = time.perf_counter()
             row_bytes = slot.x.shape[1] * slot.x.element_size()  # a piece's size, in and out: in the slot's dtype
+            direct = getattr(group, "direct_regions", False)
+            sources: list[tuple] = []  # one per direct piece, in `held`'s order
             for p in pieces:
                 rows = slice(p.start, p.start + p.rows)
                 at = slice(p.at, p.at + p.rows)
@@ -423,6 +460,10 @@ class Batcher:
                 if job.invalid is None:
                     slot.ids[at].copy_(job.ids[rows])
                     slot.w[at].copy_(job.w[rows])
+                    if direct and _is_direct(job, slot.x.dtype) and _hold(job):
+                        held.append(p)
+                        sources.append(_source(p))
+                        continue
                     bad = _piece_error(self._split.run(functools.partial(_copy_in, slot.x[at], job.x[rows], p.start),
                                                        p.rows, p.rows * row_bytes), p.start)
                     if bad is not None:
@@ -434,11 +475,16 @@ class Batcher:
                     slot.ids[at].zero_()
                     slot.w[at].zero_()
             t1 = time.perf_counter()
-            stats = group.run(slot, T)
+            stats = group.run(slot, T, sources) if sources else group.run(slot, T)
             t2 = time.perf_counter()
+            for i, p in enumerate(held):  # what the ranks found in the rows they read and wrote
+                report = stats.sources.get(i)
+                if report is not None:
+                    p.job.reject(*_source_error(p, report))
+            answered = set(held)  # (their answers are in the output regions already)
             for p in pieces:
                 job = p.job
-                if job.invalid is not None or job.abandoned:
+                if job.invalid is not None or job.abandoned or p in answered:
                     continue
                 dst, src = job.out[p.start:p.start + p.rows], slot.out[p.at:p.at + p.rows]
                 if not isinstance(dst, RegionRows):  # the response's own buffer: nobody reads it once abandoned
@@ -460,6 +506,57 @@ class Batcher:
                 group.release(slot)
             except Exception:  # a failed group may refuse; the step's own error matters more
                 log.debug("releasing a slot of a failed group", exc_info=True)
+
+
+def _is_direct(job: _Job, dtype: torch.dtype) -> bool:
+    """Whether the ranks can read the job's rows from its input region and answer into its output
+    region themselves: both are regions, both of the slot's dtype (else the copies convert)."""
+    return (isinstance(job.x, RegionRows) and job.x.dtype == dtype
+            and isinstance(job.out, RegionRows) and job.out.dtype == dtype)
+
+
+def _hold(job: _Job) -> bool:
+    """Count a direct piece of the job in a step, unless the job is abandoned (its caller may answer)."""
+    with job.lock:
+        if job.abandoned:
+            return False
+        job.direct += 1
+        return True
+
+
+def _settle(job: _Job) -> None:
+    """A step with a direct piece of the job has returned: wake `submit` when it waits for the last."""
+    with job.lock:
+        job.direct -= 1
+        wake = job.direct == 0 and job.abandoned
+    if wake:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+            job.future.get_loop().call_soon_threadsafe(job.settled.set)
+
+
+def _source(p: _Piece) -> tuple:
+    """The step's descriptor of a direct piece (service.worker.direct.Source)."""
+    rows = slice(p.start, p.start + p.rows)
+    assert isinstance(p.job.x, RegionRows) and isinstance(p.job.out, RegionRows)
+    in_key, in_id, in_at = p.job.x[rows].place()
+    out_key, out_id, out_at = p.job.out[rows].place()
+    return (p.at, p.rows, in_key, in_id, in_at, out_key, out_id, out_at)
+
+
+def _source_error(p: _Piece, report) -> tuple[int, InvalidInput]:
+    """A direct piece's (request row, 400) from its ranks' report: its first bad row, or why the ranks
+    could not use its input or output object (the errors the copies would give)."""
+    if isinstance(report, int):
+        row = p.start + report
+        return row, nonfinite_error(row)
+    side, code, text = report
+    rows = p.job.x if side == "in" else p.job.out
+    assert isinstance(rows, RegionRows)
+    if code == "truncated":
+        return p.start, rows.truncated()
+    if code == "replaced":
+        return p.start, rows.replaced()
+    return p.start, rows.refused(text)
 
 
 def _copy_out(dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int) -> None:

@@ -110,7 +110,12 @@ def rows_error(rows: torch.Tensor, sent: Rows, first: int = 0) -> tuple[int, Inv
     row = first + bad
     if all_finite(sent_row(sent, bad)):
         return row, InvalidInput(f"hidden_states has values outside the range of {_name(rows.dtype)} (row {row})")
-    return row, InvalidInput(f"hidden_states contains NaN or infinity (row {row})")
+    return row, nonfinite_error(row)
+
+
+def nonfinite_error(row: int) -> InvalidInput:
+    """The 400 of a request whose row `row` holds NaN or infinity (found here, or by a rank: --shm-direct)."""
+    return InvalidInput(f"hidden_states contains NaN or infinity (row {row})")
 
 
 def check_shapes(x: Rows, ids: Rows, w: Rows, spec: ModelSpec) -> None:

@@ -13,6 +13,14 @@ topk_ids and topk_weights ([T, K], small) are read when the request is decoded, 
 checks their values (only once every input's shape has passed `codecs.check_shapes`). Nothing is
 written into an output region once its request has its answer or its error (service.api.batcher).
 
+With `--shm-direct` (Settings.shm_direct) the front end copies neither: for rows of the slot's
+dtype in and out, the batcher hands the ranks the region's key, the object's identity and the byte
+offset (`RegionRows.place`), and each rank opens the object itself, checks that identity, and reads
+and writes its rows there (service.worker.direct: DMA on a GPU). What fails there comes back as the
+same errors as here (`truncated`, `replaced`). A request that fails (a bad row, its deadline) may
+then have had its output region written (Triton leaves outputs unspecified on error); nothing is
+written into it once its answer or error was sent.
+
 Several front-end processes serve one server's ports (service.fleet), and a region registered
 through one connection must be usable on any of them as soon as the register call has returned,
 and refused by all to new requests once unregister returns. So the registry is one small file that
@@ -54,13 +62,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import dataclasses
 import fcntl
 import json
 import logging
 import os
-import stat
 import struct
 import threading
 import typing
@@ -77,15 +83,18 @@ from service.api.error_map import (
     TooManyRegions,
 )
 from service.errors import InvalidInput
+from service.worker.direct import MAX_NAME, OWN_PREFIX, SHM_ROOT  # noqa: F401  (re-exported: tests, bench)
+from service.worker.direct import identity as _identity
+from service.worker.direct import key_path as _key_path
+from service.worker.direct import memory as _memory
+from service.worker.direct import open_object as _open
 from service.worker.shm import shm_dir
 
 log = logging.getLogger(__name__)
 
 MAX_REGIONS = 64       # registered regions per server (each front end may hold a descriptor of each)
-MAX_NAME = 255         # characters of a region name, and of a key (NAME_MAX)
 PRUNE_PERIOD_S = 1.0   # how often an idle front end drops the descriptors of unregistered regions
-SHM_ROOT = "/dev/shm"  # where shm_open's names live on Linux
-OWN_PREFIX = "moe-"    # names of the server's own files there (service.worker.shm.PREFIX among them)
+# (the names, the key's checks and the object's opening are the ranks' too, --shm-direct: service.worker.direct)
 OFF = ("system shared memory is off on this server; start it with --shared-memory system "
        "(MOE_SHARED_MEMORY=system) to register regions")
 
@@ -206,9 +215,6 @@ class RegionTable:
         return self._state
 
 
-def _identity(fd: int) -> tuple[int, int]:
-    st = os.fstat(fd)
-    return st.st_dev, st.st_ino
 
 
 class _Object:
@@ -263,6 +269,24 @@ class RegionRows:
 
     def dim(self) -> int:
         return len(self.shape)
+
+    def place(self) -> tuple[str, tuple[int, int], int]:
+        """Where the rows lie, for a rank that opens the object itself (--shm-direct): the region's
+        key, the object's (device, inode) when it was registered, and the rows' first byte there."""
+        r = self.obj.region
+        return r.key, (r.dev, r.ino), self.at
+
+    def truncated(self) -> InvalidInput:
+        """The error of rows the object no longer holds (the same as a read or write of them here)."""
+        return self.obj._truncated()
+
+    def replaced(self) -> InvalidInput:
+        """The error of rows whose key now names another object than the one registered."""
+        return replaced(self.obj.region)
+
+    def refused(self, text: str) -> InvalidInput:
+        """Another error of the region's object (as a rank found it), naming the region."""
+        return InvalidInput(f"shared-memory region '{self.obj.region.name}': {text}")
 
     def __getitem__(self, rows: slice) -> RegionRows:
         start, stop, step = rows.indices(self.shape[0])
@@ -327,13 +351,6 @@ def sent_row(rows: Rows, i: int) -> torch.Tensor:
     return rows[i:i + 1].read()[0] if isinstance(rows, RegionRows) else rows[i]
 
 
-def _memory(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable, whatever its dtype (bf16 has no numpy twin)."""
-    assert t.is_contiguous() and t.device.type == "cpu", (t.is_contiguous(), t.device)
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 class Regions:
@@ -458,8 +475,7 @@ class Regions:
             raise InvalidInput(f"{region.key} is this server's own shared memory; it cannot be used as a region")
         if _identity(fd) != (region.dev, region.ino):
             os.close(fd)
-            raise InvalidInput(f"shared-memory region '{region.name}': {region.key} is no longer the object that was "
-                               f"registered (it was removed or replaced); register the region again")
+            raise replaced(region)
         obj = _Object(region, fd)
         with self._lock:
             if state.version >= self._seen:  # else pruned past `state` meanwhile: the request's alone
@@ -477,6 +493,12 @@ class Regions:
                 now = state.regions.get(name)
                 if now is None or now.serial != obj.region.serial or (now.dev, now.ino) in state.reserved:
                     del self._objects[name]
+
+
+def replaced(region: Region) -> InvalidInput:
+    """The error of a region whose key now names another object than the one it was registered with."""
+    return InvalidInput(f"shared-memory region '{region.name}': {region.key} is no longer the object that was "
+                        f"registered (it was removed or replaced); register the region again")
 
 
 def enabled(regions: Regions | None) -> Regions:
@@ -511,29 +533,3 @@ def _count(value, what: str, least: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise InvalidInput(f"'{what}' must be an integer >= {least}, got {value!r}")
     return value
-
-
-def _key_path(key) -> str:
-    """The file behind a POSIX shared-memory name ("/name")."""
-    if not isinstance(key, str):
-        raise InvalidInput(f"'key' must be a string, got {key!r}")
-    name = key[1:] if key.startswith("/") else key
-    if not name or "/" in name or name in (".", "..") or "\0" in name or len(name) > MAX_NAME:
-        raise InvalidInput(f"key {key!r} is not a POSIX shared-memory name ('/name', without any other '/', "
-                           f"not '.' or '..', at most {MAX_NAME} characters)")
-    if name.startswith(OWN_PREFIX):
-        raise InvalidInput(f"key {key!r}: names starting with '/{OWN_PREFIX}' are this server's own shared memory")
-    return os.path.join(SHM_ROOT, name)
-
-
-def _open(path: str, key: str) -> int:
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise InvalidInput(f"no shared-memory object {key} exists on this host") from None
-    except OSError as e:
-        raise InvalidInput(f"cannot open the shared-memory object {key}: {e.strerror}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise InvalidInput(f"{key} is not a shared-memory object (not a regular file)")
-    return fd

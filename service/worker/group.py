@@ -3,7 +3,8 @@
     parent                                   rank r (service.worker.rank)
       TCPStore on a free port  ------------>   process group (gloo / NCCL), weights slice
       slots in /dev/shm        <----------->   reads rows [start_r, start_r + n_r), writes out
-      ("step", seq, slot, T)   ------------>   layer step
+      ("step", seq, slot, T,   ------------>   layer step (and the rows of `sources` from and
+        sources)                                   to clients' objects: service.worker.direct)
                                <------------   ("done", rank, seq, stats) | ("error", rank, tb)
                                                    | ("refused", rank, why) at start
 
@@ -11,6 +12,11 @@ Every wait on the ranks is bounded and also watches the processes' sentinels, so
 dies, raises or stalls turns into a `WorkerError` carrying its traceback, never a hang; a rank
 that refuses its settings (`backend="fused"` where fused cannot run) into `BackendUnavailable`.
 After an error the group is dead: `close()` it and start a new one.
+
+With `direct_regions` (--shm-direct) the batcher may pass `sources` to `run`: rows of the step that
+the ranks read from a client's shared-memory object and whose answer they write into another, in
+place of the slot's (service.worker.direct); their report (a bad row, an object that changed) comes
+back merged over the ranks in StepStats.sources.
 
 A stopped rank (SIGSTOP, a livelock) is alive but silent, so the bounds are tight: a step gets
 `step_deadline_s()` (10x the slowest recent step, at least 5 s, at most step_timeout_s), and an
@@ -42,6 +48,7 @@ from service.errors import BackendUnavailable, GroupUnavailable, InvalidInput, W
 from service.metrics import STEP_PHASES
 from service.moe.hostcomm import HostPeers
 from service.moe.layer import BACKENDS
+from service.worker.direct import Report, Source, merge
 from service.worker.rank import RankOptions, now, rank_main
 from service.worker.shm import Slot, SlotPool, create_slots, remove_slots, remove_stale_slots, unlink_slots
 
@@ -82,6 +89,8 @@ class StepStats:
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # STEP_PHASES -> seconds; sum = wall_s
     behind: bool = False           # rank 0 enqueued it while the step before was in flight (rank lookahead)
     overlapped: bool = False       # ... and the step before's layer was still running on the device then
+    # per source of the step (by index): its first row not finite, or why it could not be used
+    sources: dict[int, Report] = dataclasses.field(default_factory=dict)
 
 
 def step_phases(sent: float, stamps: list[tuple[float, ...]], collected: float, returned: float) -> dict[str, float]:
@@ -103,7 +112,8 @@ class WorkerGroup:
     def __init__(self, cfg: LayerConfig, *, device: str = "cpu", weights: str | None = None,
                  weights_prefix: str = "", seed: int = 0, backend: str = "serial", slots: int = 2,
                  step_timeout_s: float = 60.0, start_timeout_s: float = 300.0,
-                 log_level: str | None = None, lookahead: int = 2, copy_streams: bool = False):
+                 log_level: str | None = None, lookahead: int = 2, copy_streams: bool = False,
+                 direct_regions: bool = False):
         if backend not in BACKENDS:
             raise InvalidInput(f"backend must be auto, serial or fused, got {backend!r}")
         self.requested_backend = backend  # the ranks decide (and log why); see service.worker.rank
@@ -119,6 +129,7 @@ class WorkerGroup:
         self.lookahead = 1
         self.requested_copy_streams = copy_streams  # CUDA ranks' copies beside the layers; `copy_streams`: run
         self.copy_streams = False
+        self.direct_regions = direct_regions  # the batcher may pass sources (--shm-direct)
         self.seq = 0
         self.alive = False
         self.pids: list[int] = []
@@ -295,8 +306,10 @@ class WorkerGroup:
             self._kill()
             raise
 
-    def run(self, slot: Slot, T: int) -> StepStats:
-        """Run one step on rows [0, T) of the slot; the answer is in slot.out[:T] on return.
+    def run(self, slot: Slot, T: int, sources: tuple[Source, ...] | list[Source] = ()) -> StepStats:
+        """Run one step on rows [0, T) of the slot; the answer is in slot.out[:T] on return, but for the
+        rows of `sources`, which the ranks read from and answer into the objects they name (on return
+        every rank has written them; StepStats.sources says which failed).
 
         Several threads may run steps on different slots: each step is sent as soon as it is
         called (under a lock that only orders the seq numbers), so the next step's control message
@@ -311,7 +324,7 @@ class WorkerGroup:
             self.seq += 1
             seq = self.seq
             sent = now()
-            self._send(("step", seq, slot.index, T))
+            self._send(("step", seq, slot.index, T, tuple(sources)))
             with self._answered:
                 self._in_flight += 1
         answers, collected = self._await(seq)
@@ -325,7 +338,8 @@ class WorkerGroup:
                          stages=stats["stages"], exposed_comm_s=stats["exposed_comm_s"], wall_s=wall,
                          rank_wall_s=stamps[0][-1] - stamps[0][0],
                          phases=step_phases(sent, stamps, collected, returned), behind=stats["behind"],
-                         overlapped=stats["overlapped"])
+                         overlapped=stats["overlapped"],
+                         sources=merge([a[1].get("sources", {}) for a in answers]) if sources else {})
 
     def _await(self, seq: int) -> tuple[list, float]:
         """The ranks' answers to step `seq` and when they were all read. One waiting thread at a time

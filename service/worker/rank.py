@@ -1,6 +1,6 @@
 """The rank process: joins the process group, loads its weight slice, runs steps on request.
 
-Control messages on the rank's pipe (parent -> rank): ("step", seq, slot_index, T),
+Control messages on the rank's pipe (parent -> rank): ("step", seq, slot_index, T, sources),
 ("ping", seq) and ("stop",). Answers (rank -> parent): ("ready", rank, info), ("done", rank,
 seq, stats), ("pong", rank, seq, None), ("refused", rank, message) for a backend asked for that
 cannot run here, and ("error", rank, traceback_text). Tensors never cross the pipe: they live in
@@ -10,6 +10,15 @@ write fall in the next phase), which the group turns into StepStats.phases.
 
 A CUDA rank holds up to `RankOptions.lookahead` steps in flight (`_steps`): answers still come in
 seq order, and a ping or stop is answered after the steps before it.
+
+`sources` (service.worker.direct; empty but for `--shm-direct`) name rows of the step that are not in
+the slot: a client's shared-memory object holds them, and their answer goes into another. The rank
+reads its rows of each source from the object itself (CUDA: DMA from its page-locked mapping into
+the device rows; CPU: preadv into the rows the layer reads), zeroes those that are not all finite
+before the layer reads them (CUDA: on the device, in stream order, the flags copied to the host with
+the step's snapshot), writes its rows of their answer into the output object (CUDA: DMA before the
+lane's `done` event; CPU: pwritev once the answer is in the slot) instead of the slot, and reports
+per source its first bad row or why the source could not be used (`stats["sources"]`).
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ from service.errors import BackendUnavailable
 from service.moe.hostcomm import HostPeers
 from service.moe.layer import Layer, StepState
 from service.moe.routing import rank_range  # the split of a step's rows (the group and tests use it from here)
+from service.worker import direct
+from service.worker.direct import Objects, Plan
 
 LOOPBACK_IFNAME = "lo"  # Linux's loopback interface
 # A step's timestamps (StepStats.phases): CLOCK_MONOTONIC, one clock for every process of the host,
@@ -124,6 +135,7 @@ def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
     layer = make_layer(cfg, weights, rank=rank, device=device, backend=opts.backend, log=log, host=opts.host)
     del weights
     slots = [Slot.open(cfg, i, p) for i, p in enumerate(opts.slot_paths)]
+    own = {(st.st_dev, st.st_ino) for st in map(os.stat, opts.slot_paths)}  # never a source's object
     if device.type == "cuda":
         for slot in slots:
             pin_slot(slot)
@@ -143,7 +155,7 @@ def _serve(rank: int, opts: RankOptions, conn, log: logging.Logger) -> None:
     # Steps run in inference mode: no autograd bookkeeping per op (a CPU rank's T=8 step: -10 %,
     # bench/NOTES.md issue 11e); every tensor a step makes lives and dies inside this loop.
     with torch.inference_mode():
-        _steps(rank, cfg, opts, conn, log, layer, slots, inputs)
+        _steps(rank, cfg, opts, conn, log, layer, slots, inputs, Objects(cuda=device.type == "cuda", reserved=own))
 
 
 @dataclasses.dataclass
@@ -160,6 +172,8 @@ class _Lane:
     # copy streams only: the device buffers the rows land in ([C, H], [C, K], [C, K]), copied into
     # the layer's inputs on the device
     staged: tuple[torch.Tensor, ...] | None = None
+    # CUDA, sources: [C] bool rows not all finite, on the device and (pinned) on the host
+    flags: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclasses.dataclass
@@ -174,10 +188,12 @@ class _Step:
     stamps: list[float]       # message read, copy-in issued, layer and the answer's copy enqueued (finish() adds three)
     behind: bool              # enqueued while the step before it was still in flight
     overlapped: bool          # ... and that step's layer was still running on the device (CUDA)
+    direct: Plan | None = None  # its sources' moves (service.worker.direct), finished in finish()
+    sources: tuple = ()
 
 
 def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Logger, layer: Layer, slots,
-           inputs) -> None:
+           inputs, objects: Objects | None = None) -> None:
     """The rank's loop: control messages until ("stop",); on CUDA `inputs` are the device buffers
     its rows are copied into.
 
@@ -195,8 +211,13 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
     Steps are finished (checks from their own snapshot, answer sent) in seq order; a failed check of
     step n raises here, so n+1 is never answered.
     ("ping", seq) and ("stop",) first finish what is in flight. CPU layers are synchronous: one
-    step at a time."""
+    step at a time.
+    A step's sources (`objects` holds what they name) change where its direct rows come from and go
+    to, in the same stream and the same buffers as the slot's rows (`_dma_in`, `_dma_out`)."""
     cuda = inputs is not None
+    objects = objects or Objects(cuda=cuda)
+    row_bytes = cfg.H * cfg.dtype.itemsize
+    private: list[torch.Tensor] = []  # CPU ranks of one host, sources: [R*C, H] the step's rows the layer reads
     depth = opts.lookahead if cuda else 1
     streams = None  # copy streams: (rows in, answers out), beside the layer's stream
     if cuda:
@@ -230,15 +251,22 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
         else:
             device_done = step.stamps[-1]  # the CPU layer's work was all in forward (launch)
             step.slot_out.copy_(step.out)
+            if step.direct is not None:
+                _write_cpu(step.direct, step.slot_out)
+        if step.direct is not None and lane.flags is not None:
+            _note_flags(step.direct, lane.flags[1], step.sources, step.direct.rows_in)
         copied_out = now()
         layer.check_seq(step.seq, lane.state)
         stages = lane.state.timer.seconds()
         if lane.copied_in is not None:  # the rows' copies ran before the layer's own timer started: they
             # count as its copy_in (the fused layer's first stage; a serial layer on CUDA reports it this way alone)
             stages["copy_in"] = stages.get("copy_in", 0.0) + lane.copied_in[0].elapsed_time(lane.copied_in[1]) / 1e3
-        stats = {"stages": stages, "layer_s": sum(stages.values()), "exposed_comm_s": layer.exposed_comm_s(lane.state),
-                 "tokens": step.n, "behind": step.behind,
-                 "overlapped": step.overlapped, "stamps": (*step.stamps, device_done, copied_out, now())}
+        stats: dict[str, object] = {
+            "stages": stages, "layer_s": sum(stages.values()), "exposed_comm_s": layer.exposed_comm_s(lane.state),
+            "tokens": step.n, "behind": step.behind,
+            "overlapped": step.overlapped, "stamps": (*step.stamps, device_done, copied_out, now())}
+        if step.direct is not None:
+            stats["sources"] = step.direct.report
         conn.send(("done", rank, step.seq, stats))
 
     def message_first() -> bool:
@@ -264,10 +292,13 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
                 finish()
             if msg[0] == "stop":
                 log.info("stopping after seq %d", last_seq)
+                objects.close()
                 return
+            objects.prune()  # (idle: nothing in flight uses them)
             conn.send(("pong", rank, last_seq, None))
             continue
-        _, seq, slot_index, T = msg
+        _, seq, slot_index, T, *more = msg
+        sources = more[0] if more else ()
         try:
             if seq != last_seq + 1:
                 raise RuntimeError(f"rank {rank} expected seq {last_seq + 1}, got {seq}")
@@ -277,8 +308,19 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
             start, n = rank_range(T, cfg.R, rank)
             rows = slice(start, start + n)
             x, ids, w = slot.x[rows], slot.ids[rows], slot.w[rows]
+            # CPU ranks of one host read every row of the step: each reads every source's rows (into
+            # rows of its own, the same on every rank); a rank writes its own rows of the answer
+            rows_in = (0, T) if opts.host is not None else (start, n)
+            plan = direct.plan(sources, objects, row_bytes, rows_in, (start, n)) if sources else None
             if opts.host is not None:  # CPU ranks of one host: the layer reads every rank's rows from the slot
                 x, ids, w = slot.x[:T], slot.ids[:T], slot.w[:T]
+                if plan is not None:
+                    if not private:
+                        private.append(torch.empty_like(slot.x))
+                    x = private[0][:T].copy_(x)
+            if not cuda:
+                if plan is not None:
+                    _read_cpu(plan, x, sources, rows_in)
             elif streams is not None and lane.copied_in is not None and lane.staged is not None:
                 # CUDA, copy streams: DMA from the pinned slot into this lane's staging buffers on the
                 # in-stream (it runs while the step ahead computes), then one device copy into the layer's
@@ -286,17 +328,24 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
                 assert inputs is not None
                 with torch.cuda.stream(streams[0]):
                     lane.copied_in[0].record()
-                    staged = [buf[:n].copy_(src, non_blocking=True)
-                              for buf, src in zip(lane.staged, (x, ids, w), strict=True)]
+                    staged = [_dma_in(lane.staged[0][:n], x, plan, row_bytes),
+                              *(buf[:n].copy_(src, non_blocking=True)
+                                for buf, src in zip(lane.staged[1:], (ids, w), strict=True))]
                     lane.copied_in[1].record()
                 torch.cuda.current_stream(inputs[0].device).wait_event(lane.copied_in[1])
                 x, ids, w = (buf[:n].copy_(src) for buf, src in zip(inputs, staged, strict=True))
             elif lane.copied_in is not None:  # CUDA: DMA from the pinned slot, in stream order before the step
                 assert inputs is not None
                 lane.copied_in[0].record()
-                x, ids, w = (buf[:n].copy_(src, non_blocking=True)
-                             for buf, src in zip(inputs, (x, ids, w), strict=True))
+                x = _dma_in(inputs[0][:n], x, plan, row_bytes)
+                ids, w = (buf[:n].copy_(src, non_blocking=True)
+                          for buf, src in zip(inputs[1:], (ids, w), strict=True))
                 lane.copied_in[1].record()
+            if cuda and plan is not None and plan.span is not None:
+                if lane.flags is None:
+                    lane.flags = (torch.empty(cfg.C, dtype=torch.bool, device=x.device),
+                                  torch.empty(cfg.C, dtype=torch.bool, pin_memory=True))
+                _check_cuda(x, plan, lane.flags)
             issued = now()
             result = layer.forward(x, ids, w, seq, lane.state.timer)
             layer.snapshot(lane.state)
@@ -309,19 +358,99 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
                 lane.layer_done.record()
                 streams[1].wait_event(lane.layer_done)
                 with torch.cuda.stream(streams[1]):
-                    slot.out[rows].copy_(lane.out_dev[:n], non_blocking=True)
+                    _dma_out(lane.out_dev[:n], slot.out[rows], plan, row_bytes)
                     lane.done.record()
                 out = None
             elif lane.out_dev is not None and lane.layer_done is not None and lane.done is not None:
                 # CUDA: cast on the device (half the bytes to move), DMA into the slot
                 lane.layer_done.record()
-                slot.out[rows].copy_(lane.out_dev[:n].copy_(result), non_blocking=True)
+                _dma_out(lane.out_dev[:n].copy_(result), slot.out[rows], plan, row_bytes)
                 lane.done.record()
                 out = None
             ahead = in_flight[-1].lane.layer_done if in_flight else None  # the step before, if still in flight
             in_flight.append(_Step(seq, n, out, slot.out[rows], lane, [received, issued, now()], bool(in_flight),
-                                   ahead is not None and not ahead.query()))
+                                   ahead is not None and not ahead.query(), plan, sources))
         except Exception as exc:  # the steps before it are answered first (or fail on their own), so the
             while in_flight:  # owner's error names the step that failed, not the one it was behind
                 finish()
             raise RuntimeError(f"rank {rank}, step seq {seq}: {type(exc).__name__}: {exc}") from exc
+
+
+def _read_cpu(plan: Plan, x: torch.Tensor, sources, rows_in: tuple[int, int]) -> None:
+    """CPU: the sources' rows into x (the rows the layer reads), checked; a failed source's zeroed."""
+    for a, b in plan.zero:
+        x[a:b].zero_()
+    for m in plan.reads:
+        try:
+            direct.read_rows(m, x[m.a:m.b])
+        except direct.SourceError as err:  # shrank since the plan's check: the request's error alone
+            plan.report[m.source] = ("in", err.code, str(err))
+            x[m.a:m.b].zero_()
+            continue
+        direct.check_rows(x, m, rows_in[0] + m.a - sources[m.source][0], plan.report)
+
+
+def _write_cpu(plan: Plan, slot_out: torch.Tensor) -> None:
+    """CPU: the rank's rows of each source's answer (in slot_out, the slot's dtype) into its output object."""
+    for m in plan.writes:
+        if isinstance(plan.report.get(m.source), tuple):  # its rows were never read
+            continue
+        try:
+            direct.write_rows(m, slot_out[m.a:m.b])
+        except direct.SourceError as err:
+            plan.report[m.source] = ("out", err.code, str(err))
+
+
+def _dma_in(dst: torch.Tensor, slot_rows: torch.Tensor, plan: Plan | None, row_bytes: int) -> torch.Tensor:
+    """CUDA, in the current stream: dst [n, H] on the device <- the rank's rows, from the pinned slot
+    and, for the sources' rows, from their objects' page-locked mappings (bytes: no view of a client's
+    offset as the dtype is needed); a failed source's rows zeroed. Returns dst."""
+    if plan is None or not (plan.reads or plan.zero):
+        return dst.copy_(slot_rows, non_blocking=True)
+    at = 0
+    parts = sorted([(m.a, m.b, m) for m in plan.reads] + [(a, b, None) for a, b in plan.zero], key=lambda p: p[0])
+    for a, b, move in parts:
+        if at < a:
+            dst[at:a].copy_(slot_rows[at:a], non_blocking=True)
+        if move is None:
+            dst[a:b].zero_()
+        else:
+            dst[a:b].view(torch.uint8).copy_(move.entry.view(move.at, b - a, row_bytes), non_blocking=True)
+        at = b
+    if at < dst.shape[0]:
+        dst[at:].copy_(slot_rows[at:], non_blocking=True)
+    return dst
+
+
+def _dma_out(src: torch.Tensor, slot_rows: torch.Tensor, plan: Plan | None, row_bytes: int) -> None:
+    """CUDA, in the current stream: the answer's rows src [n, H] (the slot's dtype, on the device) into
+    the slot, and each source's rows into its output object's page-locked mapping instead."""
+    writes = sorted(plan.writes, key=lambda m: m.a) if plan is not None else []
+    at = 0
+    for m in writes:
+        if at < m.a:
+            slot_rows[at:m.a].copy_(src[at:m.a], non_blocking=True)
+        m.entry.view(m.at, m.b - m.a, row_bytes).copy_(src[m.a:m.b].view(torch.uint8), non_blocking=True)
+        at = m.b
+    if at < src.shape[0]:
+        slot_rows[at:].copy_(src[at:], non_blocking=True)
+
+
+def _check_cuda(x: torch.Tensor, plan: Plan, flags: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """CUDA, in the layer's stream before it reads x [n, H]: flag the rows over the sources' span that
+    are not all finite, zero them, and copy the flags to the (pinned) host for finish()."""
+    span = plan.span
+    assert span is not None
+    lo, hi = span
+    bad = flags[0][lo:hi]  # [r]
+    bad.copy_(torch.isfinite(x[lo:hi]).all(dim=1)).logical_not_()
+    x[lo:hi].masked_fill_(bad[:, None], 0)
+    flags[1][lo:hi].copy_(bad, non_blocking=True)
+
+
+def _note_flags(plan: Plan, flags: torch.Tensor, sources, rows_in: tuple[int, int]) -> None:
+    """CUDA, after the step's sync: each read's first flagged row into the plan's report."""
+    for m in plan.reads:
+        bad = flags[m.a:m.b].nonzero()
+        if bad.numel():
+            direct.note_bad(plan.report, m, rows_in[0] + m.a - sources[m.source][0], int(bad[0]))
