@@ -59,7 +59,7 @@ class StandInGroup:
     def release(self, slot) -> None:
         self._free.put(slot)
 
-    def run(self, slot, T: int) -> StepStats:
+    def run(self, slot, T: int, sources=()) -> StepStats:
         with self._seq:
             self.seq += 1
             seq = self.seq
