@@ -11,6 +11,11 @@ with the fp32 reference (synthetic weights of --seed, the cpu preset); a wrong o
 The table: route, T, calls, p50 / p90 / max ms, and how many calls took over 30 ms (the ~40 ms
 delayed-ACK stall, a ~200 ms retransmit or a 1 s stall shows there, not in the p50 alone).
 
+`--checks` first calls what a user calls besides inference, each answer checked: health, metadata,
+configuration, statistics and the repository index through both stock clients, /metrics (text and
+OpenMetrics), and bad inputs on every protocol (each must get its documented status and a message
+naming the problem); a failed check stops the run, listed.
+
 `--beside FORMAT:T` (`moe_json:512` or `moe_st:512`) keeps one more client (its own process and
 connection) posting one prebuilt /moe/forward body of T tokens in a loop while the table is
 measured: what one large request of that format costs every other client of the same front end
@@ -141,6 +146,100 @@ class Routes:
             shm.destroy_shared_memory_region(out)
 
 
+def _checks(http: str, grpc: str, cfg) -> list[str]:
+    """The documented non-inference answers and refusals; returns what failed (empty: all held)."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    hc, gc = httpclient.InferenceServerClient(http), grpcclient.InferenceServerClient(grpc)
+    s = httpx.Client(base_url=f"http://{http}", timeout=30)
+    failed: list[str] = []
+
+    def check(what: str, ok) -> None:
+        try:
+            held = bool(ok())
+        except Exception as exc:  # noqa: BLE001  a raising check is a failed one, named
+            held, what = False, f"{what} ({type(exc).__name__}: {exc})"
+        print(f"{'ok ' if held else 'BAD'} {what}")
+        if not held:
+            failed.append(what)
+
+    def refused(call, status: str, words: str):
+        try:
+            call()
+        except InferenceServerException as exc:
+            return str(exc.status()) == status and words in exc.message()
+        return False
+
+    def answered(r: httpx.Response, status: int, words: str) -> bool:
+        return r.status_code == status and words in r.json()["error"]
+
+    shapes = [[-1, cfg.H], [-1, cfg.K], [-1, cfg.K]]
+    for name, c in (("http", hc), ("grpc", gc)):
+        as_json = {"as_json": True} if c is gc else {}
+        not_found = "StatusCode.NOT_FOUND" if c is gc else "404"
+        check(f"{name}: live, ready, model ready",
+              lambda c=c: c.is_server_live() and c.is_server_ready() and c.is_model_ready("moe"))
+        check(f"{name}: model metadata shapes {shapes}",
+              lambda c=c, kw=as_json: _shapes(c.get_model_metadata("moe", **kw)) == shapes)
+        check(f"{name}: model config names the inputs",  # gRPC's JSON wraps it in "config"
+              lambda c=c, kw=as_json: [t["name"] for t in _config(c.get_model_config("moe", **kw))["input"]] == INPUTS)
+        check(f"{name}: statistics of 'moe'",
+              lambda c=c, kw=as_json: c.get_inference_statistics("moe", **kw)["model_stats"][0]["name"] == "moe")
+        check(f"{name}: unknown model refused",
+              lambda c=c, nf=not_found: refused(lambda: c.get_model_metadata("nope"), nf, "unknown model"))
+    index = [{"name": "moe", "version": "1", "state": "READY"}]
+    check("http: repository index", lambda: hc.get_model_repository_index() == index)
+    check("http: load refused saying why",
+          lambda: refused(lambda: hc.load_model("moe"), "400", "cannot load or unload"))
+    check("/metrics: moe_ready 1", lambda: "\nmoe_ready 1.0\n" in s.get("/metrics").text)
+    om = s.get("/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"})
+    check("/metrics: OpenMetrics when asked",
+          lambda: om.headers["content-type"].startswith("application/openmetrics-text") and om.text.endswith("# EOF\n"))
+
+    ok_ids, ok_w = [list(range(cfg.K))], [[1.0 / cfg.K] * cfg.K]
+
+    def body(rows) -> bytes:
+        return json.dumps({"hidden_states": rows, "topk_ids": ok_ids, "topk_weights": ok_w}).encode()
+
+    bad = {  # what: (body, status, words of the message)
+        "malformed JSON": (b"{not json", 400, "malformed JSON"),
+        "T = 0": (json.dumps({"hidden_states": [], "topk_ids": [], "topk_weights": []}).encode(), 400, "no rows"),
+        "wrong H": (body([[0.5] * (cfg.H - 1)]), 400, f"must have shape [T, {cfg.H}]"),
+        "NaN": (body([[float("nan")] * cfg.H]), 400, "NaN or infinity"),
+        "expert id E": (json.dumps({"hidden_states": [[0.5] * cfg.H], "topk_ids": [[cfg.E] * cfg.K],
+                                    "topk_weights": ok_w}).encode(), 400, "is not an expert id"),
+    }
+    for what, (content, status, words) in bad.items():
+        r = s.post("/moe/forward", content=content, headers={"content-type": "application/json"})
+        check(f"/moe/forward {what}: {status}", lambda r=r, status=status, words=words: answered(r, status, words))
+    r = s.post("/moe/forward", content=bad["wrong H"][0], headers={"content-type": "text/plain"})
+    check("/moe/forward text/plain: 415", lambda: answered(r, 415, "Content-Type"))
+    r2 = s.post("/v2/models/nope/infer", json={"inputs": []})
+    check("v2 unknown model: 404", lambda: answered(r2, 404, "unknown model"))
+    arrays = (("hidden_states", np.full((1, cfg.H), np.nan, dtype=np.float32), "FP32"),
+              ("topk_ids", np.array(ok_ids, np.int32), "INT32"), ("topk_weights", np.array(ok_w, np.float32), "FP32"))
+    ins = []
+    for n, a, d in arrays:
+        ins.append(grpcclient.InferInput(n, list(a.shape), d))
+        ins[-1].set_data_from_numpy(a)
+    check("gRPC NaN: INVALID_ARGUMENT",
+          lambda: refused(lambda: gc.infer("moe", ins), "StatusCode.INVALID_ARGUMENT", "NaN"))
+    return failed
+
+
+INPUTS = ["hidden_states", "topk_ids", "topk_weights"]
+
+
+def _config(doc: dict) -> dict:
+    return doc.get("config", doc)
+
+
+def _shapes(meta: dict) -> list[list[int]]:
+    return [[int(d) for d in t["shape"]] for t in meta["inputs"]]
+
+
 def _loop(http: str, beside: str, cfg, stop) -> None:
     """POST one prebuilt /moe/forward body (moe_json or moe_st) in a loop; the answer is read, not parsed."""
     name, T = beside.split(":")
@@ -164,11 +263,14 @@ def main() -> int:
     p.add_argument("--routes", default=",".join(ROUTES[:6]))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preset", default="cpu")
+    p.add_argument("--checks", action="store_true", help="check the non-inference routes and bad inputs first")
     p.add_argument("--beside", default="", help="moe_json:T or moe_st:T, posted in a loop by one more client meanwhile")
     args = p.parse_args()
     cfg = preset(args.preset)
     weights = full_weights(cfg, args.seed)
     gen = torch.Generator().manual_seed(1234)
+    if args.checks and (failed := _checks(args.http, args.grpc, cfg)):
+        raise SystemExit(f"{len(failed)} check(s) failed: {failed}")
     rows = []
     ctx = mp.get_context("spawn")  # never fork a process that holds grpc channels
     stop = ctx.Event()

@@ -53,6 +53,10 @@ class TooManyRegions(InvalidInput):
     """A register call past the cap on registered regions (service.api.regions.MAX_REGIONS)."""
 
 
+class ModelControlUnsupported(InvalidInput):
+    """A model repository load or unload call: the one model is loaded at start, for good."""
+
+
 class ClientGone(MoEError):
     """The client closed the connection before its request was read."""
 
@@ -67,6 +71,7 @@ _TABLE: tuple[tuple[type[BaseException], int, grpc.StatusCode], ...] = (
     (BodyTimeout, 408, grpc.StatusCode.DEADLINE_EXCEEDED),
     (SharedMemoryOff, 400, grpc.StatusCode.FAILED_PRECONDITION),
     (CudaSharedMemoryUnsupported, 400, grpc.StatusCode.UNIMPLEMENTED),  # Triton's UNSUPPORTED
+    (ModelControlUnsupported, 400, grpc.StatusCode.UNIMPLEMENTED),
     (RegionNotFound, 404, grpc.StatusCode.NOT_FOUND),
     (RegionExists, 409, grpc.StatusCode.ALREADY_EXISTS),
     (TooManyRegions, 400, grpc.StatusCode.RESOURCE_EXHAUSTED),

@@ -140,6 +140,15 @@ class Frontend:
             "outputs": [{"name": OUTPUT_NAME, "datatype": dt, "shape": [-1, cfg.H]}],
         }
 
+    def repository_index(self, ready_only: bool = False) -> list[dict]:
+        """Triton's model repository index: the one model, READY or UNAVAILABLE with the reason
+        (`ready_only`: only a ready one)."""
+        if self._ready:
+            return [{"name": self.model_name, "version": MODEL_VERSION, "state": "READY"}]
+        if ready_only:
+            return []
+        return [{"name": self.model_name, "version": MODEL_VERSION, "state": "UNAVAILABLE", "reason": self._why_not}]
+
     def model_config(self) -> dict:
         """Triton's model configuration (model_config.proto's field names, as its HTTP API prints
         them): what perf_analyzer reads to build its requests."""

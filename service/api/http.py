@@ -29,6 +29,7 @@ from service.api.error_map import (
     RETRY_AFTER_S,
     BodyTimeout,
     ClientGone,
+    ModelControlUnsupported,
     PayloadTooLarge,
     UnsupportedMediaType,
     classify,
@@ -386,6 +387,31 @@ def create_app(fe: Frontend) -> FastAPI:
     @app.post("/v2/cudasharedmemory/region/{name}/unregister")
     async def cuda_shm_unregister(name: str = "") -> Response:
         return Response(b"", media_type=JSON)  # nothing is registered: nothing to remove
+
+    # ---- Triton's model repository extension: the index; no load or unload ----------------
+
+    @app.post("/v2/repository/index")
+    async def repository_index(request: Request) -> Response:
+        try:
+            chunks = await read_body(request, REGISTER_BODY_LIMIT, fe.settings.request_timeout_s)
+            body = bytes(codecs.join_chunks(chunks))
+            doc = codecs.json_object(body) if body.strip() else {}  # tritonclient sends no body
+            unknown = sorted(set(doc) - {"ready"})
+            if unknown or not isinstance(doc.get("ready", False), bool):
+                raise InvalidInput(f'an index request is {{"ready": true|false}} or empty; got {doc!r}')
+            return JSONResponse(fe.repository_index(doc.get("ready", False)))
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc)
+
+    @app.post("/v2/repository/models/{model}/load")
+    @app.post("/v2/repository/models/{model}/unload")
+    async def repository_control(model: str) -> Response:
+        try:
+            codecs.check_model(model, None, fe.model_name)
+            raise ModelControlUnsupported(f"this server loads its one model, {fe.model_name!r}, at start and "
+                                          "cannot load or unload models (as Triton with --model-control-mode=none)")
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc)
 
     # ---- metrics ---------------------------------------------------------------------------
 

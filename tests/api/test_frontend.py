@@ -165,3 +165,19 @@ def test_accepting_serves_before_ready_and_a_refusal_ends_it(monkeypatch):
     fe.set_ready(False, "the server is shutting down")  # a drain after an accept
     with pytest.raises(GroupUnavailable, match="shutting down"):
         asyncio.run(fe.infer(req))
+
+
+def test_the_repository_index_follows_readiness():
+    """Triton's index: the model UNAVAILABLE with the reason while the group is not ready (none at
+    all with {"ready": true}), READY once it is."""
+    fe = make_frontend()
+    fe.set_ready(False, "the rank group is restarting")
+    with TestClient(create_app(fe)) as client:
+        assert client.post("/v2/repository/index").json() == [
+            {"name": fe.model_name, "version": "1", "state": "UNAVAILABLE", "reason": "the rank group is restarting"}]
+        assert client.post("/v2/repository/index", json={"ready": True}).json() == []
+        fe.set_ready(True)
+        assert client.post("/v2/repository/index", json={"ready": True}).json() == [
+            {"name": fe.model_name, "version": "1", "state": "READY"}]
+        bad = client.post("/v2/repository/index", content=b"[1]")
+        assert bad.status_code == 400, bad.text

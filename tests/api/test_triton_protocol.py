@@ -96,6 +96,29 @@ def test_cuda_shared_memory_status_is_empty_and_unregister_succeeds(server):
     assert h.get_cuda_shared_memory_status() == []  # nothing was registered
 
 
+# ---- the model repository: an index of the one model, no load or unload --------------------
+
+
+def test_the_repository_index_lists_the_model_and_load_unload_are_refused_saying_why(server):
+    """tritonclient.http's get_model_repository_index() answers Triton's index of the one model,
+    READY (also with {"ready": true}); load_model / unload_model are refused with 400 naming why
+    (the model is loaded at start), an unknown name with 404; a bad index body is a 400. Before:
+    404 "Not Found" for every call, which said nothing. (gRPC's RepositoryIndex is not in this
+    server's proto: still UNIMPLEMENTED.)"""
+    h = http_client(server)
+    assert h.get_model_repository_index() == [{"name": MODEL, "version": "1", "state": "READY"}]
+    with httpx.Client(base_url=f"http://{server.http_hostport}", timeout=10) as c:
+        assert c.post("/v2/repository/index", json={"ready": True}).json() == h.get_model_repository_index()
+        bad = c.post("/v2/repository/index", json={"ready": "yes"})
+        assert bad.status_code == 400 and "ready" in bad.json()["error"], bad.text
+    for call in (lambda: h.load_model(MODEL), lambda: h.unload_model(MODEL)):
+        status, text = error_of(call)
+        assert status == "400" and "cannot load or unload" in text and repr(MODEL) in text, text
+    status, text = error_of(lambda: h.load_model("other"))
+    assert status == "404" and "unknown model 'other'" in text, text
+    assert h.is_model_ready(MODEL)  # refused, and nothing unloaded
+
+
 # ---- model_version ----------------------------------------------------------------------------
 
 
