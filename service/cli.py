@@ -102,12 +102,17 @@ def _offline_parser() -> argparse.ArgumentParser:
     add_settings_flags(f, FORWARD_SETTINGS)
     f.set_defaults(parser=f)
 
-    w = sub.add_parser("write-checkpoint", help="write a synthetic checkpoint in HF per-expert naming")
-    w.add_argument("output")
-    w.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--prefix", default="", help="key prefix, e.g. model.layers.0.mlp.")
-    w.add_argument("--naming", choices=("hf", "mixtral"), default="hf")
+    w = sub.add_parser("write-checkpoint", help="write a synthetic checkpoint in HF per-expert naming",
+                       description="Write a synthetic checkpoint (the weights the service makes from a seed) as "
+                       "one safetensors file with Hugging Face per-expert keys, which `moe-serve --weights FILE` "
+                       "(and `forward`) can load.")
+    w.add_argument("output", help="the safetensors file to write")
+    w.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="layer shape (default: %(default)s)")
+    w.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights (default: %(default)s)")
+    w.add_argument("--prefix", default="", help="key prefix, e.g. model.layers.0.mlp. (default: none)")
+    w.add_argument("--naming", choices=("hf", "mixtral"), default="hf",
+                   help="keys PREFIXexperts.E.NAME.weight with NAME gate_proj/up_proj/down_proj (hf) "
+                        "or w1/w3/w2 (mixtral) (default: %(default)s)")
     return p
 
 

@@ -83,6 +83,18 @@ def test_help_renders_a_percent_sign_in_a_setting_s_description():
     assert text.count("%") >= sum(d.count("%") for d in described), text
 
 
+def test_write_checkpoint_help_describes_every_argument(capsys):
+    """Before: `write-checkpoint --help` had no description, and output, --preset and --seed no help
+    text nor their defaults (user's trial 4)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["write-checkpoint", "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Hugging Face" in text and "the safetensors file to write" in text
+    for flag, default in (("--preset", "cpu"), ("--seed", "0"), ("--naming", "hf")):
+        assert f"(default: {default})" in text.split(flag)[-1], (flag, text)
+
+
 def test_docstring_gives_the_exit_status_of_bad_weights():
     doc = " ".join(server.__doc__.split())
     assert "unreadable weights file" in doc and "status 2" in doc  # test_unreadable_weights_exit_nonzero
