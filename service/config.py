@@ -258,7 +258,9 @@ class Settings(BaseSettings):
                     "DMA through a page-locked mapping of the object) when both hold the compute dtype: the front "
                     "end copies nothing for such a request (other requests, and regions of another dtype, keep "
                     "the front end's copies); a request that fails (a row with NaN or infinity, a deadline) may "
-                    "have had its output region written, as Triton leaves outputs unspecified on error")
+                    "have had its output region written, as Triton leaves outputs unspecified on error, and an "
+                    "object removed while its region stays registered is an error; refused without "
+                    "shared_memory: system")
     max_connections: int = Field(1000, ge=1,
         description="open connections per protocol; at the limit HTTP closes the longest-idle one (or answers 503 "
                     "to the new one when every one has a request in flight), gRPC refuses new ones")
