@@ -155,11 +155,16 @@ class Objects:
             if size < need:
                 raise SourceError("truncated", f"{key} is {size} bytes, the rows need {need}")
             if self.cuda and size != entry.size:  # grown or shrunk: map it again at its new size
-                self._drop(ident)
-                entry = None
-            else:
-                self._entries.move_to_end(ident)
-                return entry
+                _unmap(entry)
+                entry.size = size
+                try:
+                    _map(entry)
+                except SourceError:
+                    self._drop(ident)
+                    raise
+                self._evict(keep | {ident})
+            self._entries.move_to_end(ident)
+            return entry
         if ident in self.reserved:
             raise SourceError("error", f"{key} is this server's own shared memory")
         try:
@@ -207,15 +212,20 @@ class Objects:
 
     def _drop(self, ident: tuple[int, int]) -> None:
         entry = self._entries.pop(ident)
-        if entry.base is not None:
-            torch.cuda.synchronize()  # (cheap when _evict did it already) no DMA of it may be pending
-            torch.cuda.cudart().cudaHostUnregister(entry.base.data_ptr())
-            entry.base = None
-        if entry.mm is not None:
-            with contextlib.suppress(BufferError):  # a view still exported: the mapping goes with it
-                entry.mm.close()
-            entry.mm = None
+        _unmap(entry)
         os.close(entry.fd)
+
+
+def _unmap(entry: _Entry) -> None:
+    """Unregister and unmap the object's mapping (CUDA), once no DMA of it can be pending."""
+    if entry.base is not None:
+        torch.cuda.synchronize()  # (cheap when _evict did it already) a step in flight may DMA from or into it
+        torch.cuda.cudart().cudaHostUnregister(entry.base.data_ptr())
+        entry.base = None
+    if entry.mm is not None:
+        with contextlib.suppress(BufferError):  # a view still exported: the mapping goes with it
+            entry.mm.close()
+        entry.mm = None
 
 
 def _map(entry: _Entry) -> None:

@@ -4,7 +4,7 @@ for the fused and the serial backend. Answers equal the slot path's bit for bit 
 the same step, one source at a client's odd byte offset among slot rows); a NaN row is reported as
 the source's row and zeroed before the layer reads it (its batch-mates unchanged); an object
 truncated below its source's bytes is reported "truncated" and nothing is written; the object
-cache maps each object once over many steps."""
+cache maps each object once over many steps, and again when it grew."""
 
 from __future__ import annotations
 
@@ -126,7 +126,11 @@ def objects():
 
 
 def test_direct_rows_equal_the_slot_paths(group, objects):
-    for seed in range(3):  # the same objects every step: mapped once
+    """The same objects every step: mapped once, and again after they grew (before the third)."""
+    for seed in range(3):
+        if seed == 2:
+            for o in objects:
+                os.truncate(o.path, os.stat(o.path).st_size + (1 << 20))
         x, ids, w = step_inputs(seed)
         want = slot_path(group, x, ids, w)
         got, stats = direct_path(group, x, ids, w, *objects)
