@@ -230,7 +230,10 @@ def _unmap(entry: _Entry) -> None:
 
 def _map(entry: _Entry) -> None:
     """Map the object and register the mapping with CUDA (page-locked: DMA, no staged copy)."""
-    mm = mmap.mmap(entry.fd, entry.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        mm = mmap.mmap(entry.fd, entry.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as e:  # (ENOMEM: too many mappings) the request's error, not the step's
+        raise SourceError("error", f"cannot map the object ({entry.size} bytes): {e.strerror}") from None
     base = torch.frombuffer(mm, dtype=torch.uint8)  # no page is touched: only DMA ever reads or writes it
     err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), entry.size, 0)
     if int(err) != 0:
