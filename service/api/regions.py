@@ -270,11 +270,12 @@ class RegionRows:
     def dim(self) -> int:
         return len(self.shape)
 
-    def place(self) -> tuple[str, tuple[int, int], int]:
+    def place(self) -> tuple[str, tuple[int, int], int, tuple[int, int]]:
         """Where the rows lie, for a rank that opens the object itself (--shm-direct): the region's
-        key, the object's (device, inode) when it was registered, and the rows' first byte there."""
+        key, the object's (device, inode) when it was registered, the rows' first byte there, and the
+        region as registered (offset, byte_size): what the rank maps."""
         r = self.obj.region
-        return r.key, (r.dev, r.ino), self.at
+        return r.key, (r.dev, r.ino), self.at, (r.offset, r.byte_size)
 
     def truncated(self) -> InvalidInput:
         """The error of rows the object no longer holds (the same as a read or write of them here)."""

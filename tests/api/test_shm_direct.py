@@ -281,8 +281,8 @@ def test_a_deadline_in_a_direct_step_is_answered_after_the_step_returned(group, 
 
 
 def test_the_objects_cache_is_bounded_and_keeps_the_steps_own(objects):
-    """At most max_objects kept, least recently used evicted but never one of the step's; a source
-    past the object's end is "truncated", an identity the key does not name "replaced"."""
+    """At most max_objects regions kept, least recently used evicted but never one of the step's; a
+    region past the object's end is "truncated", an identity the key does not name "replaced"."""
     made = [objects(4096) for _ in range(4)]
     idents = []
     for o in made:
@@ -290,14 +290,15 @@ def test_the_objects_cache_is_bounded_and_keeps_the_steps_own(objects):
         idents.append(direct.identity(fd))
         os.close(fd)
     cache = direct.Objects(cuda=False, max_objects=2)
+    first = direct.entry_key(idents[0], (0, 4096))
     for o, ident in zip(made[:3], idents, strict=False):
-        cache.get(o.key, ident, 4096, keep={idents[0]})
-    assert len(cache) == 2 and idents[0] in cache._entries and idents[1] not in cache._entries
+        cache.get(o.key, ident, (0, 4096), keep={first})
+    assert len(cache) == 2 and first in cache._entries and direct.entry_key(idents[1], (0, 4096)) not in cache._entries
     with pytest.raises(direct.SourceError) as info:
-        cache.get(made[3].key, idents[3], 4097, keep=set())
+        cache.get(made[3].key, idents[3], (1, 4096), keep=set())
     assert info.value.code == "truncated"
     with pytest.raises(direct.SourceError) as info:
-        cache.get(made[3].key, (idents[3][0], idents[3][1] + 1), 16, keep=set())
+        cache.get(made[3].key, (idents[3][0], idents[3][1] + 1), (0, 16), keep=set())
     assert info.value.code == "replaced"
     cache.close()
     assert len(cache) == 0
@@ -399,10 +400,10 @@ def test_a_non_owner_front_ends_direct_steps(two_direct_frontends, objects):
             obj_out.write(torch.full(x.shape, NAN))
             infer(c, "grpc", x, ids, w, inputs_in=spec, output_in=(f"out{i}", nbytes(x), 0))
             assert torch.equal(obj_out.read(torch.float32, x.shape), wire), i
-            c.unregister_system_shared_memory()
             paths = {f"/dev/shm/{o.key[1:]}" for o in (obj_in, obj_out)}
             held = {p for ps in descriptors(ranks_of(server), paths).values() for p in ps}
-            assert held == paths, f"request {i}: the ranks hold {held} of {paths}"
+            assert held == paths, f"request {i}: the ranks read and wrote {held} of {paths}"
+            c.unregister_system_shared_memory()
     finally:
         for c in clients:
             c.close()
