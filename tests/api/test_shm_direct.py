@@ -21,6 +21,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from service.api import batcher as batcher_module
 from service.api import regions
 from service.api.batcher import Batcher
 from service.api.regions import RegionRows
@@ -225,6 +226,83 @@ def test_a_key_that_now_names_another_object_is_refused(group, objects):
     assert not isinstance(copied, BaseException), copied
     assert isinstance(got, InvalidInput) and "is no longer the object that was registered" in str(got), got
     c.table.close()
+
+
+def test_a_region_past_direct_max_bytes_is_copied(group, objects, front_end_copies, monkeypatch):
+    """A region larger than DIRECT_MAX_BYTES is never mapped by a rank: the front end copies its rows
+    (the same answer), the others stay direct."""
+    c = Client(objects)
+    x_big, ids_big, w_big = rows_of(9, 41)
+    x, ids, w = rows_of(5, 42)
+    big_in, big_out, _, _ = c.put(x_big)
+    small_in, small_out, _, _ = c.put(x)
+    jobs = [(big_in, ids_big, w_big, big_out), (small_in, ids, w, small_out)]
+    copied = serve(group, jobs, on=False)
+    monkeypatch.setattr(batcher_module, "DIRECT_MAX_BYTES", nbytes(x_big) - 1)
+    front_end_copies.clear()
+    got = serve(group, jobs, on=True)
+    assert sorted(front_end_copies) == [("read", torch.bfloat16), ("write", torch.bfloat16)], front_end_copies
+    for a, b in zip(got, copied, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    c.table.close()
+
+
+def test_a_source_naming_a_slot_of_the_ranks_is_refused(group, objects):
+    """A source whose identity is one of the server's own slots (a name of the client's that led to
+    it, a hard link made while the slot had its name): the ranks refuse it by that identity before
+    they open any name (not "replaced": the key's object is not even looked at)."""
+    st = os.fstat(group._slots[0].owner_fd)
+    other = objects(4096)
+    slot = group.acquire_slot(timeout=60)
+    try:
+        slot.ids[:2].zero_()
+        slot.w[:2].fill_(1 / CFG.K)
+        ident = (st.st_dev, st.st_ino)
+        stats = group.run(slot, 2, [(0, 2, other.key, ident, 0, other.key, ident, 0, (0, 4096), (0, 4096))])
+    finally:
+        group.release(slot)
+    assert stats.sources[0][:2] == ("in", "error") and "own shared memory" in stats.sources[0][2], stats.sources
+
+
+class RawObject:
+    """A client's object made with plain file calls (the client may remove it itself)."""
+
+    def __init__(self, size: int):
+        self.key = f"/moe11z-test-{os.urandom(6).hex()}"
+        self.path, self.size = f"{regions.SHM_ROOT}/{self.key[1:]}", size
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.ftruncate(fd, size)
+        os.close(fd)
+
+    def write(self, t: torch.Tensor, offset: int = 0) -> None:
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            os.pwrite(fd, regions._memory(t.contiguous()), offset)
+        finally:
+            os.close(fd)
+
+
+def test_removed_objects_are_let_go_under_load(group):
+    """Steps keep coming (no ping between them): PRUNE_S after the client removed its objects, the
+    ranks hold them no more."""
+    made: list[RawObject] = []
+    c = Client(lambda size: made.append(RawObject(size)) or made[-1])
+    x, ids, w = rows_of(4, 43)
+    first = c.put(x)
+    (got,) = serve(group, [(first[0], ids, w, first[1])], on=True)
+    paths = {f"{regions.SHM_ROOT}/{o.key[1:]}" for o in first[2:]}
+    assert set(p for ps in descriptors(group.pids, paths).values() for p in ps) == paths
+    for path in paths:
+        os.unlink(path)  # the client removed its objects (their regions stay registered)
+    time.sleep(direct.PRUNE_S + 0.2)
+    second = c.put(x)
+    (again,) = serve(group, [(second[0], ids, w, second[1])], on=True)
+    assert torch.equal(got.view(torch.int16), again.view(torch.int16))
+    held = {p for ps in descriptors(group.pids, paths).values() for p in ps}
+    assert not held, f"the ranks still hold {held}"
+    c.table.close()
+    for o in made[2:]:
+        os.unlink(o.path)
 
 
 class SlowGroup:
