@@ -27,6 +27,7 @@ from service.api.batcher import Batcher
 from service.api.regions import RegionRows
 from service.config import LayerConfig, Settings
 from service.errors import DeadlineExceeded, InvalidInput
+from service.fleet import direct_regions
 from service.metrics import Metrics
 from service.worker import direct
 from service.worker.group import WorkerGroup
@@ -492,3 +493,16 @@ def test_shm_direct_needs_shared_memory():
     with pytest.raises(ValidationError, match="needs shared_memory: system"):
         Settings(shm_direct=True)
     assert Settings(shm_direct=True, shared_memory="system").shm_direct
+    assert Settings(shm_direct=False).shm_direct is False  # (false needs nothing)
+
+
+@pytest.mark.parametrize(("value", "device", "on"), [
+    (None, "cuda", True), (None, "cpu", False),     # unset: on where the ranks are CUDA
+    (True, "cuda", True), (True, "cpu", True),      # forced
+    (False, "cuda", False), (False, "cpu", False),
+])
+def test_shm_direct_unset_is_on_for_cuda_ranks_only(value, device, on):
+    kw = {} if value is None else {"shm_direct": value}
+    got, why = direct_regions(Settings(shared_memory="system", **kw), device)
+    assert got is on and ("unset" in why) == (value is None), why
+    assert direct_regions(Settings(**({} if value is None else {"shm_direct": False})), device)[0] is False
