@@ -36,17 +36,20 @@ rows written (its output's bytes are then unspecified, as Triton's).
 Direct pieces (`--shm-direct`, a group whose `direct_regions` is true): a piece whose hidden_states
 lie in a client's shared-memory region and whose answer goes into one, both in the slot's dtype, is
 not copied at all here: its ids and w go into the slot as any piece's, and the step carries a
-*source* naming its slot rows, the input object and byte, and the output object and byte
-(service.worker.direct); each rank reads its rows of it from the object, checks them (a row with
-NaN or infinity is zeroed there, and the request gets the same 400 as `codecs.rows_error` gives,
-naming its row) and writes their answer into the output object during `group.run`. Everything else
-(wire requests, regions of another dtype, a request whose rows already failed) takes the copies
-above, in the same step. Since the answer lands in the client's region during `group.run`, a
-request with a direct piece in a step (`_Job.direct`, counted under its lock from before the
-descriptor is made until that step returned) is not answered, nor failed (its deadline, a cancel),
-before that step has returned: `submit` waits for it (`_Job.settled`) without blocking the loop.
-Its one visible difference: a request that fails (a bad row, its deadline) may have had its output
-region written; once its answer or error is sent, nothing is.
+*source* naming its slot rows, the input object and byte, the output object and byte, and both
+regions as registered (service.worker.direct: a rank maps a region's bytes, not its object); each
+rank reads its rows of it from the object, checks them (a row with NaN or infinity is zeroed there,
+and the request gets the same 400 as `codecs.rows_error` gives, naming its row) and writes their
+answer into the output object during `group.run`. Everything else (wire requests, regions of
+another dtype, a request whose rows already failed, a region larger than DIRECT_MAX_BYTES, a piece
+whose regions would take the step's past the ranks' bounds, MAX_OBJECTS regions and MAX_BYTES
+mapped) takes the copies above, in the same step. Since the answer lands in the client's region
+during `group.run`, a request with a direct piece in a step (`_Job.direct`, counted under its lock
+from before the descriptor is made until that step returned) is not answered, nor failed (its
+deadline, a cancel), before that step has returned: `submit` waits for it (`_Job.settled`) without
+blocking the loop. Its one visible difference: a request that fails (a bad row, its deadline; a
+gRPC client's own deadline may pass while its step still writes) may have had its output region
+written; once its answer or error is sent, nothing is.
 """
 
 from __future__ import annotations

@@ -8,25 +8,50 @@ those rows into the step's slot and the answer out of it (two host copies of T x
 the batcher sends a *source* per such piece with the step (WorkerGroup.run(slot, T, sources)), and
 each rank moves the rows of the source that fall in its range itself:
 
-    (slot row, rows, in key, in identity, in byte offset, out key, out identity, out byte offset)
+    (slot row, rows, in key, in identity, in byte offset, out key, out identity, out byte offset,
+     in region, out region)
 
-where a key is the object's POSIX name ("/name") and an identity its (st_dev, st_ino) as the front
-end recorded it when the region was registered. The rank opens the object by its key like the front
-end does (`open_object`: O_NOFOLLOW, O_NONBLOCK, a regular file, never one of the server's own
-names), refuses it when fstat's identity is not the source's (the key now names another object),
-and keeps it in a small cache keyed by identity (`Objects`: at most MAX_OBJECTS objects and
-MAX_BYTES bytes, least recently used evicted, and those no name leads to any more dropped when the
-idle rank is pinged; an open descriptor keeps the inode, so an identity in the cache always names
-the object it was opened as). An object the client removed while its region stays registered is
-not found by a rank that does not hold it (the request's 400; the copy path still reads it through
-the front end's descriptor).
+where a key is the object's POSIX name ("/name"), an identity its (st_dev, st_ino) as the front end
+recorded it when the region was registered, and a region (offset, byte_size) as registered. The
+rank opens the object by its key like the front end does (`open_object`: O_NOFOLLOW, O_NONBLOCK, a
+regular file, never one of the server's own names nor, by identity, its own slots), refuses it when
+fstat's identity is not the source's (the key now names another object), and keeps the *region* in
+a small cache keyed by (identity, byte range) (`Objects`; an open descriptor keeps the inode, so an
+identity in the cache always names the object it was opened as):
 
-- A CUDA rank maps the object (MAP_SHARED), registers the mapping with CUDA once (page-locked,
-  as the slots: service.worker.rank.pin_slot) and DMAs rows between it and the device; the CPU
-  never touches the mapping (a client that truncates its object would turn that into a SIGBUS): the
-  object's size is checked against the source's bytes before any DMA is enqueued.
+- A plan looks each region up once (`plan`: a source whose input and output share a region, two
+  sources in one: one lookup), so nothing a step holds is mapped again or dropped while it plans;
+  whatever a lookup raises is its sources' error (the request's 400), never the step's.
+- A CUDA rank maps only the region's bytes, from the page its offset is in (`span`), never the
+  object, and page-locks them (cudaHostRegister populates what it registers: a one-row region of a
+  sparse 8 GiB object would otherwise fill 8 GiB of the host's memory). A region larger than
+  DIRECT_MAX_BYTES (1 GiB) is never direct, and the batcher keeps a step's regions within
+  MAX_OBJECTS (64) and MAX_BYTES (4 GiB), taking the copy path for a piece past them, so those are
+  real bounds of what a rank holds: the least recently used regions are dropped (after a device
+  sync) to make room, never the step's own.
+- Stale pages: page-locked pages are the ones the object had when they were registered; a client
+  that truncates its object and grows it back, or punches a hole, leaves the mapping on orphaned
+  pages (a DMA would read old rows and write the answer where nobody reads it). So at each use the
+  object's (st_size, st_ctime_ns) is compared with what it was when the region was registered (read
+  after registering: page-locking faults pages in); if either moved the region is unregistered
+  (after a sync: a step in flight may still DMA it) and registered again; a region past the
+  object's end is "truncated" (and let go). A truncate, a regrow, a hole punched and a write() or
+  pwrite() all change ctime (checked on Linux 6.18 tmpfs, which keeps fine-grained ctimes; a
+  kernel with coarse timestamps could miss a change within one clock tick of the last check); a
+  write through an existing mapping of the client's does not, once its pages are faulted in
+  (tritonclient's shared-memory utilities and the bench write that way). The residual: a client
+  that writes its rows with write()/pwrite() each request has its region registered again each
+  step (correct, slower).
+- Every PRUNE_S (1 s) of steps, and whenever an idle rank is pinged, a rank lets go of the regions
+  of objects no name leads to any more (the client removed them) and of those no step used for
+  IDLE_S (30 s), so an unregistered region's pages are not pinned for good under load either.
+  An object the client removed while its region stays registered is not found by a rank that does
+  not hold it (the request's 400; the copy path still reads it through the front end's descriptor).
+- A CUDA rank DMAs rows between the mapping and the device; the CPU never touches the mapping (a
+  client that truncates its object would turn that into a SIGBUS).
 - A CPU rank maps nothing: it preadv's the rows into the rows the layer reads and pwritev's the
-  answer, what the front end does on the copy path.
+  answer, what the front end does on the copy path (shm_direct is off on CPU ranks unless asked
+  for: there it moves the front end's reads into every rank, service.fleet.direct_regions).
 
 Each rank reports, per source it touched, its first row whose values are not all finite (those
 rows are zeroed before the layer reads them), or why the source could not be used (`report`), in
@@ -53,7 +78,8 @@ from service.errors import InvalidInput
 
 SHM_ROOT = "/dev/shm"  # where shm_open's names live on Linux
 OWN_PREFIX = "moe-"    # names of the server's own files there (service.worker.shm.PREFIX among them)
-MAX_NAME = 255         # characters of a key's name after its '/' (NAME_MAX: a file name's limit)
+MAX_NAME = 255         # characters of a key after its '/' (NAME_MAX, a file name's bytes: a longer UTF-8 name
+                       # fails to open, with its error) and of a region's name (service.api.regions)
 DIRECT_MAX_BYTES = 1 << 30  # a region larger than this is never direct (the batcher copies its rows)
 MAX_OBJECTS = 64       # regions a rank keeps open (and, on CUDA, mapped and page-locked) at most
 MAX_BYTES = 4 << 30    # ... and their mapped bytes (page-locked memory is the host's): a real bound, as

@@ -13,12 +13,15 @@ seq order, and a ping or stop is answered after the steps before it.
 
 `sources` (service.worker.direct; empty but for `--shm-direct`) name rows of the step that are not in
 the slot: a client's shared-memory object holds them, and their answer goes into another. The rank
-reads its rows of each source from the object itself (CUDA: DMA from its page-locked mapping into
-the device rows; CPU: preadv into the rows the layer reads), zeroes those that are not all finite
+reads its rows of each source from the object itself (CUDA: DMA from the page-locked mapping of the
+source's region, that region's bytes alone, registered again when the object changed; CPU: preadv
+into the rows the layer reads), zeroes those that are not all finite
 before the layer reads them (CUDA: on the device, in stream order, the flags copied to the host with
 the step's snapshot), writes its rows of their answer into the output object (CUDA: DMA before the
 lane's `done` event; CPU: pwritev once the answer is in the slot) instead of the slot, and reports
-per source its first bad row or why the source could not be used (`stats["sources"]`).
+per source its first bad row or why the source could not be used (`stats["sources"]`). Before each
+step (every PRUNE_S) and when pinged, it lets go of regions no step used lately and of objects the
+client removed (`Objects.prune`).
 """
 
 from __future__ import annotations
