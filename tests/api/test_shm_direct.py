@@ -356,6 +356,36 @@ def test_a_deadline_in_a_direct_step_is_answered_after_the_step_returned(group, 
     c.table.close()
 
 
+def test_a_cancel_in_a_direct_step_returns_after_the_step(group, objects):
+    """A cancel (a disconnect, a gRPC cancel) while the request's direct step runs: the cancelled
+    submit returns only once the step returned, and nothing lands in the region after it (the
+    client reuses its region at once). (After the reviewer's reproduction.)"""
+    c = Client(objects)
+    x, ids, w = rows_of(9, 44)
+    rows_in, rows_out, _, obj_out = c.put(x)
+    slow = SlowGroup(group)
+
+    async def main():
+        b = await batcher(slow, delay_s=0.0)
+        try:
+            task = asyncio.create_task(b.submit(rows_in, ids, w, 30.0, out=rows_out))
+            await asyncio.sleep(SLOW_S / 4)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            cancelled = time.monotonic()
+            reuse = torch.randn(obj_out.size // 4)
+            obj_out.write(reuse)
+            return cancelled, reuse
+        finally:
+            await b.close(timeout_s=10 * SLOW_S)
+
+    cancelled, reuse = asyncio.run(main())
+    assert slow.returned and slow.returned[0] <= cancelled, "the cancel came back before the step returned"
+    assert torch.equal(obj_out.read(torch.float32, reuse.shape), reuse), "the region was written after the cancel"
+    c.table.close()
+
+
 # ---- the rank's cache of objects -----------------------------------------------------------------
 
 
