@@ -41,7 +41,8 @@ identity in the cache always names the object it was opened as):
   write through an existing mapping of the client's does not, once its pages are faulted in
   (tritonclient's shared-memory utilities and the bench write that way). The residual: a client
   that writes its rows with write()/pwrite() each request has its region registered again each
-  step (correct, slower).
+  step (correct, slower); and a change made while the rank registers the region (between its
+  mapping and the fstat after it) is not seen until the object changes again.
 - Every PRUNE_S (1 s) of steps, and whenever an idle rank is pinged, a rank lets go of the regions
   of objects no name leads to any more (the client removed them) and of those no step used for
   IDLE_S (30 s), so an unregistered region's pages are not pinned for good under load either.
