@@ -252,13 +252,18 @@ class Settings(BaseSettings):
                     "register POSIX shared-memory objects (/dev/shm) and pass tensors through them instead of the "
                     "request and response bodies; `off` (default) refuses those calls, since the server then reads "
                     "and writes memory a client names")
-    shm_direct: bool = Field(False,
+    shm_direct: bool | None = Field(None,
         description="with `shared_memory: system`, the ranks read a request's hidden_states straight from the "
-                    "client's input region and write its answer straight into its output region (a CUDA rank by "
-                    "DMA through a page-locked mapping of the object) when both hold the compute dtype: the front "
-                    "end copies nothing for such a request (other requests, and regions of another dtype, keep "
-                    "the front end's copies); a request that fails (a row with NaN or infinity, a deadline) may "
-                    "have had its output region written, as Triton leaves outputs unspecified on error")
+                    "client's input region and write its answer straight into its output region when both hold "
+                    "the compute dtype: a CUDA rank maps and page-locks the region's bytes (not the object; a "
+                    "region over 1 GiB, or past a step's 64 regions and 4 GiB, keeps the copies) and DMAs them; "
+                    "the front end copies nothing for such a request (other requests, and regions of another "
+                    "dtype, keep the front end's copies; one served T=512 request on an H200: -1.6 ms); a "
+                    "request that fails (a row with NaN or infinity, a deadline, the gRPC client's own deadline) "
+                    "may have had its output region written, as Triton leaves outputs unspecified on error, and "
+                    "an object removed while its region stays registered is an error; unset (default): on where "
+                    "the ranks are CUDA, off on CPU ranks (there each rank would read every row itself); true is "
+                    "refused without shared_memory: system")
     max_connections: int = Field(1000, ge=1,
         description="open connections per protocol; at the limit HTTP closes the longest-idle one (or answers 503 "
                     "to the new one when every one has a request in flight), gRPC refuses new ones")

@@ -10,7 +10,7 @@ owner:
       the rank group; group.run numbers the steps         HTTP + gRPC on the same ports, a batcher,
       control channel, one per front end   <---------->   its slots of the group (mapped through
         ("regions",) + the registry's fd (shm on),          the descriptors the owner sends)
-        ("attach", gen, backend) + the slots' fds,
+        ("attach", gen, backend, count, direct) + the slots' fds (direct: the group's direct_regions),
         ("detach", why), ("drain",), ("collect", id),      ("started", pid), ("listening", pid),
         ("scraped", id, [Snapshot])                        ("attached", gen), ("scrape", id),
                                                              ("collected", id, Snapshot)
@@ -66,9 +66,17 @@ HEALTHY_RESET_S = 60.0            # a process that served this long resets its b
 PR_SET_NAME = 15                  # prctl option: the thread's name, shown in /proc/PID/comm
 
 
-def direct_regions(settings: Settings) -> bool:
-    """Whether the ranks read and write clients' shared-memory regions themselves (Settings.shm_direct)."""
-    return settings.shm_direct and settings.shared_memory == "system"
+def direct_regions(settings: Settings, device: str) -> tuple[bool, str]:
+    """Whether the ranks (on `device`) read and write clients' shared-memory regions themselves
+    (Settings.shm_direct), and why: unset, on CUDA ranks only (on CPU ranks it would only move the
+    front end's preadv into every rank: CPU ranks of one host each read every row)."""
+    if settings.shared_memory != "system":
+        return False, "no system shared memory"
+    if settings.shm_direct is not None:
+        return settings.shm_direct, f"shm_direct={str(settings.shm_direct).lower()} was asked for"
+    if device == "cuda":
+        return True, "shm_direct unset: on, the ranks are CUDA"
+    return False, "shm_direct unset: off, the ranks are CPU"
 
 
 def backoff_s(base: float, failures: int) -> float:
@@ -346,7 +354,8 @@ class Fleet:
 
     def _send_attach(self, m: _Member, group, gen: int) -> None:
         mine = group.slots[m.index * self.slots:(m.index + 1) * self.slots]
-        m.ctl.send(("attach", gen, group.backend, len(mine)), fds=[s.owner_fd for s in mine])
+        m.ctl.send(("attach", gen, group.backend, len(mine), bool(getattr(group, "direct_regions", False))),
+                   fds=[s.owner_fd for s in mine])
 
     def _send_state(self, m: _Member) -> None:
         """The group's state to a front end that has just started (under the lock)."""

@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection
 from service.api.regions import Regions, RegionTable
 from service.config import LayerConfig, Settings
 from service.errors import GroupUnavailable, WorkerError
-from service.fleet import FRONTEND_STOP_GRACE_S, Channel, direct_regions, name_process, set_frontend_threads
+from service.fleet import FRONTEND_STOP_GRACE_S, Channel, name_process, set_frontend_threads
 from service.worker.shm import Slot, SlotPool
 
 log = logging.getLogger("moe-serve.frontend")
@@ -182,7 +182,7 @@ class Replica:
                 return
             kind = msg[0]
             if kind == "attach":
-                _, gen, backend, count = msg
+                _, gen, backend, count, direct = msg  # (direct: the owner's group reads and writes sources)
                 fds = self.ctl.recv_fds(count)
                 slots = []
                 for j, fd in enumerate(fds):
@@ -190,7 +190,7 @@ class Replica:
                     os.close(fd)
                 group = RemoteGroup(gen, backend, slots, self.steps, self.sent,
                                     self.settings.step_timeout_s + STEP_ANSWER_MARGIN_S,
-                                    direct_regions=direct_regions(self.settings))
+                                    direct_regions=direct)
                 call(self._attach, group)
             elif kind == "regions":  # the shared-memory registry (before the group's state)
                 self.fe.regions = Regions(RegionTable(self.ctl.recv_fds(1)[0]))

@@ -195,9 +195,11 @@ class Server:
         self.metrics, self.batcher, self.fe = self.endpoint.metrics, self.endpoint.batcher, self.endpoint.fe
         # Triton's system shared memory: one registry for every front end (service.api.regions)
         self.regions = RegionTable.create() if settings.shared_memory == "system" else None
+        self.direct, why_direct = direct_regions(settings, self.device)
         if self.regions is not None:
-            log.info("system shared memory on: %s", "the ranks read and write regions of the compute dtype "
-                     "themselves (shm_direct)" if direct_regions(settings) else "the front ends copy rows in and out")
+            log.info("system shared memory on; direct %s (%s): %s", "on" if self.direct else "off", why_direct,
+                     "the ranks read and write regions of the compute dtype themselves" if self.direct
+                     else "the front ends copy rows in and out")
         if self.regions is not None:
             self.fe.regions = Regions(self.regions)
         self.fleet = Fleet(settings, cfg, self.frontends, self.fe.snapshot, self._on_remote_failure,
@@ -224,7 +226,7 @@ class Server:
                            seed=s.seed, backend=s.backend, slots=s.slots * self.frontends,
                            step_timeout_s=s.step_timeout_s, start_timeout_s=s.start_timeout_s,
                            log_level=s.log_level.upper(), lookahead=s.rank_lookahead,
-                           copy_streams=s.rank_copy_streams, direct_regions=direct_regions(s))
+                           copy_streams=s.rank_copy_streams, direct_regions=self.direct)
 
     # ---- the process -----------------------------------------------------------------------
 

@@ -36,17 +36,20 @@ rows written (its output's bytes are then unspecified, as Triton's).
 Direct pieces (`--shm-direct`, a group whose `direct_regions` is true): a piece whose hidden_states
 lie in a client's shared-memory region and whose answer goes into one, both in the slot's dtype, is
 not copied at all here: its ids and w go into the slot as any piece's, and the step carries a
-*source* naming its slot rows, the input object and byte, and the output object and byte
-(service.worker.direct); each rank reads its rows of it from the object, checks them (a row with
-NaN or infinity is zeroed there, and the request gets the same 400 as `codecs.rows_error` gives,
-naming its row) and writes their answer into the output object during `group.run`. Everything else
-(wire requests, regions of another dtype, a request whose rows already failed) takes the copies
-above, in the same step. Since the answer lands in the client's region during `group.run`, a
-request with a direct piece in a step (`_Job.direct`, counted under its lock from before the
-descriptor is made until that step returned) is not answered, nor failed (its deadline, a cancel),
-before that step has returned: `submit` waits for it (`_Job.settled`) without blocking the loop.
-Its one visible difference: a request that fails (a bad row, its deadline) may have had its output
-region written; once its answer or error is sent, nothing is.
+*source* naming its slot rows, the input object and byte, the output object and byte, and both
+regions as registered (service.worker.direct: a rank maps a region's bytes, not its object); each
+rank reads its rows of it from the object, checks them (a row with NaN or infinity is zeroed there,
+and the request gets the same 400 as `codecs.rows_error` gives, naming its row) and writes their
+answer into the output object during `group.run`. Everything else (wire requests, regions of
+another dtype, a request whose rows already failed, a region larger than DIRECT_MAX_BYTES, a piece
+whose regions would take the step's past the ranks' bounds, MAX_OBJECTS regions and MAX_BYTES
+mapped) takes the copies above, in the same step. Since the answer lands in the client's region
+during `group.run`, a request with a direct piece in a step (`_Job.direct`, counted under its lock
+from before the descriptor is made until that step returned) is not answered, nor failed (its
+deadline, a cancel), before that step has returned: `submit` waits for it (`_Job.settled`) without
+blocking the loop. Its one visible difference: a request that fails (a bad row, its deadline; a
+gRPC client's own deadline may pass while its step still writes) may have had its output region
+written; once its answer or error is sent, nothing is.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from service.api.codecs import nonfinite_error, rows_error
 from service.api.regions import RegionRows, Rows, copy_rows
 from service.errors import DeadlineExceeded, GroupUnavailable, InvalidInput, Overloaded, WorkerError
 from service.metrics import Metrics
+from service.worker.direct import DIRECT_MAX_BYTES, MAX_BYTES, MAX_OBJECTS, entry_key
 
 log = logging.getLogger(__name__)
 
@@ -453,6 +457,7 @@ class Batcher:
             row_bytes = slot.x.shape[1] * slot.x.element_size()  # a piece's size, in and out: in the slot's dtype
             direct = getattr(group, "direct_regions", False)
             sources: list[tuple] = []  # one per direct piece, in `held`'s order
+            budget: dict[tuple, int] = {}  # the regions the sources name: their mapped bytes
             for p in pieces:
                 rows = slice(p.start, p.start + p.rows)
                 at = slice(p.at, p.at + p.rows)
@@ -460,9 +465,10 @@ class Batcher:
                 if job.invalid is None:
                     slot.ids[at].copy_(job.ids[rows])
                     slot.w[at].copy_(job.w[rows])
-                    if direct and _is_direct(job, slot.x.dtype) and _hold(job):
+                    source = _source(p, budget) if direct and _is_direct(job, slot.x.dtype) else None
+                    if source is not None and _hold(job):
                         held.append(p)
-                        sources.append(_source(p))
+                        sources.append(source)
                         continue
                     bad = _piece_error(self._split.run(functools.partial(_copy_in, slot.x[at], job.x[rows], p.start),
                                                        p.rows, p.rows * row_bytes), p.start)
@@ -534,13 +540,25 @@ def _settle(job: _Job) -> None:
             job.future.get_loop().call_soon_threadsafe(job.settled.set)
 
 
-def _source(p: _Piece) -> tuple:
-    """The step's descriptor of a direct piece (service.worker.direct.Source)."""
+def _source(p: _Piece, budget: dict[tuple, int]) -> tuple | None:
+    """The step's descriptor of a direct piece (service.worker.direct.Source), or None when its
+    regions do not fit: one larger than DIRECT_MAX_BYTES, or the step's regions (`budget`: the
+    mapped bytes of each, by entry key) past the ranks' bounds (MAX_OBJECTS, MAX_BYTES)."""
     rows = slice(p.start, p.start + p.rows)
     assert isinstance(p.job.x, RegionRows) and isinstance(p.job.out, RegionRows)
-    in_key, in_id, in_at = p.job.x[rows].place()
-    out_key, out_id, out_at = p.job.out[rows].place()
-    return (p.at, p.rows, in_key, in_id, in_at, out_key, out_id, out_at)
+    in_key, in_id, in_at, in_region = p.job.x[rows].place()
+    out_key, out_id, out_at, out_region = p.job.out[rows].place()
+    if max(in_region[1], out_region[1]) > DIRECT_MAX_BYTES:
+        return None
+    more = {}
+    for ident, region in ((in_id, in_region), (out_id, out_region)):
+        k = entry_key(ident, region)
+        if k not in budget:
+            more[k] = k[3] - k[2]
+    if len(budget) + len(more) > MAX_OBJECTS or sum(budget.values()) + sum(more.values()) > MAX_BYTES:
+        return None
+    budget.update(more)
+    return (p.at, p.rows, in_key, in_id, in_at, out_key, out_id, out_at, in_region, out_region)
 
 
 def _source_error(p: _Piece, report) -> tuple[int, InvalidInput]:

@@ -15,11 +15,13 @@ written into an output region once its request has its answer or its error (serv
 
 With `--shm-direct` (Settings.shm_direct) the front end copies neither: for rows of the slot's
 dtype in and out, the batcher hands the ranks the region's key, the object's identity and the byte
-offset (`RegionRows.place`), and each rank opens the object itself, checks that identity, and reads
-and writes its rows there (service.worker.direct: DMA on a GPU). What fails there comes back as the
-same errors as here (`truncated`, `replaced`). A request that fails (a bad row, its deadline) may
-then have had its output region written (Triton leaves outputs unspecified on error); nothing is
-written into it once its answer or error was sent.
+offset and the region as registered (`RegionRows.place`), and each rank opens the object itself,
+checks that identity, and reads and writes its rows there (service.worker.direct: on a GPU it maps
+and page-locks the region's bytes alone, never the object, and DMAs them; a region larger than
+DIRECT_MAX_BYTES keeps the copies here). What fails there comes back as the same errors as here
+(`truncated`, `replaced`). A request that fails (a bad row, its deadline, a gRPC client's own
+deadline) may then have had its output region written (Triton leaves outputs unspecified on
+error); nothing is written into it once its answer or error was sent.
 
 Several front-end processes serve one server's ports (service.fleet), and a region registered
 through one connection must be usable on any of them as soon as the register call has returned,
@@ -215,8 +217,6 @@ class RegionTable:
         return self._state
 
 
-
-
 class _Object:
     """This process's descriptor of one registered region's object (closed when nothing holds it)."""
 
@@ -270,11 +270,12 @@ class RegionRows:
     def dim(self) -> int:
         return len(self.shape)
 
-    def place(self) -> tuple[str, tuple[int, int], int]:
+    def place(self) -> tuple[str, tuple[int, int], int, tuple[int, int]]:
         """Where the rows lie, for a rank that opens the object itself (--shm-direct): the region's
-        key, the object's (device, inode) when it was registered, and the rows' first byte there."""
+        key, the object's (device, inode) when it was registered, the rows' first byte there, and the
+        region as registered (offset, byte_size): what the rank maps."""
         r = self.obj.region
-        return r.key, (r.dev, r.ino), self.at
+        return r.key, (r.dev, r.ino), self.at, (r.offset, r.byte_size)
 
     def truncated(self) -> InvalidInput:
         """The error of rows the object no longer holds (the same as a read or write of them here)."""
@@ -349,8 +350,6 @@ def copy_rows(dst: torch.Tensor, src: Rows) -> None:
 def sent_row(rows: Rows, i: int) -> torch.Tensor:
     """Row i of `rows` as a tensor (read from the region for RegionRows)."""
     return rows[i:i + 1].read()[0] if isinstance(rows, RegionRows) else rows[i]
-
-
 
 
 class Regions:

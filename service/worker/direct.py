@@ -8,25 +8,51 @@ those rows into the step's slot and the answer out of it (two host copies of T x
 the batcher sends a *source* per such piece with the step (WorkerGroup.run(slot, T, sources)), and
 each rank moves the rows of the source that fall in its range itself:
 
-    (slot row, rows, in key, in identity, in byte offset, out key, out identity, out byte offset)
+    (slot row, rows, in key, in identity, in byte offset, out key, out identity, out byte offset,
+     in region, out region)
 
-where a key is the object's POSIX name ("/name") and an identity its (st_dev, st_ino) as the front
-end recorded it when the region was registered. The rank opens the object by its key like the front
-end does (`open_object`: O_NOFOLLOW, O_NONBLOCK, a regular file, never one of the server's own
-names), refuses it when fstat's identity is not the source's (the key now names another object),
-and keeps it in a small cache keyed by identity (`Objects`: at most MAX_OBJECTS objects and
-MAX_BYTES bytes, least recently used evicted, and those no name leads to any more dropped when the
-idle rank is pinged; an open descriptor keeps the inode, so an identity in the cache always names
-the object it was opened as). An object the client removed while its region stays registered is
-not found by a rank that does not hold it (the request's 400; the copy path still reads it through
-the front end's descriptor).
+where a key is the object's POSIX name ("/name"), an identity its (st_dev, st_ino) as the front end
+recorded it when the region was registered, and a region (offset, byte_size) as registered. The
+rank opens the object by its key like the front end does (`open_object`: O_NOFOLLOW, O_NONBLOCK, a
+regular file, never one of the server's own names nor, by identity, its own slots), refuses it when
+fstat's identity is not the source's (the key now names another object), and keeps the *region* in
+a small cache keyed by (identity, byte range) (`Objects`; an open descriptor keeps the inode, so an
+identity in the cache always names the object it was opened as):
 
-- A CUDA rank maps the object (MAP_SHARED), registers the mapping with CUDA once (page-locked,
-  as the slots: service.worker.rank.pin_slot) and DMAs rows between it and the device; the CPU
-  never touches the mapping (a client that truncates its object would turn that into a SIGBUS): the
-  object's size is checked against the source's bytes before any DMA is enqueued.
+- A plan looks each region up once (`plan`: a source whose input and output share a region, two
+  sources in one: one lookup), so nothing a step holds is mapped again or dropped while it plans;
+  whatever a lookup raises is its sources' error (the request's 400), never the step's.
+- A CUDA rank maps only the region's bytes, from the page its offset is in (`span`), never the
+  object, and page-locks them (cudaHostRegister populates what it registers: a one-row region of a
+  sparse 8 GiB object would otherwise fill 8 GiB of the host's memory). A region larger than
+  DIRECT_MAX_BYTES (1 GiB) is never direct, and the batcher keeps a step's regions within
+  MAX_OBJECTS (64) and MAX_BYTES (4 GiB), taking the copy path for a piece past them, so those are
+  real bounds of what a rank holds: the least recently used regions are dropped (after a device
+  sync) to make room, never the step's own.
+- Stale pages: page-locked pages are the ones the object had when they were registered; a client
+  that truncates its object and grows it back, or punches a hole, leaves the mapping on orphaned
+  pages (a DMA would read old rows and write the answer where nobody reads it). So at each use the
+  object's (st_size, st_ctime_ns) is compared with what it was when the region was registered (read
+  after registering: page-locking faults pages in); if either moved the region is unregistered
+  (after a sync: a step in flight may still DMA it) and registered again; a region past the
+  object's end is "truncated" (and let go). A truncate, a regrow, a hole punched and a write() or
+  pwrite() all change ctime (checked on Linux 6.18 tmpfs, which keeps fine-grained ctimes; a
+  kernel with coarse timestamps could miss a change within one clock tick of the last check); a
+  write through an existing mapping of the client's does not, once its pages are faulted in
+  (tritonclient's shared-memory utilities and the bench write that way). The residual: a client
+  that writes its rows with write()/pwrite() each request has its region registered again each
+  step (correct, slower); and a change made while the rank registers the region (between its
+  mapping and the fstat after it) is not seen until the object changes again.
+- Every PRUNE_S (1 s) of steps, and whenever an idle rank is pinged, a rank lets go of the regions
+  of objects no name leads to any more (the client removed them) and of those no step used for
+  IDLE_S (30 s), so an unregistered region's pages are not pinned for good under load either.
+  An object the client removed while its region stays registered is not found by a rank that does
+  not hold it (the request's 400; the copy path still reads it through the front end's descriptor).
+- A CUDA rank DMAs rows between the mapping and the device; the CPU never touches the mapping (a
+  client that truncates its object would turn that into a SIGBUS).
 - A CPU rank maps nothing: it preadv's the rows into the rows the layer reads and pwritev's the
-  answer, what the front end does on the copy path.
+  answer, what the front end does on the copy path (shm_direct is off on CPU ranks unless asked
+  for: there it moves the front end's reads into every rank, service.fleet.direct_regions).
 
 Each rank reports, per source it touched, its first row whose values are not all finite (those
 rows are zeroed before the layer reads them), or why the source could not be used (`report`), in
@@ -45,6 +71,7 @@ import dataclasses
 import mmap
 import os
 import stat
+import time
 
 import torch
 
@@ -52,16 +79,29 @@ from service.errors import InvalidInput
 
 SHM_ROOT = "/dev/shm"  # where shm_open's names live on Linux
 OWN_PREFIX = "moe-"    # names of the server's own files there (service.worker.shm.PREFIX among them)
-MAX_NAME = 255         # characters of a key (NAME_MAX)
-MAX_OBJECTS = 64       # objects a rank keeps open (and, on CUDA, mapped and page-locked) at most
-MAX_BYTES = 4 << 30    # ... and their bytes: page-locked memory is the host's; one larger object is kept alone
+MAX_NAME = 255         # characters of a key after its '/' (NAME_MAX, a file name's bytes: a longer UTF-8 name
+                       # fails to open, with its error) and of a region's name (service.api.regions)
+DIRECT_MAX_BYTES = 1 << 30  # a region larger than this is never direct (the batcher copies its rows)
+MAX_OBJECTS = 64       # regions a rank keeps open (and, on CUDA, mapped and page-locked) at most
+MAX_BYTES = 4 << 30    # ... and their mapped bytes (page-locked memory is the host's): a real bound, as
+                       # the batcher never puts more than this (nor more regions) in one step's sources
+PRUNE_S = 1.0          # how often (seconds of steps) a rank looks for regions to let go of:
+IDLE_S = 30.0          # ... those no step used for this long, and those of objects no name leads to
 
 # A source, as the batcher builds it and the step message carries it (a plain tuple: it is pickled
-# for every step, and the ranks' protocol has no classes)
-Source = tuple[int, int, str, tuple[int, int], int, str, tuple[int, int], int]
+# for every step, and the ranks' protocol has no classes): slot row, rows, then for its input and its
+# output the object's key, identity and the rows' byte; then the input's and the output's region as
+# registered, (offset, byte_size): what a rank maps
+Source = tuple[int, int, str, tuple[int, int], int, str, tuple[int, int], int, tuple[int, int], tuple[int, int]]
 # What a rank reports for a source: the first row (of the source) that is not finite, or
 # (side "in" | "out", code "truncated" | "replaced" | "error", text)
 Report = int | tuple[str, str, str]
+
+
+def span(offset: int, byte_size: int) -> tuple[int, int]:
+    """The bytes [lo, hi) of its object a rank maps for a region (offset, byte_size): from the page
+    its first byte is in to its last byte (mmap's offsets are whole pages)."""
+    return offset - offset % mmap.ALLOCATIONGRANULARITY, offset + byte_size
 
 
 def identity(fd: int) -> tuple[int, int]:
@@ -115,118 +155,164 @@ class SourceError(Exception):
 
 @dataclasses.dataclass(eq=False)
 class _Entry:
-    """One object the rank holds: its descriptor, and on CUDA its page-locked mapping."""
+    """One region the rank holds: a descriptor of its object, the bytes [lo, hi) it covers, the
+    object's (st_size, st_ctime_ns) when they were last registered, and on CUDA its page-locked
+    mapping of those bytes."""
 
     fd: int
-    size: int
+    lo: int
+    hi: int
+    stamp: tuple[int, int] = (-1, -1)
+    used: float = 0.0  # time.monotonic() of its last step
     mm: mmap.mmap | None = None
-    base: torch.Tensor | None = None  # [size] uint8 over the mapping (CUDA): DMA only, never read by the CPU
+    base: torch.Tensor | None = None  # [hi - lo] uint8 over the mapping (CUDA): DMA only, never read by the CPU
 
     def view(self, at: int, rows: int, row_bytes: int) -> torch.Tensor:
-        """[rows, row_bytes] uint8 of the mapping from byte `at` (a DMA's host side)."""
-        assert self.base is not None
-        return self.base[at:at + rows * row_bytes].view(rows, row_bytes)
+        """[rows, row_bytes] uint8 of the mapping from the object's byte `at` (a DMA's host side)."""
+        assert self.base is not None and self.lo <= at and at + rows * row_bytes <= self.hi, (self.lo, at, self.hi)
+        return self.base[at - self.lo:at - self.lo + rows * row_bytes].view(rows, row_bytes)
+
+
+EntryKey = tuple[int, int, int, int]  # (st_dev, st_ino, lo, hi): a region of an object
 
 
 class Objects:
-    """The objects a rank has opened for sources, by identity (see the module docstring)."""
+    """The regions a rank has opened for sources, by object identity and byte range (see the module
+    docstring)."""
 
     def __init__(self, *, cuda: bool, reserved: set[tuple[int, int]] | None = None,
                  max_objects: int = MAX_OBJECTS, max_bytes: int = MAX_BYTES):
         self.cuda = cuda
         self.reserved = set(reserved or ())  # the rank's own files (its slots): never a source's
         self.max_objects, self.max_bytes = max_objects, max_bytes
-        self._entries: collections.OrderedDict[tuple[int, int], _Entry] = collections.OrderedDict()
+        self._entries: collections.OrderedDict[EntryKey, _Entry] = collections.OrderedDict()
+        self._pruned = time.monotonic()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     @property
     def bytes(self) -> int:
-        return sum(e.size for e in self._entries.values())
+        """The bytes mapped (and page-locked) now."""
+        return sum(e.hi - e.lo for e in self._entries.values() if e.base is not None)
 
-    def get(self, key: str, ident: tuple[int, int], need: int, keep: set[tuple[int, int]]) -> _Entry:
-        """The object `ident` behind `key`, at least `need` bytes long now (SourceError otherwise);
-        evicts the least recently used objects past the bounds, never those in `keep` (the step's)."""
-        ident = (ident[0], ident[1])  # (hashable whatever sequence it came as)
-        entry = self._entries.get(ident)
-        if entry is not None:
-            size = os.fstat(entry.fd).st_size
-            if size < need:
-                raise SourceError("truncated", f"{key} is {size} bytes, the rows need {need}")
-            if self.cuda and size != entry.size:  # grown or shrunk: map it again at its new size
-                self._drop(ident)
-                entry = None
-            else:
-                self._entries.move_to_end(ident)
-                return entry
-        if ident in self.reserved:
+    def get(self, key: str, ident: tuple[int, int], region: tuple[int, int], keep: set[EntryKey]) -> _Entry:
+        """Region `region` = (offset, byte_size) of the object `ident` behind `key`, registered for its
+        object's current pages (SourceError otherwise); evicts the least recently used regions past
+        the bounds, never those in `keep` (the step's)."""
+        lo, hi = span(*region)
+        k = (ident[0], ident[1], lo, hi)
+        entry = self._entries.get(k)
+        if entry is None:
+            entry = self._open(key, k, keep)
+        else:
+            st = os.fstat(entry.fd)
+            if (st.st_size, st.st_ctime_ns) != entry.stamp:  # truncated, grown, a hole punched: new pages
+                _unmap(entry)  # (after a sync: a step in flight may still DMA the old ones)
+                try:
+                    self._register(entry)
+                except BaseException:
+                    self._drop(k)
+                    raise
+        entry.used = time.monotonic()
+        self._entries.move_to_end(k)
+        return entry
+
+    def _open(self, key: str, k: EntryKey, keep: set[EntryKey]) -> _Entry:
+        if k[:2] in self.reserved:
             raise SourceError("error", f"{key} is this server's own shared memory")
         try:
             fd = open_object(key_path(key), key)
         except InvalidInput as err:
             raise SourceError("error", str(err)) from None
+        entry = _Entry(fd, k[2], k[3])
         try:
-            if identity(fd) != ident:
+            if identity(fd) != k[:2]:
                 raise SourceError("replaced", f"{key} is no longer the object that was registered")
-            size = os.fstat(fd).st_size
-            if size < need:
-                raise SourceError("truncated", f"{key} is {size} bytes, the rows need {need}")
-            entry = _Entry(fd, size)
-            if self.cuda:
-                _map(entry)
+            if self.cuda:  # room for its mapping first: the bound holds at every moment
+                self._evict(keep | {k}, room=entry.hi - entry.lo)
+            self._register(entry)
         except BaseException:
             os.close(fd)
             raise
-        self._entries[ident] = entry
-        self._evict(keep | {ident})
+        self._entries[k] = entry
+        self._evict(keep | {k})
         return entry
 
-    def prune(self) -> None:
-        """Drop the objects that no name leads to any more (the client removed them): their pages
-        would otherwise stay pinned until evicted. (A rank prunes when pinged: an idle group.)"""
-        for ident, entry in list(self._entries.items()):
-            if os.fstat(entry.fd).st_nlink == 0:
-                self._drop(ident)
+    def _register(self, entry: _Entry) -> None:
+        """(Re)map the entry's bytes (CUDA) for the object as it is now, and stamp it."""
+        size = os.fstat(entry.fd).st_size
+        if size < entry.hi:
+            raise SourceError("truncated", f"the object is {size} bytes, the region needs {entry.hi}")
+        if self.cuda:
+            _map(entry)
+        st = os.fstat(entry.fd)  # after the mapping: page-locking it faults its pages in (a ctime of its own)
+        entry.stamp = (st.st_size, st.st_ctime_ns)
+
+    def prune(self, force: bool = False) -> None:
+        """Every PRUNE_S (or now, `force`: an idle rank) drop the regions that no step used for
+        IDLE_S, and those whose object no name leads to any more (the client removed it: its pages
+        would otherwise stay pinned until evicted)."""
+        now = time.monotonic()
+        if not force and now - self._pruned < PRUNE_S:
+            return
+        self._pruned = now
+        for k, entry in list(self._entries.items()):
+            if now - entry.used > IDLE_S or os.fstat(entry.fd).st_nlink == 0:
+                self._drop(k)
 
     def close(self) -> None:
-        for ident in list(self._entries):
-            self._drop(ident)
+        for k in list(self._entries):
+            self._drop(k)
 
-    def _evict(self, keep: set[tuple[int, int]]) -> None:
-        synced = False
-        for ident in list(self._entries):  # least recently used first
-            if len(self._entries) <= self.max_objects and self.bytes <= self.max_bytes:
+    def _evict(self, keep: set[EntryKey], room: int = 0) -> None:
+        """Least recently used first, drop regions until at most max_objects are held (one more to
+        come when `room`) and `room` more bytes fit under max_bytes; never those in `keep` (the
+        step's: the batcher keeps a step's regions within both bounds)."""
+        extra = 1 if room else 0
+        for k in list(self._entries):  # least recently used first
+            if len(self._entries) + extra <= self.max_objects and self.bytes + room <= self.max_bytes:
                 return
-            if ident in keep:
-                continue
-            if self.cuda and not synced:  # a step still in flight may DMA from or into it
-                torch.cuda.synchronize()
-                synced = True
-            self._drop(ident)
+            if k not in keep:
+                self._drop(k)  # (_unmap syncs first: a step in flight may still DMA it)
+        if room and self.bytes + room > self.max_bytes:
+            raise SourceError("error", f"the rank's page-locked bytes for regions are all in use by this step "
+                                       f"({self.bytes} of {self.max_bytes}; the region needs {room})")
 
-    def _drop(self, ident: tuple[int, int]) -> None:
-        entry = self._entries.pop(ident)
-        if entry.base is not None:
-            torch.cuda.synchronize()  # (cheap when _evict did it already) no DMA of it may be pending
-            torch.cuda.cudart().cudaHostUnregister(entry.base.data_ptr())
-            entry.base = None
-        if entry.mm is not None:
-            with contextlib.suppress(BufferError):  # a view still exported: the mapping goes with it
-                entry.mm.close()
-            entry.mm = None
+    def _drop(self, k: EntryKey) -> None:
+        entry = self._entries.pop(k)
+        _unmap(entry)
         os.close(entry.fd)
 
 
+def _unmap(entry: _Entry) -> None:
+    """Unregister and unmap the entry's mapping (CUDA), once no DMA of it can be pending."""
+    if entry.base is not None:
+        torch.cuda.synchronize()  # a step in flight may DMA from or into it (cheap when nothing is)
+        torch.cuda.cudart().cudaHostUnregister(entry.base.data_ptr())
+        entry.base = None
+    if entry.mm is not None:
+        with contextlib.suppress(BufferError):  # a view still exported: the mapping goes with it
+            entry.mm.close()
+        entry.mm = None
+
+
 def _map(entry: _Entry) -> None:
-    """Map the object and register the mapping with CUDA (page-locked: DMA, no staged copy)."""
-    mm = mmap.mmap(entry.fd, entry.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    """Map the entry's bytes of its object and register them with CUDA (page-locked: DMA, no staged
+    copy); whatever fails is the source's error."""
+    n = entry.hi - entry.lo
+    try:
+        mm = mmap.mmap(entry.fd, n, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=entry.lo)
+    except (OSError, ValueError, OverflowError) as e:  # (ENOMEM: too many mappings) the request's error
+        raise SourceError("error", f"cannot map bytes {entry.lo}..{entry.hi - 1} of the object: "
+                                   f"{getattr(e, 'strerror', None) or e}") from None
     base = torch.frombuffer(mm, dtype=torch.uint8)  # no page is touched: only DMA ever reads or writes it
-    err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), entry.size, 0)
+    err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), n, 0)
     if int(err) != 0:
         del base
         mm.close()
-        raise SourceError("error", f"cudaHostRegister of the object ({entry.size} bytes) failed: error {int(err)}")
+        raise SourceError("error", f"cudaHostRegister of bytes {entry.lo}..{entry.hi - 1} of the object failed: "
+                                   f"error {int(err)}")
     entry.mm, entry.base = mm, base
 
 
@@ -260,18 +346,44 @@ class Plan:
         return min(m.a for m in self.reads), max(m.b for m in self.reads)
 
 
+def entry_key(ident, region: tuple[int, int]) -> EntryKey:
+    """The cache's key of a source's region: its object's identity and the bytes a rank maps."""
+    return (ident[0], ident[1], *span(*region))
+
+
 def plan(sources, objects: Objects, row_bytes: int, rows_in: tuple[int, int],
          rows_out: tuple[int, int]) -> Plan:
     """The moves of `sources` for a rank that reads the slot rows rows_in = (start, n) (relative
-    to start) and answers rows_out = (start, n) (relative to rows_out's own start). Each source's
-    objects are resolved and their size checked against the whole source (every rank reports the
-    same error for it)."""
+    to start) and answers rows_out = (start, n) (relative to rows_out's own start). Each region the
+    rank's sources name is looked up once (a source's input and output in one region, two sources in
+    one: one lookup, so nothing the step holds is mapped again or dropped while it plans), and each
+    source's rows are checked against its regions (every rank reports the same error for it).
+    Whatever a lookup raises is its sources' error, never the step's."""
     reads: list[Move] = []
     writes: list[Move] = []
     zero: list[tuple[int, int]] = []
     report: dict[int, Report] = {}
-    keep = {tuple(s[3]) for s in sources} | {tuple(s[6]) for s in sources}
-    for i, (row, rows, in_key, in_id, in_at, out_key, out_id, out_at) in enumerate(sources):
+    keep = {entry_key(s[3], s[8]) for s in sources} | {entry_key(s[6], s[9]) for s in sources}
+    found: dict[EntryKey, _Entry | SourceError] = {}
+
+    def lookup(key, ident, region, at: int, nbytes: int) -> _Entry:
+        k = entry_key(ident, region)
+        if k not in found:
+            try:
+                found[k] = objects.get(key, ident, region, keep)
+            except SourceError as err:
+                found[k] = err
+            except Exception as err:  # noqa: BLE001  (a bug or an errno nobody foresaw) the source's alone
+                found[k] = SourceError("error", f"{type(err).__name__}: {err}")
+        got = found[k]
+        if isinstance(got, SourceError):
+            raise got
+        if not (region[0] <= at and at + nbytes <= region[0] + region[1]):
+            raise SourceError("error", f"bytes {at}..{at + nbytes - 1} are not in the region "
+                                       f"({region[0]}..{region[0] + region[1] - 1})")
+        return got
+
+    for i, (row, rows, in_key, in_id, in_at, out_key, out_id, out_at, in_region, out_region) in enumerate(sources):
         a_in, b_in = _overlap(row, rows, rows_in)
         a_out, b_out = _overlap(row, rows, rows_out)
         if a_in >= b_in and a_out >= b_out:
@@ -279,9 +391,9 @@ def plan(sources, objects: Objects, row_bytes: int, rows_in: tuple[int, int],
         nbytes = rows * row_bytes
         side = "in"
         try:
-            src = objects.get(in_key, in_id, in_at + nbytes, keep)
+            src = lookup(in_key, in_id, in_region, in_at, nbytes)
             side = "out"
-            dst = objects.get(out_key, out_id, out_at + nbytes, keep)
+            dst = lookup(out_key, out_id, out_region, out_at, nbytes)
         except SourceError as err:
             report[i] = (side, err.code, str(err))
             if a_in < b_in:

@@ -13,7 +13,8 @@ dies, raises or stalls turns into a `WorkerError` carrying its traceback, never 
 that refuses its settings (`backend="fused"` where fused cannot run) into `BackendUnavailable`.
 After an error the group is dead: `close()` it and start a new one.
 
-With `direct_regions` (--shm-direct) the batcher may pass `sources` to `run`: rows of the step that
+With `direct_regions` (--shm-direct; the server decides, service.fleet.direct_regions: by default on
+where the ranks are CUDA) the batcher may pass `sources` to `run`: rows of the step that
 the ranks read from a client's shared-memory object and whose answer they write into another, in
 place of the slot's (service.worker.direct); their report (a bad row, an object that changed) comes
 back merged over the ranks in StepStats.sources.

@@ -13,12 +13,15 @@ seq order, and a ping or stop is answered after the steps before it.
 
 `sources` (service.worker.direct; empty but for `--shm-direct`) name rows of the step that are not in
 the slot: a client's shared-memory object holds them, and their answer goes into another. The rank
-reads its rows of each source from the object itself (CUDA: DMA from its page-locked mapping into
-the device rows; CPU: preadv into the rows the layer reads), zeroes those that are not all finite
+reads its rows of each source from the object itself (CUDA: DMA from the page-locked mapping of the
+source's region, that region's bytes alone, registered again when the object changed; CPU: preadv
+into the rows the layer reads), zeroes those that are not all finite
 before the layer reads them (CUDA: on the device, in stream order, the flags copied to the host with
 the step's snapshot), writes its rows of their answer into the output object (CUDA: DMA before the
 lane's `done` event; CPU: pwritev once the answer is in the slot) instead of the slot, and reports
-per source its first bad row or why the source could not be used (`stats["sources"]`).
+per source its first bad row or why the source could not be used (`stats["sources"]`). Before each
+step (every PRUNE_S) and when pinged, it lets go of regions no step used lately and of objects the
+client removed (`Objects.prune`).
 """
 
 from __future__ import annotations
@@ -215,7 +218,8 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
     A step's sources (`objects` holds what they name) change where its direct rows come from and go
     to, in the same stream and the same buffers as the slot's rows (`_dma_in`, `_dma_out`)."""
     cuda = inputs is not None
-    objects = objects or Objects(cuda=cuda)
+    if objects is None:  # (not `or`: an empty Objects is falsy, and the caller's holds the reserved set)
+        objects = Objects(cuda=cuda)
     row_bytes = cfg.H * cfg.dtype.itemsize
     private: list[torch.Tensor] = []  # CPU ranks of one host, sources: [R*C, H] the step's rows the layer reads
     depth = opts.lookahead if cuda else 1
@@ -294,7 +298,7 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
                 log.info("stopping after seq %d", last_seq)
                 objects.close()
                 return
-            objects.prune()  # (idle: nothing in flight uses them)
+            objects.prune(force=True)  # (idle: nothing in flight uses them)
             conn.send(("pong", rank, last_seq, None))
             continue
         _, seq, slot_index, T, *more = msg
@@ -311,6 +315,7 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
             # CPU ranks of one host read every row of the step: each reads every source's rows (into
             # rows of its own, the same on every rank); a rank writes its own rows of the answer
             rows_in = (0, T) if opts.host is not None else (start, n)
+            objects.prune()  # every PRUNE_S: regions no step used lately, objects removed (under load too)
             plan = direct.plan(sources, objects, row_bytes, rows_in, (start, n)) if sources else None
             if opts.host is not None:  # CPU ranks of one host: the layer reads every rank's rows from the slot
                 x, ids, w = slot.x[:T], slot.ids[:T], slot.w[:T]

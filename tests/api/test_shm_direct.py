@@ -21,11 +21,13 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from service.api import batcher as batcher_module
 from service.api import regions
 from service.api.batcher import Batcher
 from service.api.regions import RegionRows
 from service.config import LayerConfig, Settings
 from service.errors import DeadlineExceeded, InvalidInput
+from service.fleet import direct_regions
 from service.metrics import Metrics
 from service.worker import direct
 from service.worker.group import WorkerGroup
@@ -227,6 +229,83 @@ def test_a_key_that_now_names_another_object_is_refused(group, objects):
     c.table.close()
 
 
+def test_a_region_past_direct_max_bytes_is_copied(group, objects, front_end_copies, monkeypatch):
+    """A region larger than DIRECT_MAX_BYTES is never mapped by a rank: the front end copies its rows
+    (the same answer), the others stay direct."""
+    c = Client(objects)
+    x_big, ids_big, w_big = rows_of(9, 41)
+    x, ids, w = rows_of(5, 42)
+    big_in, big_out, _, _ = c.put(x_big)
+    small_in, small_out, _, _ = c.put(x)
+    jobs = [(big_in, ids_big, w_big, big_out), (small_in, ids, w, small_out)]
+    copied = serve(group, jobs, on=False)
+    monkeypatch.setattr(batcher_module, "DIRECT_MAX_BYTES", nbytes(x_big) - 1)
+    front_end_copies.clear()
+    got = serve(group, jobs, on=True)
+    assert sorted(front_end_copies) == [("read", torch.bfloat16), ("write", torch.bfloat16)], front_end_copies
+    for a, b in zip(got, copied, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    c.table.close()
+
+
+def test_a_source_naming_a_slot_of_the_ranks_is_refused(group, objects):
+    """A source whose identity is one of the server's own slots (a name of the client's that led to
+    it, a hard link made while the slot had its name): the ranks refuse it by that identity before
+    they open any name (not "replaced": the key's object is not even looked at)."""
+    st = os.fstat(group._slots[0].owner_fd)
+    other = objects(4096)
+    slot = group.acquire_slot(timeout=60)
+    try:
+        slot.ids[:2].zero_()
+        slot.w[:2].fill_(1 / CFG.K)
+        ident = (st.st_dev, st.st_ino)
+        stats = group.run(slot, 2, [(0, 2, other.key, ident, 0, other.key, ident, 0, (0, 4096), (0, 4096))])
+    finally:
+        group.release(slot)
+    assert stats.sources[0][:2] == ("in", "error") and "own shared memory" in stats.sources[0][2], stats.sources
+
+
+class RawObject:
+    """A client's object made with plain file calls (the client may remove it itself)."""
+
+    def __init__(self, size: int):
+        self.key = f"/moe11z-test-{os.urandom(6).hex()}"
+        self.path, self.size = f"{regions.SHM_ROOT}/{self.key[1:]}", size
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.ftruncate(fd, size)
+        os.close(fd)
+
+    def write(self, t: torch.Tensor, offset: int = 0) -> None:
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            os.pwrite(fd, regions._memory(t.contiguous()), offset)
+        finally:
+            os.close(fd)
+
+
+def test_removed_objects_are_let_go_under_load(group):
+    """Steps keep coming (no ping between them): PRUNE_S after the client removed its objects, the
+    ranks hold them no more."""
+    made: list[RawObject] = []
+    c = Client(lambda size: made.append(RawObject(size)) or made[-1])
+    x, ids, w = rows_of(4, 43)
+    first = c.put(x)
+    (got,) = serve(group, [(first[0], ids, w, first[1])], on=True)
+    paths = {f"{regions.SHM_ROOT}/{o.key[1:]}" for o in first[2:]}
+    assert set(p for ps in descriptors(group.pids, paths).values() for p in ps) == paths
+    for path in paths:
+        os.unlink(path)  # the client removed its objects (their regions stay registered)
+    time.sleep(direct.PRUNE_S + 0.2)
+    second = c.put(x)
+    (again,) = serve(group, [(second[0], ids, w, second[1])], on=True)
+    assert torch.equal(got.view(torch.int16), again.view(torch.int16))
+    held = {p for ps in descriptors(group.pids, paths).values() for p in ps}
+    assert not held, f"the ranks still hold {held}"
+    c.table.close()
+    for o in made[2:]:
+        os.unlink(o.path)
+
+
 class SlowGroup:
     """The group, each step run SLOW_S late (its direct rows are written at the end of the real run)."""
 
@@ -277,12 +356,42 @@ def test_a_deadline_in_a_direct_step_is_answered_after_the_step_returned(group, 
     c.table.close()
 
 
+def test_a_cancel_in_a_direct_step_returns_after_the_step(group, objects):
+    """A cancel (a disconnect, a gRPC cancel) while the request's direct step runs: the cancelled
+    submit returns only once the step returned, and nothing lands in the region after it (the
+    client reuses its region at once). (After the reviewer's reproduction.)"""
+    c = Client(objects)
+    x, ids, w = rows_of(9, 44)
+    rows_in, rows_out, _, obj_out = c.put(x)
+    slow = SlowGroup(group)
+
+    async def main():
+        b = await batcher(slow, delay_s=0.0)
+        try:
+            task = asyncio.create_task(b.submit(rows_in, ids, w, 30.0, out=rows_out))
+            await asyncio.sleep(SLOW_S / 4)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            cancelled = time.monotonic()
+            reuse = torch.randn(obj_out.size // 4)
+            obj_out.write(reuse)
+            return cancelled, reuse
+        finally:
+            await b.close(timeout_s=10 * SLOW_S)
+
+    cancelled, reuse = asyncio.run(main())
+    assert slow.returned and slow.returned[0] <= cancelled, "the cancel came back before the step returned"
+    assert torch.equal(obj_out.read(torch.float32, reuse.shape), reuse), "the region was written after the cancel"
+    c.table.close()
+
+
 # ---- the rank's cache of objects -----------------------------------------------------------------
 
 
 def test_the_objects_cache_is_bounded_and_keeps_the_steps_own(objects):
-    """At most max_objects kept, least recently used evicted but never one of the step's; a source
-    past the object's end is "truncated", an identity the key does not name "replaced"."""
+    """At most max_objects regions kept, least recently used evicted but never one of the step's; a
+    region past the object's end is "truncated", an identity the key does not name "replaced"."""
     made = [objects(4096) for _ in range(4)]
     idents = []
     for o in made:
@@ -290,14 +399,15 @@ def test_the_objects_cache_is_bounded_and_keeps_the_steps_own(objects):
         idents.append(direct.identity(fd))
         os.close(fd)
     cache = direct.Objects(cuda=False, max_objects=2)
+    first = direct.entry_key(idents[0], (0, 4096))
     for o, ident in zip(made[:3], idents, strict=False):
-        cache.get(o.key, ident, 4096, keep={idents[0]})
-    assert len(cache) == 2 and idents[0] in cache._entries and idents[1] not in cache._entries
+        cache.get(o.key, ident, (0, 4096), keep={first})
+    assert len(cache) == 2 and first in cache._entries and direct.entry_key(idents[1], (0, 4096)) not in cache._entries
     with pytest.raises(direct.SourceError) as info:
-        cache.get(made[3].key, idents[3], 4097, keep=set())
+        cache.get(made[3].key, idents[3], (1, 4096), keep=set())
     assert info.value.code == "truncated"
     with pytest.raises(direct.SourceError) as info:
-        cache.get(made[3].key, (idents[3][0], idents[3][1] + 1), 16, keep=set())
+        cache.get(made[3].key, (idents[3][0], idents[3][1] + 1), (0, 16), keep=set())
     assert info.value.code == "replaced"
     cache.close()
     assert len(cache) == 0
@@ -399,10 +509,10 @@ def test_a_non_owner_front_ends_direct_steps(two_direct_frontends, objects):
             obj_out.write(torch.full(x.shape, NAN))
             infer(c, "grpc", x, ids, w, inputs_in=spec, output_in=(f"out{i}", nbytes(x), 0))
             assert torch.equal(obj_out.read(torch.float32, x.shape), wire), i
-            c.unregister_system_shared_memory()
             paths = {f"/dev/shm/{o.key[1:]}" for o in (obj_in, obj_out)}
             held = {p for ps in descriptors(ranks_of(server), paths).values() for p in ps}
-            assert held == paths, f"request {i}: the ranks hold {held} of {paths}"
+            assert held == paths, f"request {i}: the ranks read and wrote {held} of {paths}"
+            c.unregister_system_shared_memory()
     finally:
         for c in clients:
             c.close()
@@ -413,3 +523,16 @@ def test_shm_direct_needs_shared_memory():
     with pytest.raises(ValidationError, match="needs shared_memory: system"):
         Settings(shm_direct=True)
     assert Settings(shm_direct=True, shared_memory="system").shm_direct
+    assert Settings(shm_direct=False).shm_direct is False  # (false needs nothing)
+
+
+@pytest.mark.parametrize(("value", "device", "on"), [
+    (None, "cuda", True), (None, "cpu", False),     # unset: on where the ranks are CUDA
+    (True, "cuda", True), (True, "cpu", True),      # forced
+    (False, "cuda", False), (False, "cpu", False),
+])
+def test_shm_direct_unset_is_on_for_cuda_ranks_only(value, device, on):
+    kw = {} if value is None else {"shm_direct": value}
+    got, why = direct_regions(Settings(shared_memory="system", **kw), device)
+    assert got is on and ("unset" in why) == (value is None), why
+    assert direct_regions(Settings(**({} if value is None else {"shm_direct": False})), device)[0] is False

@@ -1,10 +1,13 @@
-"""A CUDA rank's direct rows (--shm-direct, service.worker.direct): rows DMA'd from a client's object
+"""A CUDA rank's direct rows (--shm-direct, service.worker.direct): rows DMA'd from a client's region
 through its page-locked mapping and the answer DMA'd into another, with and without copy streams,
-for the fused and the serial backend. Answers equal the slot path's bit for bit (the same rows in
-the same step, one source at a client's odd byte offset among slot rows); a NaN row is reported as
+for the fused and the serial backend (R=1). Answers equal the slot path's bit for bit (the same rows
+in the same step, one source at a client's odd byte offset among slot rows); a NaN row is reported as
 the source's row and zeroed before the layer reads it (its batch-mates unchanged); an object
-truncated below its source's bytes is reported "truncated" and nothing is written; the object
-cache maps each object once over many steps."""
+truncated below its region is reported "truncated" and nothing is written; objects grown, or
+truncated and grown back to their size, give the new rows and get the answer (the region registered
+again); a region in a 512 TiB sparse object is mapped alone (only its pages populated) and a region
+past the ranks' byte bound is its source's error, the step's others answered; an object grown
+between a step's two lookups of it (in this process) keeps what the step holds."""
 
 from __future__ import annotations
 
@@ -79,6 +82,14 @@ def slot_path(group, x, ids, w) -> torch.Tensor:
         group.release(slot)
 
 
+def source(obj_in: ShmObject, obj_out: ShmObject, at: int = OFFSET, region=None) -> tuple:
+    """SOURCE's rows at byte `at` of obj_in, their answer at `at` of obj_out; each object's region
+    (as registered: what a rank maps) starts at the page before `at` and ends after the rows."""
+    row, rows = SOURCE
+    region = region or (at - at % 4096, at % 4096 + rows * ROW_BYTES)
+    return (row, rows, obj_in.key, obj_in.ident, at, obj_out.key, obj_out.ident, at, region, region)
+
+
 def direct_path(group, x, ids, w, obj_in: ShmObject, obj_out: ShmObject):
     """The step with SOURCE's rows in obj_in (at OFFSET) and their answer into obj_out (at OFFSET):
     (the answer's rows, the step's stats)."""
@@ -92,8 +103,7 @@ def direct_path(group, x, ids, w, obj_in: ShmObject, obj_out: ShmObject):
         slot.out.fill_(float("nan"))
         obj_in.write(x[row:row + rows], OFFSET)
         obj_out.write(torch.full((rows, CFG.H), float("nan"), dtype=CFG.dtype), OFFSET)
-        source = (row, rows, obj_in.key, obj_in.ident, OFFSET, obj_out.key, obj_out.ident, OFFSET)
-        stats = group.run(slot, T, [source])
+        stats = group.run(slot, T, [source(obj_in, obj_out)])
         answer = slot.out[:T].clone()
         assert answer[row:row + rows].isnan().all(), "the source's answer went into the slot"
         answer[row:row + rows] = obj_out.read(OFFSET, rows)
@@ -126,7 +136,11 @@ def objects():
 
 
 def test_direct_rows_equal_the_slot_paths(group, objects):
-    for seed in range(3):  # the same objects every step: mapped once
+    """The same objects every step: mapped once, and again after they grew (before the third)."""
+    for seed in range(3):
+        if seed == 2:
+            for o in objects:
+                os.truncate(o.path, os.stat(o.path).st_size + (1 << 20))
         x, ids, w = step_inputs(seed)
         want = slot_path(group, x, ids, w)
         got, stats = direct_path(group, x, ids, w, *objects)
@@ -162,8 +176,7 @@ def test_a_truncated_object_is_reported_and_not_written(group, objects, side):
         slot.ids[:T].copy_(ids)
         slot.w[:T].copy_(w)
         os.truncate(objects[side].path, OFFSET)
-        source = (row, rows, obj_in.key, obj_in.ident, OFFSET, obj_out.key, obj_out.ident, OFFSET)
-        stats = group.run(slot, T, [source])
+        stats = group.run(slot, T, [source(obj_in, obj_out)])
         report = stats.sources[0]
         assert report[:2] == (("in", "out")[side], "truncated"), report
         want = slot_path(group, x, ids, w)
@@ -173,3 +186,113 @@ def test_a_truncated_object_is_reported_and_not_written(group, objects, side):
     keep = torch.ones(T, dtype=torch.bool)
     keep[row:row + rows] = False
     assert torch.equal(got[keep].view(torch.int16), want[keep].view(torch.int16)), "the batch-mates changed"
+
+
+def test_truncated_and_grown_back_objects_give_the_new_rows_and_get_the_answer(group, objects):
+    """After a step used them (registered), the client truncates its objects to nothing and grows them
+    back to their size (same inode, same size: the registered pages are orphaned): the next step reads
+    the new rows and its answer lands in the file (the ranks register the regions again)."""
+    x, ids, w = step_inputs(20)
+    _, stats = direct_path(group, x, ids, w, *objects)
+    assert stats.sources == {}, stats.sources
+    for o in objects:
+        size = os.stat(o.path).st_size
+        os.truncate(o.path, 0)
+        os.truncate(o.path, size)
+    x, ids, w = step_inputs(21)
+    want = slot_path(group, x, ids, w)
+    got, stats = direct_path(group, x, ids, w, *objects)  # (its answer's rows read back from the file)
+    assert stats.sources == {}, stats.sources
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_a_huge_sparse_object_maps_its_region_alone_and_a_region_past_the_bound_fails_alone(group):
+    """A region near the middle of a 512 TiB sparse object: its rows are answered, and only its pages
+    are populated; in the same step, a source whose region claims more than the ranks' byte bound
+    (the batcher never sends one) is that source's error, not the step's."""
+    huge = ShmObject(512 << 40)
+    small_in, small_out = ShmObject(OFFSET + SOURCE[1] * ROW_BYTES), ShmObject(OFFSET + SOURCE[1] * ROW_BYTES)
+    try:
+        x, ids, w = step_inputs(22)
+        want = slot_path(group, x, ids, w)
+        row, rows = SOURCE
+        at = (256 << 40) + 6
+        huge.write(x[row:row + rows], at)
+        slot = group.acquire_slot(timeout=60)
+        try:
+            slot.x[:T].copy_(x)
+            slot.ids[:T].copy_(ids)
+            slot.w[:T].copy_(w)
+            slot.out.fill_(float("nan"))
+            first = source(huge, huge, at)  # input and output in one region: one mapping
+            first = (row, 60, *first[2:4], at, *first[5:7], at + rows * ROW_BYTES,
+                     (at - 6, 6 + 2 * rows * ROW_BYTES), (at - 6, 6 + 2 * rows * ROW_BYTES))
+            past = (row + 60, rows - 60, small_in.key, small_in.ident, OFFSET, small_out.key, small_out.ident,
+                    OFFSET, (0, direct.MAX_BYTES + 1), (0, OFFSET + rows * ROW_BYTES))
+            stats = group.run(slot, T, [first, past])
+            out = slot.out[:T].clone()
+        finally:
+            group.release(slot)
+        assert stats.sources.get(0) is None and stats.sources[1][:2] == ("in", "error"), stats.sources
+        fd = os.open(huge.path, os.O_RDONLY)
+        try:
+            answer = torch.empty(60, CFG.H, dtype=CFG.dtype)
+            os.preadv(fd, [direct.memory(answer)], at + rows * ROW_BYTES)
+        finally:
+            os.close(fd)
+        assert torch.equal(answer.view(torch.int16), want[row:row + 60].view(torch.int16))
+        assert out[row:row + 60].isnan().all(), "the huge object's answer went into the slot"
+        keep = torch.ones(T, dtype=torch.bool)
+        keep[row:row + rows] = False
+        assert torch.equal(out[keep].view(torch.int16), want[keep].view(torch.int16)), "the batch-mates changed"
+        assert os.stat(huge.path).st_blocks * 512 < 64 << 20, "the ranks populated more than the region"
+    finally:
+        for o in (huge, small_in, small_out):
+            o.remove()
+
+
+def test_an_object_grown_between_a_steps_two_lookups_of_it_in_process(monkeypatch):
+    """In this process, real CUDA: a source's input and output in one region, and a second source in
+    another region of the same object; the client grows the object after the plan's first lookup:
+    the step keeps what it holds (the rows DMA'd in are the object's, the answer lands in it), and
+    the next plan registers the grown object's region again."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from service.worker.rank import _dma_in, _dma_out
+
+    n = 16
+    o = ShmObject(1 << 20)
+    try:
+        rows = torch.randn(2 * n, CFG.H).to(CFG.dtype)
+        o.write(rows[:n], 0)
+        o.write(rows[n:], 1 << 19)
+        first, second = (0, 1 << 18), (1 << 19, 1 << 18)
+        sources = [(0, n, o.key, o.ident, 0, o.key, o.ident, n * ROW_BYTES, first, first),
+                   (n, n, o.key, o.ident, 1 << 19, o.key, o.ident, (1 << 19) + n * ROW_BYTES, second, second)]
+        cache = direct.Objects(cuda=True)
+        direct.plan(sources, cache, ROW_BYTES, (0, 2 * n), (0, 2 * n))
+        real, calls = direct.Objects.get, []
+
+        def racing(self, *args):
+            entry = real(self, *args)
+            calls.append(args)
+            if len(calls) == 1:
+                os.truncate(o.path, 2 << 20)  # the client grows its object meanwhile
+            return entry
+
+        monkeypatch.setattr(direct.Objects, "get", racing)
+        plan = direct.plan(sources, cache, ROW_BYTES, (0, 2 * n), (0, 2 * n))
+        monkeypatch.setattr(direct.Objects, "get", real)
+        assert plan.report == {} and len(calls) == 2, (plan.report, calls)
+        dev = torch.full((2 * n, CFG.H), float("nan"), dtype=CFG.dtype, device="cuda")
+        _dma_in(dev, torch.zeros(2 * n, CFG.H, dtype=CFG.dtype), plan, ROW_BYTES)
+        answer = dev * 2
+        _dma_out(answer, torch.empty(2 * n, CFG.H, dtype=CFG.dtype), plan, ROW_BYTES)
+        torch.cuda.synchronize()
+        assert torch.equal(dev.cpu().view(torch.int16), rows.view(torch.int16))
+        assert torch.equal(o.read(n * ROW_BYTES, n).view(torch.int16), answer[:n].cpu().view(torch.int16))
+        assert torch.equal(o.read((1 << 19) + n * ROW_BYTES, n).view(torch.int16), answer[n:].cpu().view(torch.int16))
+        assert direct.plan(sources, cache, ROW_BYTES, (0, 2 * n), (0, 2 * n)).report == {}
+        cache.close()
+    finally:
+        o.remove()
