@@ -37,6 +37,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
 import threading
 import time
@@ -62,6 +63,7 @@ STOP_GRACE_S = 10.0  # how long close() waits for ranks to exit before killing t
 STEP_DEADLINE_FACTOR = 10.0
 STEP_DEADLINE_FLOOR_S = 5.0
 STEP_HISTORY = 64
+EXIT_WAIT_S = 1.0  # how long a rank whose pipe closed is given to be reaped, to name how it ended
 HEARTBEAT_TIMEOUT_S = 2.0  # an idle rank answers a ping in well under a millisecond
 STOPPED_STATES = ("T", "t")  # /proc/PID/stat: stopped by a signal, stopped by a tracer
 
@@ -394,8 +396,7 @@ class WorkerGroup:
                 try:
                     msg = pending[rank].recv()
                 except (EOFError, OSError):
-                    code = self._procs[rank].exitcode
-                    raise WorkerError(f"{what}: rank {rank} died (exit code {code})", rank=rank) from None
+                    raise WorkerError(f"{what}: rank {rank} died ({self._exit(rank)})", rank=rank) from None
                 if msg[0] == "refused":
                     raise BackendUnavailable(msg[2])
                 if msg[0] == "error":
@@ -406,9 +407,23 @@ class WorkerGroup:
                 del pending[rank]
             for sentinel, rank in sentinels.items():
                 if sentinel in ready and rank in pending and not self._conns[rank].poll():
-                    code = self._procs[rank].exitcode
-                    raise WorkerError(f"{what}: rank {rank} died (exit code {code})", rank=rank)
+                    raise WorkerError(f"{what}: rank {rank} died ({self._exit(rank)})", rank=rank)
         return [answers[r] for r in range(len(self._conns))]
+
+    def _exit(self, rank: int) -> str:
+        """How rank `rank`'s process ended, once the kernel has said: its pipe closes a moment before the
+        process can be reaped, so wait for that briefly ("exit code None" said nothing)."""
+        proc = self._procs[rank]
+        proc.join(timeout=EXIT_WAIT_S)
+        code = proc.exitcode
+        if code is None:
+            return "its pipe closed; the process has not exited yet"
+        if code < 0:
+            try:
+                return f"killed by signal {-code}, {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
 
     def _silence(self, pending: list[int], what: str, timeout: float) -> str:
         """Why `pending` ranks did not answer. Ranks of a step wait on each other in its

@@ -32,6 +32,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import signal
 import time
 import traceback
 
@@ -82,6 +83,9 @@ def pin_slot(slot) -> None:
 
 def rank_main(rank: int, opts: RankOptions, conn) -> None:
     """Entry point of a rank process (spawned by service.worker.group)."""
+    # A terminal's Ctrl-C signals the whole process group: the ranks are the owner's to stop (it drains
+    # first, then sends ("stop",)); a KeyboardInterrupt here failed the requests in flight.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=opts.log_level,
                         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("service.worker.rank")

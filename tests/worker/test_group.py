@@ -165,6 +165,27 @@ def test_killed_rank_fails_the_step_without_hanging():
         assert time.monotonic() - t0 < 10
 
 
+def test_a_killed_rank_is_named_with_its_signal():
+    """Before: "rank 1 died (exit code None)": the pipe closes before the process can be reaped."""
+    with WorkerGroup(SMALL, step_timeout_s=30) as g:
+        os.kill(g.pids[1], signal.SIGKILL)
+        with pytest.raises(WorkerError, match="rank 1 died \\(killed by signal 9, SIGKILL\\)"):
+            g.forward(*_batch(3, 2))
+
+
+def test_sigint_to_the_ranks_changes_nothing():
+    """A terminal's Ctrl-C reaches every process of the group: the ranks ignore it (the owner stops
+    them). Before: each rank raised KeyboardInterrupt and the step in flight failed (user's trial 4)."""
+    with WorkerGroup(SMALL, step_timeout_s=30) as g:
+        x, ids, w = _batch(5, 4)
+        before = g.forward(x, ids, w)
+        for pid in g.pids:
+            os.kill(pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert g.heartbeat() is True and g.poll()
+        assert torch.equal(g.forward(x, ids, w), before)
+
+
 def test_rank_killed_mid_step_fails_it_and_its_peers_do_not_spin():
     """Rank 1 stopped, a step sent: its peers publish their rows and wait in the step's first barrier
     (asleep: no CPU time while they wait); rank 1 killed: the step fails at once, nothing hangs."""
