@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import logging
+import os
 import re
+from collections.abc import Mapping
 from typing import Literal
 
 import torch
@@ -182,7 +184,7 @@ class Settings(BaseSettings):
     model_name: str = Field("moe", description="model name in the v2 routes and gRPC calls (one URL path segment; "
                                                "not 'stats', which GET /v2/models/stats takes)")
 
-    preset: str | None = Field(None, description="layer preset; default seed on GPU, cpu otherwise")
+    preset: str | None = Field(None, description="layer preset: cpu or seed; unset: seed on GPU, cpu otherwise")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="`auto`: cuda when torch sees a GPU, else cpu")
     world_size: int | None = Field(None, ge=1, description="ranks R; default the preset's (capped by GPUs)")
     capacity: int | None = Field(None, ge=1, description="tokens per rank and step C; default the preset's")
@@ -371,3 +373,12 @@ class Settings(BaseSettings):
                             PRESETS[name].R, gpus, R)
         overrides = dict(R=R, C=self.capacity, K=self.top_k, dtype=DTYPES[self.dtype] if self.dtype else None)
         return preset(name, **overrides)
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """MOE_* variables of the environment that name no setting (a typo such as MOE_HTTP_PROT is
+    otherwise ignored without a word: extra="ignore"), sorted."""
+    prefix = Settings.model_config["env_prefix"]
+    env = os.environ if environ is None else environ
+    return sorted(k for k in env
+                  if k.upper().startswith(prefix) and k[len(prefix):].lower() not in Settings.model_fields)

@@ -47,7 +47,7 @@ from service.api.frontend import Frontend
 from service.api.grpc import GrpcServer
 from service.api.http import create_app
 from service.api.regions import Regions, RegionTable
-from service.config import LayerConfig, Settings
+from service.config import LayerConfig, Settings, unknown_variables
 from service.errors import ConfigError, GroupUnavailable, MoEError, WorkerError
 from service.fleet import (
     FRONTEND_STOP_GRACE_S,
@@ -486,6 +486,9 @@ def serve(settings: Settings) -> int:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logfilter.install()
+    unknown = unknown_variables()
+    if unknown:
+        log.warning("ignored: %s name no setting (the settings: moe-serve --help)", ", ".join(unknown))
     ensure_file_limit(settings.max_connections)
     try:
         server = Server(settings)

@@ -114,3 +114,25 @@ def test_layer_needs_weights_and_activation_is_checked():
     with pytest.raises(ConfigError, match="clamp limit must be positive"):
         Activation("silu", limit=0.0)
     assert "act=gpt_oss limit=7 alpha=1.702" in preset("cpu").replace(act=Activation("gpt_oss", limit=7.0)).describe()
+
+
+def test_unknown_moe_variables_are_named():
+    """A typo such as MOE_HTTP_PROT was ignored without a word (extra="ignore"); the server now warns
+    naming it (user's trial 4). Settings' own variables, any case, are not named."""
+    from service.config import unknown_variables
+
+    env = {"MOE_HTTP_PROT": "1", "MOE_HTTP_PORT": "8000", "moe_log_level": "INFO", "MOE_SHM_DIRECT": "true",
+           "PATH": "/bin", "MOEX": "1"}
+    assert unknown_variables(env) == ["MOE_HTTP_PROT"]
+
+
+def test_the_server_warns_of_unknown_moe_variables(monkeypatch, caplog):
+    from service import server
+
+    monkeypatch.setenv("MOE_HTTP_PROT", "1")
+    monkeypatch.setattr(server.logfilter, "install", lambda: None)  # (serve's process-wide set-up, not this test's)
+    monkeypatch.setattr(server, "ensure_file_limit", lambda n: None)
+    monkeypatch.setattr(server, "Server", lambda settings: (_ for _ in ()).throw(ConfigError("stop here")))
+    with caplog.at_level("WARNING", logger="moe-serve"):
+        assert server.serve(Settings(device="cpu")) == 2
+    assert any("MOE_HTTP_PROT" in r.getMessage() and "no setting" in r.getMessage() for r in caplog.records)

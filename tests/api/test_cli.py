@@ -83,6 +83,14 @@ def test_help_renders_a_percent_sign_in_a_setting_s_description():
     assert text.count("%") >= sum(d.count("%") for d in described), text
 
 
+def test_help_lists_the_presets():
+    """Before: `--preset PRESET` with "layer preset; default seed on GPU, cpu otherwise" (user's trial 4)."""
+    from service.config import PRESETS
+
+    text = " ".join(build_parser().format_help().split()).split("--preset PRESET")[-1][:200]
+    assert all(name in text for name in PRESETS), text
+
+
 def test_write_checkpoint_help_describes_every_argument(capsys):
     """Before: `write-checkpoint --help` had no description, and output, --preset and --seed no help
     text nor their defaults (user's trial 4)."""
