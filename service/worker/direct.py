@@ -33,15 +33,18 @@ identity in the cache always names the object it was opened as):
   that truncates its object and grows it back, or punches a hole, leaves the mapping on orphaned
   pages (a DMA would read old rows and write the answer where nobody reads it). So at each use the
   object's (st_size, st_ctime_ns) is compared with what it was when the region was registered (read
-  after registering: page-locking faults pages in); if either moved the region is unregistered
+  after registering; the pages are faulted in by read before they are page-locked, since a write
+  fault of a tmpfs page moves ctime and would make every other registration of the object, its
+  other regions' and the other ranks', look stale at each step); if either moved the region is unregistered
   (after a sync: a step in flight may still DMA it) and registered again; a region past the
   object's end is "truncated" (and let go). A truncate, a regrow, a hole punched and a write() or
   pwrite() all change ctime (checked on Linux 6.18 tmpfs, which keeps fine-grained ctimes; a
   kernel with coarse timestamps could miss a change within one clock tick of the last check); a
   write through an existing mapping of the client's does not, once its pages are faulted in
   (tritonclient's shared-memory utilities and the bench write that way). The residual: a client
-  that writes its rows with write()/pwrite() each request has its region registered again each
-  step (correct, slower); and a change made while the rank registers the region (between its
+  that writes its rows with write()/pwrite() each request, or maps its object afresh for each
+  request (its first write to each page of a new mapping is a write fault), has its region
+  registered again each step (correct, slower); and a change made while the rank registers the region (between its
   mapping and the fstat after it) is not seen until the object changes again.
 - Every PRUNE_S (1 s) of steps, and whenever an idle rank is pinged, a rank lets go of the regions
   of objects no name leads to any more (the client removed them) and of those no step used for
@@ -68,6 +71,7 @@ import collections
 import contextlib
 import ctypes
 import dataclasses
+import errno as _errno
 import mmap
 import os
 import stat
@@ -297,6 +301,10 @@ def _unmap(entry: _Entry) -> None:
         entry.mm = None
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True)
+MADV_POPULATE_READ = 22  # linux/mman.h (5.14+): fault the range in as reads would, without reading it
+
+
 def _map(entry: _Entry) -> None:
     """Map the entry's bytes of its object and register them with CUDA (page-locked: DMA, no staged
     copy); whatever fails is the source's error."""
@@ -307,6 +315,19 @@ def _map(entry: _Entry) -> None:
         raise SourceError("error", f"cannot map bytes {entry.lo}..{entry.hi - 1} of the object: "
                                    f"{getattr(e, 'strerror', None) or e}") from None
     base = torch.frombuffer(mm, dtype=torch.uint8)  # no page is touched: only DMA ever reads or writes it
+    # Fault the pages in by read first: page-locking a writable mapping write-faults every page it has
+    # not mapped yet, and on tmpfs a write fault moves the object's ctime, which would make every other
+    # registration of the object (the other ranks', its other regions') look stale and be registered
+    # again at each step, each time moving ctime anew. A read fault of a shared writable tmpfs mapping
+    # maps the page writable, so the locking takes no write fault. (The kernel faults; the CPU reads
+    # nothing. Past the object's end: EFAULT, no SIGBUS. EINVAL: a kernel before 5.14, done without.)
+    if _LIBC.madvise(ctypes.c_void_p(base.data_ptr()), ctypes.c_size_t(n), MADV_POPULATE_READ) != 0:
+        errno = ctypes.get_errno()
+        if errno != _errno.EINVAL:
+            del base
+            mm.close()
+            raise SourceError("error", f"cannot fault in bytes {entry.lo}..{entry.hi - 1} of the object: "
+                                       f"{os.strerror(errno)}")
     err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), n, 0)
     if int(err) != 0:
         del base

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import time
 import uuid
 
 import pytest
@@ -19,6 +20,8 @@ from service.worker.rank import _check_cuda, _dma_in, _dma_out, _note_flags
 H = 6
 DTYPE = torch.bfloat16
 ROW_BYTES = H * DTYPE.itemsize
+_LIBC = ctypes.CDLL(None, use_errno=True)
+MADV_POPULATE_WRITE = 23  # linux/mman.h: fault a range in as writes would (what page-locking does)
 
 
 class Obj:
@@ -64,8 +67,14 @@ class FakeCudart:
         self.registered: list[int] = []    # sizes, in order
         self.unregistered: list[int] = []  # pointers
         self.syncs = 0
+        self.pin_s = 0.0  # how long a registration takes (a 16 MiB region: milliseconds)
 
     def cudaHostRegister(self, ptr, size, flags):
+        # what page-locking does to the mapping (get_user_pages for write): a write fault of every page
+        # not yet mapped writable, the data untouched (on tmpfs a write fault moves the object's ctime)
+        assert _LIBC.madvise(ctypes.c_void_p(ptr - ptr % mmap.PAGESIZE), ctypes.c_size_t(size + ptr % mmap.PAGESIZE),
+                             MADV_POPULATE_WRITE) == 0, ctypes.get_errno()
+        time.sleep(self.pin_s)
         self.registered.append(size)
         return 0
 
@@ -284,6 +293,35 @@ def test_writes_through_a_clients_mapping_register_nothing_again(objs, cudart):
     assert len(cudart.registered) == 1, cudart.registered
     client.close()
     cache.close()
+
+
+@pytest.mark.parametrize("pin_s", [0.0, 0.005])
+def test_other_registrations_of_an_object_are_not_made_stale_by_page_locking(objs, cudart, pin_s):
+    """Page-locking write-faults the pages it maps, and on tmpfs that moves the object's ctime: every
+    other registration of the object (its other regions, another rank's) then looked stale and was
+    registered again at each step, each moving ctime anew (reviewer RZ2). Input and output regions
+    of one object, two requests' regions of one object used in turn, and two ranks of one region:
+    each region registered once over the steps."""
+    cudart.pin_s = pin_s  # a registration of milliseconds lets the clock move on (a 16 MiB region)
+    one = objs(4 * 4096)
+    first = [src(0, 2, one, 0, one, 4096, (0, 4096), (4096, 4096))]
+    second = [src(0, 2, one, 8192, one, 12288, (8192, 4096), (12288, 4096))]
+    cache = direct.Objects(cuda=True)
+    for step in range(8):  # steps a few ms apart, as served
+        time.sleep(0.003)
+        assert direct.plan(first if step % 2 == 0 else second, cache, ROW_BYTES, (0, 2), (0, 2)).report == {}
+    cache.close()
+    assert len(cudart.registered) == 4, f"{len(cudart.registered)} registrations of 4 regions over 8 steps"
+    i, out = objs(4096), objs(4096)
+    sources = [src(0, 4, i, 0, out, 0)]
+    ranks = [direct.Objects(cuda=True), direct.Objects(cuda=True)]  # R=2: each rank its own mappings
+    for _ in range(6):
+        for r, rank_cache in enumerate(ranks):
+            time.sleep(0.002)
+            assert direct.plan(sources, rank_cache, ROW_BYTES, (2 * r, 2), (2 * r, 2)).report == {}
+    for rank_cache in ranks:
+        rank_cache.close()
+    assert len(cudart.registered) == 4 + 4, f"{len(cudart.registered) - 4} registrations of 2 regions x 2 ranks"
 
 
 def punch_hole(path: str, at: int, n: int) -> None:
