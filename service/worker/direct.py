@@ -71,7 +71,6 @@ import collections
 import contextlib
 import ctypes
 import dataclasses
-import errno as _errno
 import mmap
 import os
 import stat
@@ -320,14 +319,9 @@ def _map(entry: _Entry) -> None:
     # registration of the object (the other ranks', its other regions') look stale and be registered
     # again at each step, each time moving ctime anew. A read fault of a shared writable tmpfs mapping
     # maps the page writable, so the locking takes no write fault. (The kernel faults; the CPU reads
-    # nothing. Past the object's end: EFAULT, no SIGBUS. EINVAL: a kernel before 5.14, done without.)
-    if _LIBC.madvise(ctypes.c_void_p(base.data_ptr()), ctypes.c_size_t(n), MADV_POPULATE_READ) != 0:
-        errno = ctypes.get_errno()
-        if errno != _errno.EINVAL:
-            del base
-            mm.close()
-            raise SourceError("error", f"cannot fault in bytes {entry.lo}..{entry.hi - 1} of the object: "
-                                       f"{os.strerror(errno)}")
+    # nothing; past the object's end it is EFAULT, no SIGBUS.) Best effort: where it fails (EINVAL: a
+    # kernel before 5.14) the locking faults the pages in itself, as before, and decides alone.
+    _LIBC.madvise(ctypes.c_void_p(base.data_ptr()), ctypes.c_size_t(n), MADV_POPULATE_READ)
     err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), n, 0)
     if int(err) != 0:
         del base
