@@ -57,6 +57,10 @@ class ModelControlUnsupported(InvalidInput):
     """A model repository load or unload call: the one model is loaded at start, for good."""
 
 
+class RepositoryNameUnsupported(InvalidInput):
+    """A model repository call that names a repository (gRPC's `repository_name`): there is none."""
+
+
 class ClientGone(MoEError):
     """The client closed the connection before its request was read."""
 
@@ -71,7 +75,10 @@ _TABLE: tuple[tuple[type[BaseException], int, grpc.StatusCode], ...] = (
     (BodyTimeout, 408, grpc.StatusCode.DEADLINE_EXCEEDED),
     (SharedMemoryOff, 400, grpc.StatusCode.FAILED_PRECONDITION),
     (CudaSharedMemoryUnsupported, 400, grpc.StatusCode.UNIMPLEMENTED),  # Triton's UNSUPPORTED
-    (ModelControlUnsupported, 400, grpc.StatusCode.UNIMPLEMENTED),
+    # Triton (--model-control-mode none or poll) answers UNAVAILABLE, which clients and gRPC retry
+    # policies retry: this refusal is for good, a state of the server, hence FAILED_PRECONDITION.
+    (ModelControlUnsupported, 400, grpc.StatusCode.FAILED_PRECONDITION),
+    (RepositoryNameUnsupported, 400, grpc.StatusCode.UNIMPLEMENTED),  # Triton's UNSUPPORTED
     (RegionNotFound, 404, grpc.StatusCode.NOT_FOUND),
     (RegionExists, 409, grpc.StatusCode.ALREADY_EXISTS),
     (TooManyRegions, 400, grpc.StatusCode.RESOURCE_EXHAUSTED),

@@ -4,6 +4,8 @@ The model's configuration and statistics are Triton's (`/v2/models/{m}/config`, 
 ModelConfig, ModelStatistics), so that perf_analyzer and other Triton tools run unchanged. The
 token dimension is Triton's batch dimension: `max_batch_size` is the most tokens one request may
 carry, dims leave it out, and `inference_count` counts tokens as Triton counts batch items.
+Triton's model repository calls are answered as a server with its one model loaded at start
+(`repository_index`, `refuse_model_control`), alike on HTTP and gRPC.
 
 With several front-end processes (service.fleet) `gather` returns every process's Snapshot, and
 /metrics and the statistics answer their sum, whichever process is asked.
@@ -17,7 +19,8 @@ import time
 from collections.abc import Callable
 
 from service.api.batcher import Batcher
-from service.api.codecs import INPUT_NAMES, MODEL_VERSION, OUTPUT_NAME, V2_NAMES, Decoded, ModelSpec
+from service.api.codecs import INPUT_NAMES, MODEL_VERSION, OUTPUT_NAME, V2_NAMES, Decoded, ModelSpec, check_model
+from service.api.error_map import ModelControlUnsupported, RepositoryNameUnsupported
 from service.api.regions import Regions, Rows, enabled
 from service.config import LayerConfig, Settings
 from service.errors import GroupUnavailable
@@ -140,14 +143,23 @@ class Frontend:
             "outputs": [{"name": OUTPUT_NAME, "datatype": dt, "shape": [-1, cfg.H]}],
         }
 
-    def repository_index(self, ready_only: bool = False) -> list[dict]:
+    def repository_index(self, ready_only: bool = False, repository: str = "") -> list[dict]:
         """Triton's model repository index: the one model, READY or UNAVAILABLE with the reason
-        (`ready_only`: only a ready one)."""
+        (`ready_only`: only a ready one). A `repository` name is refused, as Triton does."""
+        _no_repository(repository)
         if self._ready:
             return [{"name": self.model_name, "version": MODEL_VERSION, "state": "READY"}]
         if ready_only:
             return []
         return [{"name": self.model_name, "version": MODEL_VERSION, "state": "UNAVAILABLE", "reason": self._why_not}]
+
+    def refuse_model_control(self, model: str, repository: str = "") -> None:
+        """Triton's load or unload of `model`: refused, always, saying why; an unknown name is
+        ModelNotFound, a `repository` name is refused first (as Triton checks it first)."""
+        _no_repository(repository)
+        check_model(model, None, self.model_name)
+        raise ModelControlUnsupported(f"this server loads its one model, {self.model_name!r}, at start and "
+                                      "cannot load or unload models (as Triton with --model-control-mode=none)")
 
     def model_config(self) -> dict:
         """Triton's model configuration (model_config.proto's field names, as its HTTP API prints
@@ -212,3 +224,10 @@ class Frontend:
             },
             "batch_stats": [],
         }]}
+
+
+def _no_repository(name: str) -> None:
+    """Triton's model repository calls name no repository here (gRPC's `repository_name`)."""
+    if name:
+        raise RepositoryNameUnsupported(f"'repository_name' specification is not supported (got {name!r}): "
+                                        "this server has no model repository, only its one model")

@@ -199,6 +199,27 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def CudaSharedMemoryUnregister(self, request, context):
         return pb.CudaSharedMemoryUnregisterResponse()  # nothing is registered: nothing to remove
 
+    # ---- Triton's model repository extension: the index; no load or unload (Frontend) -------
+
+    async def RepositoryIndex(self, request, context):
+        try:
+            models = self.fe.repository_index(request.ready, request.repository_name)
+        except Exception as exc:  # noqa: BLE001
+            return _reject(context, *_failure(exc)[1:])
+        return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**m) for m in models])
+
+    async def RepositoryModelLoad(self, request, context):
+        try:
+            self.fe.refuse_model_control(request.model_name, request.repository_name)
+        except Exception as exc:  # noqa: BLE001  always: the model is loaded at start
+            return _reject(context, *_failure(exc)[1:])
+
+    async def RepositoryModelUnload(self, request, context):
+        try:
+            self.fe.refuse_model_control(request.model_name, request.repository_name)
+        except Exception as exc:  # noqa: BLE001  always: the model is loaded at start
+            return _reject(context, *_failure(exc)[1:])
+
 
 class _Handlers:
     """Records what the generated add_..._to_server registers, so that one method can be swapped."""

@@ -1,24 +1,30 @@
-"""What HTTP and gRPC share: large requests leave the event loop, one list of protocols."""
+"""What HTTP and gRPC share: large requests leave the event loop, one list of protocols, the
+model repository index."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 
+import grpc
 import pytest
 import torch
+import tritonclient.grpc as grpcclient
 from fastapi.testclient import TestClient
 from safetensors.torch import save
+from tritonclient.utils import InferenceServerException
 
 from service.api import codecs, frontend
 from service.api.batcher import Batcher
-from service.api.grpc import InferenceServicer
+from service.api.grpc import GrpcServer, InferenceServicer
 from service.api.http import create_app
 from service.config import Settings
 from service.errors import GroupUnavailable
 from service.metrics import PROTOCOLS, Metrics
 from tests.api.common import CFG, inputs
+from tests.serverproc import free_port
 
 
 def make_frontend() -> frontend.Frontend:
@@ -181,3 +187,61 @@ def test_the_repository_index_follows_readiness():
             {"name": fe.model_name, "version": "1", "state": "READY"}]
         bad = client.post("/v2/repository/index", content=b"[1]")
         assert bad.status_code == 400, bad.text
+
+
+def error_of(call) -> tuple[str, str]:
+    """A tritonclient call's failure: its status and message."""
+    with pytest.raises(InferenceServerException) as info:
+        call()
+    return str(info.value.status()), info.value.message()
+
+
+@contextlib.contextmanager
+def grpc_serving(fe: frontend.Frontend):
+    """`fe`'s gRPC server on a loopback port, its event loop in a thread; yields the address."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    port = free_port()
+
+    async def start() -> GrpcServer:
+        server = GrpcServer(fe, "127.0.0.1", port)
+        await server.start()
+        return server
+
+    server = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
+
+
+def test_the_grpc_repository_index_follows_readiness_as_http_does():
+    """tritonclient.grpc's index: the model UNAVAILABLE with the reason while the group is not
+    ready (none at all with ready=true), READY once it is; the same entries as HTTP's index.
+    Before: UNIMPLEMENTED "Method not found!"."""
+    fe = make_frontend()
+    fe.set_ready(False, "the rank group is restarting")
+    with grpc_serving(fe) as url, TestClient(create_app(fe)) as http, grpc.insecure_channel(url) as channel:
+        client = grpcclient.InferenceServerClient(url)
+        stub = grpcclient.service_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+        def ready_only() -> list[tuple[str, str, str, str]]:
+            index = stub.RepositoryIndex(grpcclient.service_pb2.RepositoryIndexRequest(ready=True), timeout=10)
+            return [(m.name, m.version, m.state, m.reason) for m in index.models]
+
+        unavailable = {"name": fe.model_name, "version": "1", "state": "UNAVAILABLE",
+                       "reason": "the rank group is restarting"}
+        assert client.get_model_repository_index(as_json=True) == {"models": [unavailable]}
+        assert client.get_model_repository_index(as_json=True) == {"models": http.post("/v2/repository/index").json()}
+        assert ready_only() == []
+        fe.set_ready(True)
+        assert client.get_model_repository_index(as_json=True) == {
+            "models": [{"name": fe.model_name, "version": "1", "state": "READY"}]}
+        assert ready_only() == [(fe.model_name, "1", "READY", "")]
+        assert client.get_model_repository_index(as_json=True) == {"models": http.post("/v2/repository/index").json()}
+        status, text = error_of(lambda: client.load_model(fe.model_name))
+        assert status == "StatusCode.FAILED_PRECONDITION" and "cannot load or unload" in text, text

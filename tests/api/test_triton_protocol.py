@@ -103,8 +103,7 @@ def test_the_repository_index_lists_the_model_and_load_unload_are_refused_saying
     """tritonclient.http's get_model_repository_index() answers Triton's index of the one model,
     READY (also with {"ready": true}); load_model / unload_model are refused with 400 naming why
     (the model is loaded at start), an unknown name with 404; a bad index body is a 400. Before:
-    404 "Not Found" for every call, which said nothing. (gRPC's RepositoryIndex is not in this
-    server's proto: still UNIMPLEMENTED.)"""
+    404 "Not Found" for every call, which said nothing."""
     h = http_client(server)
     assert h.get_model_repository_index() == [{"name": MODEL, "version": "1", "state": "READY"}]
     with httpx.Client(base_url=f"http://{server.http_hostport}", timeout=10) as c:
@@ -117,6 +116,37 @@ def test_the_repository_index_lists_the_model_and_load_unload_are_refused_saying
     status, text = error_of(lambda: h.load_model("other"))
     assert status == "404" and "unknown model 'other'" in text, text
     assert h.is_model_ready(MODEL)  # refused, and nothing unloaded
+
+
+def test_the_grpc_repository_index_and_load_unload_answer_as_http_does(server):
+    """tritonclient.grpc's get_model_repository_index() lists the one model READY (also with
+    ready=true); load_model / unload_model are refused with FAILED_PRECONDITION naming why (Triton
+    answers UNAVAILABLE, which clients retry: this refusal is for good), an unknown name NOT_FOUND,
+    a repository_name UNIMPLEMENTED (Triton's UNSUPPORTED). Before: UNIMPLEMENTED "Method not
+    found!" for every call (user's trial)."""
+    g = grpc_client(server)
+    ready = [{"name": MODEL, "version": "1", "state": "READY"}]
+    assert g.get_model_repository_index(as_json=True) == {"models": ready}
+    assert g.get_model_repository_index(as_json=True) == {"models": http_client(server).get_model_repository_index()}
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        stub = grpcclient.service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        index = stub.RepositoryIndex(grpcclient.service_pb2.RepositoryIndexRequest(ready=True), timeout=10)
+        assert [(m.name, m.version, m.state, m.reason) for m in index.models] == [(MODEL, "1", "READY", "")]
+        for call, request in ((stub.RepositoryIndex, grpcclient.service_pb2.RepositoryIndexRequest),
+                              (stub.RepositoryModelLoad, grpcclient.service_pb2.RepositoryModelLoadRequest)):
+            with pytest.raises(grpc.RpcError) as info:
+                call(request(repository_name="models"), timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED, info.value.details()
+            assert "'repository_name' specification is not supported" in info.value.details()
+    for call in (lambda: g.load_model(MODEL), lambda: g.unload_model(MODEL),
+                 lambda: g.unload_model(MODEL, unload_dependents=True)):
+        status, text = error_of(call)
+        assert status == "StatusCode.FAILED_PRECONDITION" and "cannot load or unload" in text, text
+        assert repr(MODEL) in text, text
+    for call in (lambda: g.load_model("other"), lambda: g.unload_model("other")):
+        status, text = error_of(call)
+        assert status == "StatusCode.NOT_FOUND" and "unknown model 'other'" in text, text
+    assert g.is_model_ready(MODEL)  # refused, and nothing unloaded
 
 
 # ---- model_version ----------------------------------------------------------------------------
