@@ -1,7 +1,7 @@
 """Exceptions -> HTTP status and gRPC code, in one place.
 
 Every handler of `service.api` lets exceptions propagate to one of two funnels
-(`http.error_response`, `grpc._abort`) which ask this module for the code. Bad input is
+(`http.error_response`, `grpc._failure`) which ask this module for the code. Bad input is
 always a 4xx / INVALID_ARGUMENT (or NOT_FOUND for an unknown model); a client that goes away
 mid-request is 499 (nginx's "client closed request"; nobody reads it, the metrics count it);
 overload, a missing or

@@ -29,7 +29,6 @@ from service.api.error_map import (
     RETRY_AFTER_S,
     BodyTimeout,
     ClientGone,
-    ModelControlUnsupported,
     PayloadTooLarge,
     UnsupportedMediaType,
     classify,
@@ -407,9 +406,7 @@ def create_app(fe: Frontend) -> FastAPI:
     @app.post("/v2/repository/models/{model}/unload")
     async def repository_control(model: str) -> Response:
         try:
-            codecs.check_model(model, None, fe.model_name)
-            raise ModelControlUnsupported(f"this server loads its one model, {fe.model_name!r}, at start and "
-                                          "cannot load or unload models (as Triton with --model-control-mode=none)")
+            fe.refuse_model_control(model)  # (always raises: gRPC's RepositoryModelLoad/Unload refuse alike)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
 
