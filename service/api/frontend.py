@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 from service.api.batcher import Batcher
 from service.api.codecs import INPUT_NAMES, MODEL_VERSION, OUTPUT_NAME, V2_NAMES, Decoded, ModelSpec, check_model
@@ -153,7 +154,7 @@ class Frontend:
             return []
         return [{"name": self.model_name, "version": MODEL_VERSION, "state": "UNAVAILABLE", "reason": self._why_not}]
 
-    def refuse_model_control(self, model: str, repository: str = "") -> None:
+    def refuse_model_control(self, model: str, repository: str = "") -> NoReturn:
         """Triton's load or unload of `model`: refused, always, saying why; an unknown name is
         ModelNotFound, a `repository` name is refused first (as Triton checks it first)."""
         _no_repository(repository)
