@@ -7,18 +7,23 @@
 set -euo pipefail
 BEFORE=${BEFORE:-/work/main}; AFTER=${AFTER:-$PWD}; REPS=${REPS:-3}; SIZES=${SIZES:-512,8}; CELL_S=${CELL_S:-4}
 PROTOCOLS=${PROTOCOLS:-grpc_shm,v2_shm}; STEP_MS=${STEP_MS:-1.4}
+PY=${PY:-python}; SITE=${SITE:-}  # SITE: more of PYTHONPATH (e.g. /tmp/site on the GPU host)
 LAYER=(--preset seed --world-size 1 --device cpu)
 here=$(cd "$(dirname "$0")" && pwd); tmp=$(mktemp -d); pids=()
 trap 'for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$tmp"' EXIT
 declare -A port=([before]=18400 [after]=18410) tree=([before]=$BEFORE [after]=$AFTER)
 for arm in before after; do
-  PYTHONPATH=${tree[$arm]} python "${tree[$arm]}/bench/standin_serve.py" --step-ms "$STEP_MS" "${LAYER[@]}" \
+  PYTHONPATH=${tree[$arm]}${SITE:+:$SITE} "$PY" "${tree[$arm]}/bench/standin_serve.py" --step-ms "$STEP_MS" "${LAYER[@]}" \
     --http-port "${port[$arm]}" --grpc-port $((port[$arm] + 1)) --shared-memory system --log-level WARNING \
     >"$tmp/$arm.log" 2>&1 &
   pids+=($!)
 done
 for arm in before after; do
-  for _ in $(seq 60); do curl -sf "localhost:${port[$arm]}/v2/health/ready" >/dev/null && break; sleep 1; done
+  for _ in $(seq 60); do
+    "$PY" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:${port[$arm]}/v2/health/ready', timeout=2)" \
+      2>/dev/null && break
+    sleep 1
+  done
 done
 echo "| round | arm | protocol | T | requests | client p50 ms | client mean ms | server arrival->answer mean ms |"
 echo "|---|---|---|---|---|---|---|---|"
@@ -27,13 +32,13 @@ for rep in $(seq "$REPS"); do
     for proto in ${PROTOCOLS//,/ }; do
       for arm in before after; do
         url=http://127.0.0.1:${port[$arm]}
-        PYTHONPATH=$AFTER python "$here/latency_split.py" --url "$url" --save "$tmp/s.json" >/dev/null
-        PYTHONPATH=$AFTER python "$here/serve_load.py" --url "$url" --grpc 127.0.0.1:$((port[$arm] + 1)) \
+        PYTHONPATH=$AFTER${SITE:+:$SITE} "$PY" "$here/latency_split.py" --url "$url" --save "$tmp/s.json" >/dev/null
+        PYTHONPATH=$AFTER${SITE:+:$SITE} "$PY" "$here/serve_load.py" --url "$url" --grpc 127.0.0.1:$((port[$arm] + 1)) \
           --protocols "$proto" --sizes "$T" --concurrency 1 --seconds "$CELL_S" --no-direct "${LAYER[@]}" \
           --json "$tmp/j.json" >/dev/null 2>&1
-        server=$(PYTHONPATH=$AFTER python "$here/latency_split.py" --url "$url" --before "$tmp/s.json" \
+        server=$(PYTHONPATH=$AFTER${SITE:+:$SITE} "$PY" "$here/latency_split.py" --url "$url" --before "$tmp/s.json" \
           | sed -n 's/^server arrival->answer.*: \([0-9.]*\) ms.*/\1/p' | head -1)
-        python -c "import json,sys; r=json.load(open('$tmp/j.json'))['results'][0]; print(f\"| $rep | $arm | $proto | $T | {r['requests']} | {r['p50_ms']:.3f} | {r['mean_ms']:.3f} | $server |\")"
+        "$PY" -c "import json,sys; r=json.load(open('$tmp/j.json'))['results'][0]; print(f\"| $rep | $arm | $proto | $T | {r['requests']} | {r['p50_ms']:.3f} | {r['mean_ms']:.3f} | $server |\")"
       done
     done
   done
