@@ -585,6 +585,7 @@ def main() -> int:
                         q = statistics.quantiles(lats, n=100, method="inclusive") if len(lats) > 1 else [lats[0]] * 99
                         row = {"protocol": proto, "T": T, "concurrency": c, "requests": len(lats),
                                "tok_s": len(lats) * T / wall, "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3,
+                               "mean_ms": statistics.fmean(lats) * 1e3,
                                "step_tokens": min(cfg.tokens_per_step, T * c), "spread": clients.probed}
                         results.append(row)
                         print(f"  {proto} T={T} c={c}: {row['requests']} requests, {row['tok_s']:.0f} tok/s, "

@@ -480,14 +480,16 @@ def decode_grpc(request: pb.ModelInferRequest | GrpcInferRequest, spec: ModelSpe
 def grpc_decode_work(request: GrpcInferRequest | pb.ModelInferRequest) -> int:
     """The elements decode_grpc converts from protobuf's typed contents: what decides whether
     decoding leaves the event loop. Raw contents are viewed, not converted (0: decoded on the loop;
-    hidden_states' values are checked later, in the slot); typed ones count their declared shapes
+    hidden_states' values are checked later, in the slot), and so are inputs in a shared-memory
+    region (not counted: a grpc_shm request of T=512 was sent to a thread for nothing, a hop v2_shm
+    does not take; bench/NOTES.md, issue 11, helper G); typed ones count their declared shapes
     (measuring the contents instead would copy them: upb hands out copies, ByteSize() encodes the
     whole message)."""
     if isinstance(request, GrpcInferRequest):
         if request.raw:
             return 0
         request = request.message
-    return sum(math.prod(item.shape) for item in request.inputs)
+    return sum(math.prod(item.shape) for item in request.inputs if SHM_REGION not in item.parameters)
 
 
 @dataclasses.dataclass

@@ -1158,3 +1158,32 @@ def test_perf_analyzer_with_system_shared_memory(server, protocol, tmp_path):
              for k in ("success", "fail")}
     assert stats["success"] >= 10 and stats["fail"] == 0, (stats, out)
     assert client(server, "http").get_system_shared_memory_status() == [], "perf_analyzer's regions are left"
+
+
+def test_grpc_inputs_in_regions_are_no_decode_work():
+    """An input in a region is viewed, not converted: a grpc_shm request of many rows is decoded on
+    the event loop (as v2_shm's), not sent to a thread; typed contents still count their shape."""
+    from service.api.frontend import OFFLOAD_ELEMENTS
+    from service.api.proto import grpc_predict_v2_pb2 as pb
+
+    T, H, K = 512, 4096, 8
+
+    def request(routing_in_region: bool) -> codecs.GrpcInferRequest:
+        r = pb.ModelInferRequest(model_name="moe")
+        x = r.inputs.add(name="hidden_states", datatype="BF16", shape=[T, H])
+        x.parameters["shared_memory_region"].string_param = "in"
+        x.parameters["shared_memory_byte_size"].int64_param = T * H * 2
+        ids = r.inputs.add(name="topk_ids", datatype="INT32", shape=[T, K])
+        w = r.inputs.add(name="topk_weights", datatype="FP32", shape=[T, K])
+        for at, item in enumerate((ids, w)):
+            if routing_in_region:
+                item.parameters["shared_memory_region"].string_param = "in"
+                item.parameters["shared_memory_offset"].int64_param = T * H * 2 + at * T * K * 4
+                item.parameters["shared_memory_byte_size"].int64_param = T * K * 4
+            else:
+                getattr(item.contents, "int_contents" if at == 0 else "fp32_contents").extend([0] * (T * K))
+        return codecs.parse_grpc_request(r.SerializeToString())
+
+    assert T * H > OFFLOAD_ELEMENTS  # a wire request of these rows would leave the loop
+    assert codecs.grpc_decode_work(request(routing_in_region=True)) == 0
+    assert codecs.grpc_decode_work(request(routing_in_region=False)) == 2 * T * K
