@@ -180,6 +180,16 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def infer_in_regions(c, protocol: str, objects, x, ids, w, name: str):
+    """infer with every input in one new object's region and the answer in another's (poisoned with
+    NaN first): infer's (answer, result), the input object and the output object."""
+    obj_in, obj_out = objects(nbytes(x) + nbytes(ids.to(torch.int32)) + nbytes(w)), objects(nbytes(x) + 64)
+    spec = register_inputs(c, obj_in, x, ids, w, f"in-{name}")
+    c.register_system_shared_memory(f"out-{name}", obj_out.key, obj_out.size)
+    obj_out.write(torch.full((obj_out.size // 4,), NAN))
+    return (*infer(c, protocol, x, ids, w, inputs_in=spec, output_in=(f"out-{name}", obj_out.size, 0)), obj_in, obj_out)
+
+
 # ---- answers ------------------------------------------------------------------------------------
 
 
@@ -194,12 +204,7 @@ def test_answers_equal_the_wire_and_the_reference(server, objects, dtype):
         check(wire, x, ids, w)
         for protocol in PROTOCOLS:
             c = client(server, protocol)
-            obj_in, obj_out = objects(nbytes(x) + nbytes(ids.to(torch.int32)) + nbytes(w)), objects(nbytes(x) + 64)
-            spec = register_inputs(c, obj_in, x, ids, w, f"in-{protocol}-{T}")
-            c.register_system_shared_memory(f"out-{protocol}-{T}", obj_out.key, obj_out.size)
-            obj_out.write(torch.full((obj_out.size // 4,), NAN))
-            none, result = infer(c, protocol, x, ids, w, inputs_in=spec,
-                                 output_in=(f"out-{protocol}-{T}", obj_out.size, 0))
+            none, result, _, obj_out = infer_in_regions(c, protocol, objects, x, ids, w, f"{protocol}-{T}")
             assert none is None
             answer = obj_out.read(dtype, x.shape)
             assert torch.equal(answer, wire), (protocol, T, dtype)

@@ -40,6 +40,7 @@ from tests.api.test_shared_memory import (
     client,
     descriptors,
     infer,
+    infer_in_regions,
     nbytes,
     register_inputs,
 )
@@ -452,11 +453,7 @@ def test_served_answers_equal_the_wire_and_the_ranks_hold_the_objects(direct_ser
         wire, _ = infer(client(server, "http"), "http", x, ids, w)
         for protocol in PROTOCOLS:
             c = client(server, protocol)
-            obj_in, obj_out = objects(nbytes(x) + nbytes(ids.to(torch.int32)) + nbytes(w)), objects(nbytes(x) + 64)
-            spec = register_inputs(c, obj_in, x, ids, w, f"in-{protocol}-{T}")
-            c.register_system_shared_memory(f"out-{protocol}-{T}", obj_out.key, obj_out.size)
-            obj_out.write(torch.full((obj_out.size // 4,), NAN))
-            infer(c, protocol, x, ids, w, inputs_in=spec, output_in=(f"out-{protocol}-{T}", obj_out.size, 0))
+            *_, obj_in, obj_out = infer_in_regions(c, protocol, objects, x, ids, w, f"{protocol}-{T}")
             assert torch.equal(obj_out.read(torch.float32, x.shape), wire), (protocol, T)
             assert obj_out.read(torch.float32, (16,), offset=nbytes(x)).isnan().all()
             paths = {f"/dev/shm/{o.key[1:]}" for o in (obj_in, obj_out)}
