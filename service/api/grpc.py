@@ -214,11 +214,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         except Exception as exc:  # noqa: BLE001  always: the model is loaded at start
             return _reject(context, *_failure(exc)[1:])
 
-    async def RepositoryModelUnload(self, request, context):
-        try:
-            self.fe.refuse_model_control(request.model_name, request.repository_name)
-        except Exception as exc:  # noqa: BLE001  always: the model is loaded at start
-            return _reject(context, *_failure(exc)[1:])
+    RepositoryModelUnload = RepositoryModelLoad  # (refused alike: the two requests have the same fields)
 
 
 class _Handlers:

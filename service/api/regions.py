@@ -85,7 +85,14 @@ from service.api.error_map import (
     TooManyRegions,
 )
 from service.errors import InvalidInput
-from service.worker.direct import MAX_NAME, OWN_PREFIX, SHM_ROOT  # noqa: F401  (re-exported: tests, bench)
+from service.worker.direct import (  # OWN_PREFIX and SHM_ROOT re-exported (tests, bench)
+    MAX_NAME,
+    OWN_PREFIX,  # noqa: F401
+    SHM_ROOT,  # noqa: F401
+    ObjectIOError,
+    pread_all,
+    pwrite_all,
+)
 from service.worker.direct import identity as _identity
 from service.worker.direct import key_path as _key_path
 from service.worker.direct import memory as _memory
@@ -225,19 +232,23 @@ class _Object:
         weakref.finalize(self, os.close, fd)
 
     def read_into(self, buf: memoryview, at: int) -> None:
-        done = 0
-        while done < len(buf):
-            n = self._io(os.preadv, buf[done:], at + done)
-            if n == 0:
-                raise self._truncated()
-            done += n
+        """buf <- the object from byte `at`; a short or failed read is this request's InvalidInput
+        (an error of the client's object, ENOSPC in a full /dev/shm or EIO, never fails the step its
+        batch-mates share)."""
+        try:
+            pread_all(self.fd, buf, at)
+        except EOFError:
+            raise self._truncated() from None
+        except ObjectIOError as e:
+            raise self._failed(e) from None
 
     def write(self, buf: memoryview, at: int) -> None:
-        if os.fstat(self.fd).st_size < at + len(buf):  # pwrite would grow the object, not fail
-            raise self._truncated()
-        done = 0
-        while done < len(buf):
-            done += self._io(os.pwritev, buf[done:], at + done)
+        try:
+            pwrite_all(self.fd, buf, at)
+        except EOFError:
+            raise self._truncated() from None
+        except ObjectIOError as e:
+            raise self._failed(e) from None
 
     def _truncated(self) -> InvalidInput:
         """The error of an access past the object's end: its size now against the bytes the region
@@ -248,14 +259,9 @@ class _Object:
                             f"bytes; the region needs {r.offset + r.byte_size} (bytes {r.offset}.."
                             f"{r.offset + r.byte_size - 1}): it was truncated after it was registered")
 
-    def _io(self, call, buf: memoryview, at: int) -> int:
-        """One preadv / pwritev; an error of the client's object (ENOSPC in a full /dev/shm, EIO)
-        is that request's InvalidInput, never a failure of the step its batch-mates share."""
-        try:
-            return call(self.fd, [buf], at)
-        except OSError as e:
-            raise InvalidInput(f"shared-memory region '{self.region.name}': {self.region.key} at byte {at}: "
-                               f"{e.strerror}") from None
+    def _failed(self, e: ObjectIOError) -> InvalidInput:
+        return InvalidInput(f"shared-memory region '{self.region.name}': {self.region.key} at byte {e.at}: "
+                            f"{e.strerror}")
 
 
 class RegionRows:

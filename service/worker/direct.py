@@ -446,31 +446,60 @@ def check_rows(x: torch.Tensor, move: Move, source_row: int, report: dict[int, R
         rows[bad] = 0
 
 
+class ObjectIOError(Exception):
+    """A preadv / pwritev of a client's object failed (EIO, ENOSPC in a full /dev/shm): at byte `at`."""
+
+    def __init__(self, at: int, strerror: str):
+        super().__init__(f"at byte {at}: {strerror}")
+        self.at, self.strerror = at, strerror
+
+
+def pread_all(fd: int, buf: memoryview, at: int) -> None:
+    """Fill buf from byte `at` of the object: EOFError when it ends first, ObjectIOError when a read
+    fails (the front end's copy in, service.api.regions, and a CPU rank's alike)."""
+    done = 0
+    while done < len(buf):
+        n = _io(os.preadv, fd, buf[done:], at + done)
+        if n == 0:
+            raise EOFError
+        done += n
+
+
+def pwrite_all(fd: int, buf: memoryview, at: int) -> None:
+    """Write buf at byte `at` of the object, never past its end (pwrite would grow it, not fail):
+    EOFError when it is shorter, ObjectIOError when a write fails."""
+    if os.fstat(fd).st_size < at + len(buf):
+        raise EOFError
+    done = 0
+    while done < len(buf):
+        done += _io(os.pwritev, fd, buf[done:], at + done)
+
+
+def _io(call, fd: int, buf: memoryview, at: int) -> int:
+    try:
+        return call(fd, [buf], at)
+    except OSError as e:
+        raise ObjectIOError(at, e.strerror or str(e)) from None
+
+
 def read_rows(move: Move, dst: torch.Tensor) -> None:
     """CPU: preadv the move's rows into dst (contiguous, the slot's dtype)."""
-    buf, done = memory(dst), 0
-    while done < len(buf):
-        n = _io(os.preadv, move, buf[done:], move.at + done)
-        if n == 0:
-            raise SourceError("truncated", "the object ends before the rows")
-        done += n
+    try:
+        pread_all(move.entry.fd, memory(dst), move.at)
+    except EOFError:
+        raise SourceError("truncated", "the object ends before the rows") from None
+    except ObjectIOError as e:  # an error of the client's object is its source's alone
+        raise SourceError("error", str(e)) from None
 
 
 def write_rows(move: Move, src: torch.Tensor) -> None:
     """CPU: pwritev src (contiguous) into the object at the move's byte, never past its end."""
-    buf, done = memory(src), 0
-    if os.fstat(move.entry.fd).st_size < move.at + len(buf):  # pwrite would grow the object, not fail
-        raise SourceError("truncated", "the object ends before the answer's rows")
-    while done < len(buf):
-        done += _io(os.pwritev, move, buf[done:], move.at + done)
-
-
-def _io(call, move: Move, buf: memoryview, at: int) -> int:
-    """One preadv / pwritev; an error of the client's object (EIO, ENOSPC) is its source's alone."""
     try:
-        return call(move.entry.fd, [buf], at)
-    except OSError as e:
-        raise SourceError("error", f"at byte {at}: {e.strerror}") from None
+        pwrite_all(move.entry.fd, memory(src), move.at)
+    except EOFError:
+        raise SourceError("truncated", "the object ends before the answer's rows") from None
+    except ObjectIOError as e:
+        raise SourceError("error", str(e)) from None
 
 
 def merge(reports: list[dict[int, Report]]) -> dict[int, Report]:
