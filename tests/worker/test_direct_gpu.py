@@ -296,3 +296,42 @@ def test_an_object_grown_between_a_steps_two_lookups_of_it_in_process(monkeypatc
         cache.close()
     finally:
         o.remove()
+
+
+def test_an_objects_two_regions_are_registered_once_each_over_steps(monkeypatch):
+    """In this process, real CUDA: a client's input region and output region in one object (the
+    usual layout of tritonclient's utilities), five steps of plan, DMA in and DMA out: each region
+    is registered once. (Page-locking write-faults a tmpfs page unless it was faulted in by read
+    first, and a write fault moves the object's ctime: without the read pre-fault each region's
+    registration made the other look stale, and both were registered again at every step.)"""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from service.worker.rank import _dma_in, _dma_out
+
+    n = 32
+    o = ShmObject(4 << 20)
+    try:
+        rows = torch.randn(n, CFG.H).to(CFG.dtype)
+        o.write(rows, 0)
+        src, dst = (0, 1 << 20), (2 << 20, 1 << 20)  # separate pages: two entries of one object
+        sources = [(0, n, o.key, o.ident, 0, o.key, o.ident, 2 << 20, src, dst)]
+        cache = direct.Objects(cuda=True)
+        real, registered = direct.Objects._register, []
+
+        def counting(self, entry):
+            registered.append((entry.lo, entry.hi))
+            return real(self, entry)
+
+        monkeypatch.setattr(direct.Objects, "_register", counting)
+        for _ in range(5):
+            plan = direct.plan(sources, cache, ROW_BYTES, (0, n), (0, n))
+            assert plan.report == {}, plan.report
+            dev = torch.empty(n, CFG.H, dtype=CFG.dtype, device="cuda")
+            _dma_in(dev, torch.zeros(n, CFG.H, dtype=CFG.dtype), plan, ROW_BYTES)
+            _dma_out(dev * 2, torch.empty(n, CFG.H, dtype=CFG.dtype), plan, ROW_BYTES)
+            torch.cuda.synchronize()
+        assert sorted(registered) == [(0, 1 << 20), (2 << 20, 3 << 20)], registered
+        assert torch.equal(o.read(2 << 20, n).view(torch.int16), (rows * 2).view(torch.int16))
+        cache.close()
+    finally:
+        o.remove()
