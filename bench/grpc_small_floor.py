@@ -172,6 +172,23 @@ def run_grpc(port: int, seconds: float) -> list[float]:
     return lats
 
 
+def _wait_listening(proc: subprocess.Popen, ports: list[int], timeout_s: float = 120.0) -> None:
+    """Until every echo server accepts connections (the server process imports torch and the service
+    first: a fixed sleep was too short on the H200 host), or its process exited."""
+    end = time.monotonic() + timeout_s
+    for port in ports:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"the echo servers exited with {proc.returncode} before listening")
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > end:
+                    raise SystemExit(f"no echo server listens on port {port} after {timeout_s:g} s") from None
+                time.sleep(0.1)
+
+
 def _cpu_s(pid: int) -> float:
     """A process's user + system CPU seconds, from /proc."""
     with open(f"/proc/{pid}/stat") as f:
@@ -193,7 +210,7 @@ def main() -> int:
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", *map(str, ports),
                              "--baseline", args.baseline])
     try:
-        time.sleep(3)
+        _wait_listening(proc, ports[:4] + ports[4:5] * bool(args.baseline))
         cells = {"http (asyncio echo)": lambda: run_http(ports[0], args.seconds),
                  "grpc.aio echo": lambda: run_grpc(ports[1], args.seconds),
                  "grpc.aio echo + LenientParsing": lambda: run_grpc(ports[2], args.seconds),
