@@ -37,6 +37,7 @@ import signal
 import sys
 import time
 
+import torch
 import uvicorn
 
 from service import logfilter
@@ -48,7 +49,7 @@ from service.api.grpc import GrpcServer
 from service.api.http import create_app
 from service.api.regions import Regions, RegionTable
 from service.config import LayerConfig, Settings, unknown_variables
-from service.errors import ConfigError, GroupUnavailable, MoEError, WorkerError
+from service.errors import BackendUnavailable, ConfigError, GroupUnavailable, MoEError, WorkerError
 from service.fleet import (
     FRONTEND_STOP_GRACE_S,
     HEALTHY_RESET_S,
@@ -182,6 +183,12 @@ class Server:
                                          top_k=settings.top_k)
             self.weights_prefix = spec.prefix
         self.cfg = cfg
+        if settings.backend == "fused" and self.device != "cuda":  # known now: refuse before anything starts
+            from service.moe.fused_plan import local_unavailable_reason  # (on CUDA the ranks decide, on their device)
+
+            raise BackendUnavailable(f"--backend fused cannot run here: "
+                                     f"{local_unavailable_reason(cfg, torch.device(self.device))}; "
+                                     f"use --backend auto or serial")
         self.frontends = frontend_count(settings, self.device)
         log.info("device %s (%s); layer %s; backend %s; weights %s", self.device, why, cfg.describe(),
                  settings.backend, settings.weights or f"synthetic (seed {settings.seed})")

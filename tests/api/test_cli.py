@@ -116,6 +116,8 @@ def test_backend_fused_where_it_cannot_run_exits_2_saying_why(tmp_path):
     assert r.returncode == 2, r.stderr[-3000:]
     assert "--backend fused cannot run here" in r.stderr and "not CUDA" in r.stderr, r.stderr[-3000:]
     assert "Traceback" not in r.stderr and " ready (" not in r.stderr, r.stderr[-3000:]
+    # refused before any server listens or any rank starts (before: ~4 s later, after both)
+    assert "serving HTTP" not in r.stderr and "rank group" not in r.stderr, r.stderr[-3000:]
     cfg = preset("cpu")
     gen = torch.Generator().manual_seed(1)
     ids, w = routing(2, cfg.E, cfg.K, "balanced", gen)
