@@ -453,11 +453,17 @@ def wait_ready(url: str, wait_s: float) -> None:
 
 
 def layer_seconds(url: str) -> tuple[float, float]:
-    """(sum, count) of moe_layer_seconds over every backend label, from /metrics."""
+    """(sum, count) of moe_layer_seconds over every backend label, from /metrics; (0, 0) from a
+    server without them (bench/frontend_floor.py's echo: the load's table is what it is run for)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     total = count = 0.0
-    for fam in text_string_to_metric_families(_get(url + "/metrics")[1].decode()):
+    status, text = _get(url + "/metrics")
+    try:
+        families = list(text_string_to_metric_families(text.decode())) if status == 200 else []
+    except ValueError:
+        families = []
+    for fam in families:
         if fam.name == "moe_layer_seconds":
             for s in fam.samples:
                 if s.name.endswith("_sum"):
