@@ -193,8 +193,8 @@ def test_compiles(arch, dtype):
     bits, exp = _BITS[dtype]
     sig = {"x_ptr": "*i16" if bits == torch.int16 else "*i32", "bad_ptr": "*u8", "H": "i32", "stride_x": "i32",
            "EXP": "constexpr", "BLOCK_H": "constexpr"}
-    aligned = [["tt.divisibility", 16]]  # what the launcher's specialization sees at H = 4096
-    attrs = {(i,): aligned for i, name in enumerate(sig) if name in ("x_ptr", "bad_ptr", "H", "stride_x")}
+    aligned = [["tt.divisibility", 16]]  # what the launcher's specialization sees at H = 4096 (bad_ptr: never)
+    attrs = {(i,): aligned for i, name in enumerate(sig) if name in ("x_ptr", "H", "stride_x")}
     src = ASTSource(_zero_bad_rows_kernel, sig, {"EXP": exp, "BLOCK_H": BLOCK_H}, attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=NUM_WARPS))
     ptx = kernel.asm["ptx"]
@@ -273,6 +273,25 @@ def test_gpu_kernel_runs_in_the_current_stream():
         zero_bad_rows(x, flags)
     stream.synchronize()
     assert torch.equal(flags.cpu(), want)
+
+
+@pytest.mark.gpu
+def test_gpu_spans_at_any_row_share_one_compiled_kernel():
+    """The rank's span starts at a row that varies by step: a flags slice at any offset must not
+    compile a second variant while serving (bad_ptr is not specialized on alignment)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from service.kernels.finite_rows import _zero_bad_rows_kernel, zero_bad_rows
+
+    rows, want = make_rows(torch.bfloat16, 64, 4096, seed=5)
+    for lo in (0, 1, 3, 8, 17):
+        x = rows.cuda()
+        flags = torch.empty(64, dtype=torch.bool, device="cuda")
+        zero_bad_rows(x[lo:], flags[lo:])
+        torch.cuda.synchronize()
+        assert torch.equal(flags[lo:].cpu(), want[lo:])
+    compiled = _zero_bad_rows_kernel.device_caches[torch.cuda.current_device()][0]
+    assert len(compiled) == 1, f"{len(compiled)} compiled variants for one dtype and H"
 
 
 if __name__ == "__main__":
