@@ -4,8 +4,9 @@ the kernel against the torch calls it replaced (service.worker.rank._check_cuda 
 
 Every case's expected flags come from how its rows were built, not from a reference: each bad row
 holds +inf, -inf or a NaN (quiet, signalling, negative, with a payload) at random columns, the first
-or the last; good rows hold -0.0, subnormals and +-max (a row whose sum overflows), which must be
-left bit for bit. The checked rows sit between two NaN rows of the buffer, which must not be touched.
+or the last; good rows hold -0.0, subnormals and +-max (whole rows, whose sums overflow, and at
+random columns and the last), which must be left bit for bit. The checked rows sit between two
+NaN rows of the buffer, which must not be touched.
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ def make_rows(dtype: torch.dtype, r: int, H: int, seed: int = 0) -> tuple[torch.
     for i in good_rows[1::3]:
         x[i, :H // 2] = info.smallest_normal / 4  # subnormals: exponent field 0
         x[i, H // 2:] = -0.0
+    for i in good_rows[2::3]:  # +-max at random columns and the last one among ordinary values
+        cols = torch.randint(H, (4,), generator=gen)
+        x[i, cols] = info.max
+        x[i, cols[:2]] = -info.max
+        x[i, H - 1] = info.max
     bits = x.view(bits_dtype)
     pats = specials(dtype)
     for n, i in enumerate(bad.nonzero().flatten().tolist()):
