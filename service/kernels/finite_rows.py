@@ -46,8 +46,9 @@ _BITS = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7
 
 # bad_ptr is not specialized on its alignment: the rank passes flags[lo:], whose offset lo varies from step
 # to step, and a new alignment would compile a second variant in the middle of serving (the one-byte
-# flag stores gain nothing from it). x_ptr is: x[lo:] starts at lo * row bytes, 16-byte aligned for
-# every lo whenever a row is (H % 8 == 0 in 16 bits), and the alignment is what lets the loads be 16 bytes.
+# flag stores gain nothing from it). x_ptr is: x[lo:] starts at lo * row bytes, 16-byte aligned for every
+# lo whenever a row's bytes are a multiple of 16 (H = 4096, 4104, 8192 in 16 bits), and that alignment is
+# what lets the loads be 16 bytes wide.
 @triton.jit(do_not_specialize_on_alignment=["bad_ptr"])
 def _zero_bad_rows_kernel(x_ptr, bad_ptr, H, stride_x, EXP: tl.constexpr, BLOCK_H: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride_x passes 2**31 at r*H elements >= 2 G
