@@ -30,11 +30,13 @@ import collections
 import contextlib
 import dataclasses
 import datetime
+import functools
 import logging
 import os
 import signal
 import time
 import traceback
+from collections.abc import Callable
 
 import torch
 
@@ -447,14 +449,32 @@ def _dma_out(src: torch.Tensor, slot_rows: torch.Tensor, plan: Plan | None, row_
 
 def _check_cuda(x: torch.Tensor, plan: Plan, flags: tuple[torch.Tensor, torch.Tensor]) -> None:
     """CUDA, in the layer's stream before it reads x [n, H]: flag the rows over the sources' span that
-    are not all finite, zero them, and copy the flags to the (pinned) host for finish()."""
+    are not all finite, zero them, and copy the flags to the (pinned) host for finish(). Two calls: one
+    launch (service.kernels.finite_rows) and the flags' copy; without Triton (or on CPU tensors, as the
+    plan's CPU tests pass) the same result from torch calls."""
     span = plan.span
     assert span is not None
     lo, hi = span
     bad = flags[0][lo:hi]  # [r]
-    bad.copy_(torch.isfinite(x[lo:hi]).all(dim=1)).logical_not_()
-    x[lo:hi].masked_fill_(bad[:, None], 0)
+    zero_bad_rows = _row_check() if x.is_cuda else None
+    if zero_bad_rows is not None:
+        zero_bad_rows(x[lo:hi], bad)
+    else:
+        bad.copy_(torch.isfinite(x[lo:hi]).all(dim=1)).logical_not_()
+        x[lo:hi].masked_fill_(bad[:, None], 0)
     flags[1][lo:hi].copy_(bad, non_blocking=True)
+
+
+@functools.cache
+def _row_check() -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+    """The one-launch check of `_check_cuda`, or None where Triton is not importable (logged once)."""
+    try:
+        from service.kernels.finite_rows import zero_bad_rows
+    except ImportError as err:
+        logging.getLogger("service.worker.rank").debug(
+            "triton is not importable (%s): the direct rows' device check runs as torch calls", err)
+        return None
+    return zero_bad_rows
 
 
 def _note_flags(plan: Plan, flags: torch.Tensor, sources, rows_in: tuple[int, int]) -> None:
