@@ -241,6 +241,10 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
             streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
             for lane in lanes:
                 lane.staged = tuple(torch.empty_like(b) for b in inputs)
+        zero_bad_rows = _row_check()  # compiled now, not in the first step with direct rows (~1 s cold)
+        if zero_bad_rows is not None:
+            zero_bad_rows(torch.zeros(1, cfg.H, dtype=cfg.dtype, device=device),
+                          torch.empty(1, dtype=torch.bool, device=device))
     else:
         lanes = [_Lane(layer.new_state())]
     in_flight: collections.deque[_Step] = collections.deque()
