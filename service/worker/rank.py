@@ -241,7 +241,9 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
             streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
             for lane in lanes:
                 lane.staged = tuple(torch.empty_like(b) for b in inputs)
-        zero_bad_rows = _row_check()  # compiled now, not in the first step with direct rows (~1 s cold)
+        # Compiled now, not in the first step with direct rows (~1 s cold); only where the rows are on
+        # a CUDA device, as `_check_cuda` requires (the loop's CPU tests fake the CUDA surface).
+        zero_bad_rows = _row_check() if device.type == "cuda" else None
         if zero_bad_rows is not None:
             zero_bad_rows(torch.zeros(1, cfg.H, dtype=cfg.dtype, device=device),
                           torch.empty(1, dtype=torch.bool, device=device))
