@@ -283,6 +283,7 @@ class Server:
                  host_port(s.host, self.grpc_port), metrics_at, os.getpid())
 
         supervisor = loop.create_task(self._supervise())
+        supervisor.add_done_callback(self._supervisor_ended)
         if self.fleet is not None:  # the other front ends start while the rank group does
             try:
                 await asyncio.to_thread(self.fleet.start, self.http_port, self.grpc_port)
@@ -350,7 +351,7 @@ class Server:
                 await asyncio.to_thread(self._warm_up, group)
             except Exception as exc:  # noqa: BLE001  any start failure
                 self.group = None
-                await asyncio.to_thread(group.close)
+                await self._close(group)
                 if self._stopping:
                     return
                 if first:
@@ -382,7 +383,7 @@ class Server:
                 if not group.poll():  # a rank died during that wait (seconds): never turn ready on it
                     log.error("a rank process of the group exited while the front ends started; restarting it")
                     self.group = None
-                    await asyncio.to_thread(group.close)
+                    await self._close(group)
                     if self._stopping:  # (a SIGTERM during that close is a drain, not a give-up)
                         return
                     failures += 1
@@ -410,7 +411,7 @@ class Server:
             if self.fleet is not None:
                 self.fleet.detach(why)
             self.group = self._attached = None
-            await asyncio.to_thread(group.close)
+            await self._close(group)
             if self._stopping:
                 return
             served = time.monotonic() - since
@@ -425,6 +426,27 @@ class Server:
             log.warning("the rank group failed; restart %d in %.1f s", failures, delay)
             self.metrics.worker_restarts.inc()
             await self._pause(delay)
+
+    async def _close(self, group) -> None:
+        """Close a failed (or unused) group. Whatever that raises is logged and not let through: the
+        supervisor must go on to start the next group (a close that raised once left the server
+        live and never ready again)."""
+        try:
+            await asyncio.to_thread(group.close)
+        except Exception:  # noqa: BLE001  a bug in the close, not a reason to stop supervising
+            log.exception("closing the rank group raised; going on")
+
+    def _supervisor_ended(self, task: asyncio.Task) -> None:
+        """The supervisor returns only on stop; if it raised, no group would ever be started again
+        and the server would stay live and unready for good: say why and stop (exit 1), so that
+        the orchestrator restarts the pod."""
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        log.error("the supervisor of the rank group failed; stopping (exit 1)", exc_info=exc)
+        if not self._stopping:
+            self.exit_code = 1
+            self.request_stop()
 
     def _give_up(self, failures: int, why: object) -> bool:
         """After --max-restart-failures failures in a row (failed starts, and groups that failed

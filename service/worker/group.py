@@ -77,6 +77,29 @@ def _process_state(pid: int | None) -> str:
         return ""
 
 
+def _exit(proc) -> str:
+    """How a rank's process ended, once the kernel has said: its pipe closes a moment before the
+    process can be reaped, so wait for that briefly ("exit code None" said nothing)."""
+    proc.join(timeout=EXIT_WAIT_S)
+    code = proc.exitcode
+    if code is None:
+        return "its pipe closed; the process has not exited yet"
+    if code < 0:
+        try:
+            return f"killed by signal {-code}, {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _poll(conn) -> bool:
+    """conn.poll(), False once the pipe is closed (by _kill in another thread)."""
+    try:
+        return conn.poll()
+    except OSError:
+        return False
+
+
 @dataclasses.dataclass
 class StepStats:
     """What one step cost, as measured on rank 0."""
@@ -147,6 +170,10 @@ class WorkerGroup:
         self._in_flight = 0                     # steps sent and not yet taken by their thread
         self._store: torch.distributed.TCPStore | None = None  # the ranks' rendezvous, while started
         self._failure: WorkerError | None = None
+        # close() and _kill() one at a time: a failing step's thread kills the ranks while the
+        # supervisor, woken by another step's "not running", closes the group; two threads closing
+        # the same pipes raised out of close() (and stopped the server's supervision for good).
+        self._life = threading.RLock()
         self._step_walls: collections.deque[float] = collections.deque(maxlen=STEP_HISTORY)
 
     # -- life cycle --------------------------------------------------------------------------
@@ -216,22 +243,24 @@ class WorkerGroup:
                  ", ".join(f"rank{r} pid {i['pid']} {i['device']}" for r, i in enumerate(infos)))
 
     def close(self) -> None:
-        """Stop the ranks (politely, then by force) and remove the slots. Idempotent."""
-        was_alive, self.alive = self.alive, False
-        if was_alive:
-            for conn in self._conns:
-                try:
-                    conn.send(("stop",))
-                except OSError:
-                    pass
-        deadline = time.monotonic() + (STOP_GRACE_S if was_alive else 0.0)
-        for proc in self._procs:
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        self._kill()
-        remove_slots(self._slots)
-        self._slots = []
-        self._free = SlotPool()
-        self._store = None
+        """Stop the ranks (politely, then by force) and remove the slots. Idempotent, and safe
+        beside a step's thread that is killing the ranks (it waits for that kill)."""
+        with self._life:
+            was_alive, self.alive = self.alive, False
+            if was_alive:
+                for conn in self._conns:
+                    try:
+                        conn.send(("stop",))
+                    except OSError:
+                        pass
+            deadline = time.monotonic() + (STOP_GRACE_S if was_alive else 0.0)
+            for proc in self._procs:
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            self._kill()
+            remove_slots(self._slots)
+            self._slots = []
+            self._free = SlotPool()
+            self._store = None
 
     @property
     def slots(self) -> list[Slot]:
@@ -243,15 +272,17 @@ class WorkerGroup:
         return self.alive and all(proc.is_alive() for proc in self._procs)
 
     def _kill(self) -> None:
+        """Kill the ranks and close their pipes (once, whichever thread comes first)."""
         self.alive = False
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()
-        for proc in self._procs:
-            proc.join(timeout=5.0)
-        for conn in self._conns:
-            conn.close()
-        self._procs, self._conns = [], []
+        with self._life:
+            for proc in self._procs:
+                if proc.is_alive():
+                    proc.kill()
+            for proc in self._procs:
+                proc.join(timeout=5.0)
+            for conn in self._conns:
+                conn.close()
+            self._procs, self._conns = [], []
 
     def __enter__(self) -> WorkerGroup:
         self.start()
@@ -379,16 +410,25 @@ class WorkerGroup:
                     self._answered.notify_all()
 
     def _collect(self, kind: str, timeout: float, what: str) -> list:
-        """One `kind` answer from every rank, in rank order; WorkerError on anything else."""
-        pending = dict(enumerate(self._conns))
+        """One `kind` answer from every rank, in rank order; WorkerError on anything else, and
+        the group's failure (or GroupUnavailable) when another thread kills or closes it meanwhile."""
+        procs, conns = self._procs, self._conns  # (_kill empties the lists: name ranks from these)
+        if not conns:
+            raise self._failure or GroupUnavailable("the rank group is not running")
+        pending = dict(enumerate(conns))
         answers: dict[int, object] = {}
         deadline = time.monotonic() + timeout
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise WorkerError(self._silence(sorted(pending), what, timeout))
-            sentinels = {self._procs[r].sentinel: r for r in pending}
-            ready = wait(list(pending.values()) + list(sentinels), timeout=left)
+                raise WorkerError(self._silence(sorted(pending), what, timeout, procs))
+            sentinels = {procs[r].sentinel: r for r in pending}
+            try:
+                ready = wait(list(pending.values()) + list(sentinels), timeout=left)
+            except (OSError, ValueError):  # a pipe or sentinel closed by _kill in another thread
+                if self.alive:
+                    raise
+                raise self._failure or GroupUnavailable("the rank group was stopped") from None
             for obj in ready:
                 if obj in sentinels:
                     continue  # read the pipe first: a dying rank sends its traceback before exiting
@@ -396,7 +436,9 @@ class WorkerGroup:
                 try:
                     msg = pending[rank].recv()
                 except (EOFError, OSError):
-                    raise WorkerError(f"{what}: rank {rank} died ({self._exit(rank)})", rank=rank) from None
+                    if pending[rank].closed:  # closed here by _kill, not by the rank's death
+                        raise self._failure or GroupUnavailable("the rank group was stopped") from None
+                    raise WorkerError(f"{what}: rank {rank} died ({_exit(procs[rank])})", rank=rank) from None
                 if msg[0] == "refused":
                     raise BackendUnavailable(msg[2])
                 if msg[0] == "error":
@@ -406,35 +448,24 @@ class WorkerGroup:
                 answers[rank] = msg[2] if kind == "ready" else (msg[2], msg[3])
                 del pending[rank]
             for sentinel, rank in sentinels.items():
-                if sentinel in ready and rank in pending and not self._conns[rank].poll():
-                    raise WorkerError(f"{what}: rank {rank} died ({self._exit(rank)})", rank=rank)
-        return [answers[r] for r in range(len(self._conns))]
+                if sentinel in ready and rank in pending and not _poll(conns[rank]):
+                    if conns[rank].closed:
+                        raise self._failure or GroupUnavailable("the rank group was stopped")
+                    raise WorkerError(f"{what}: rank {rank} died ({_exit(procs[rank])})", rank=rank)
+        return [answers[r] for r in range(len(conns))]
 
-    def _exit(self, rank: int) -> str:
-        """How rank `rank`'s process ended, once the kernel has said: its pipe closes a moment before the
-        process can be reaped, so wait for that briefly ("exit code None" said nothing)."""
-        proc = self._procs[rank]
-        proc.join(timeout=EXIT_WAIT_S)
-        code = proc.exitcode
-        if code is None:
-            return "its pipe closed; the process has not exited yet"
-        if code < 0:
-            try:
-                return f"killed by signal {-code}, {signal.Signals(-code).name}"
-            except ValueError:
-                return f"killed by signal {-code}"
-        return f"exit code {code}"
-
-    def _silence(self, pending: list[int], what: str, timeout: float) -> str:
+    def _silence(self, pending: list[int], what: str, timeout: float, procs: list | None = None) -> str:
         """Why `pending` ranks did not answer. Ranks of a step wait on each other in its
         collectives, so one stalled rank holds them all: the one the kernel reports stopped is
-        named; otherwise all silent ranks are listed, saying why."""
+        named; otherwise all silent ranks are listed, saying why. (`procs`: the ranks the caller
+        waited on; the group's own by default.)"""
+        procs = self._procs if procs is None else procs
         within = f"within {timeout:g} s"
-        stopped = [r for r in pending if _process_state(self._procs[r].pid) in STOPPED_STATES]
+        stopped = [r for r in pending if _process_state(procs[r].pid) in STOPPED_STATES]
         if stopped:
             who = f"rank {stopped[0]} is" if len(stopped) == 1 else f"ranks {stopped} are"
             return f"{what}: {who} stopped (SIGSTOP or a debugger), and ranks {pending} did not answer {within}"
-        if len(pending) < len(self._conns):
+        if len(pending) < len(procs):
             return f"{what}: ranks {pending} did not answer {within} (the others did)"
         return (f"{what}: the group did not answer {within}; all ranks {pending} are listed: a rank waits on the "
                 "others (a step's collectives, the start's rendezvous), so one stalled rank holds every one")

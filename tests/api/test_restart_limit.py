@@ -42,13 +42,14 @@ class NeverStarts:
 class Running:
     """A Server on ephemeral loopback ports in a thread of its own: its exit code once it returns."""
 
-    def __init__(self, max_restart_failures: int, caplog, real_groups: bool = False):
+    def __init__(self, max_restart_failures: int, caplog, real_groups: bool = False, later=None):
         settings = Settings(device="cpu", host="127.0.0.1", http_port=0, grpc_port=0, restart_backoff_s=0,
                             max_restart_failures=max_restart_failures)
         self.groups: list = []
+        later = later or NeverStarts
 
         def factory():
-            group = self.server._new_group() if real_groups or not self.groups else NeverStarts()
+            group = self.server._new_group() if real_groups or not self.groups else later()
             self.groups.append(group)
             return group
 
@@ -153,3 +154,45 @@ def test_a_group_that_served_long_ends_the_row(monkeypatch, caplog):
         server.stop()
     assert not alive and server.code == EXIT_RESTARTS_FAILED, caplog.text[-3000:]
     assert NeverStarts.starts == 1
+
+
+def test_a_close_that_raises_does_not_end_the_restarts(caplog):
+    """The failed group's close() raising (it did, when a failing step's thread and the supervisor
+    closed the same pipes at once) is logged, and the next group is started: before, the supervisor
+    task died with that exception, and the server stayed live and unready for good, restarting nothing."""
+    caplog.set_level("INFO")
+    server = Running(2, caplog)
+    group = server.groups[0]
+    real_close = group.close
+
+    def close():
+        real_close()
+        raise OSError(9, "Bad file descriptor")
+
+    group.close = close
+    try:
+        alive = not server.exits_after_a_kill()
+    finally:
+        server.stop()
+    assert not alive, f"hung after the close raised:\n{caplog.text[-3000:]}"
+    assert "closing the rank group raised; going on" in caplog.text
+    assert NeverStarts.starts == 1 and server.code == EXIT_RESTARTS_FAILED, caplog.text[-3000:]
+
+
+def test_a_supervisor_that_raises_stops_the_server(caplog):
+    """Any bug that ends the supervisor with an exception stops the server with exit 1 and the
+    traceback, instead of leaving it live and never ready again."""
+    caplog.set_level("INFO")
+
+    def broken():
+        raise RuntimeError("a bug in the group factory")
+
+    server = Running(0, caplog, later=broken)
+    try:
+        alive = not server.exits_after_a_kill()
+    finally:
+        server.stop()
+    assert not alive, f"live and unready after the supervisor raised:\n{caplog.text[-3000:]}"
+    assert server.code == 1
+    assert "the supervisor of the rank group failed; stopping (exit 1)" in caplog.text
+    assert "RuntimeError: a bug in the group factory" in caplog.text

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -351,3 +352,52 @@ def test_steps_of_several_threads_overlap_and_keep_their_rows(group):
         for f in [pool.submit(worker, i) for i in range(2)]:
             f.result()
     assert g.seq == seq0 + 2 * (1 + 1 + 1 + 3) and g._in_flight == 0 and not g._answers
+
+
+def test_closing_while_a_failing_step_kills_the_ranks(monkeypatch):
+    """The supervisor closes the group as soon as any step reports it not running, which may be while
+    the thread whose step saw the rank die is still killing the others: both closed the same pipes,
+    and close() raised (TypeError or EBADF: the server's supervision then died). Closing a pipe is
+    slowed here so that the two always meet."""
+    import multiprocessing.connection as mpc
+
+    slow = mpc.Connection._close
+
+    def slow_close(conn):
+        time.sleep(0.05)
+        slow(conn)
+
+    monkeypatch.setattr(mpc.Connection, "_close", slow_close)
+    g = WorkerGroup(LayerConfig(E=8, H=64, I=128, K=2, R=2, C=16, dtype=torch.float32), seed=SEED, slots=3)
+    g.start()
+    errors: list[BaseException] = []
+
+    def steps():
+        try:
+            while True:
+                slot = g.acquire_slot(5)
+                try:
+                    g.run(slot, 16)
+                finally:
+                    g.release(slot)
+        except BaseException as exc:  # noqa: BLE001  what each thread ends with is checked below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=steps) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(0.05)
+        os.kill(g.pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while g.alive:  # the failing step's thread has begun its kill
+            assert time.monotonic() < deadline
+            time.sleep(0.0005)
+        g.close()
+    finally:
+        for t in threads:
+            t.join(10)
+        g.close()
+    assert len(errors) == 3 and not any(t.is_alive() for t in threads)
+    assert all(isinstance(e, (WorkerError, GroupUnavailable)) for e in errors), errors
+    assert any("rank 1 died (killed by signal 9, SIGKILL)" in str(e) for e in errors), errors
