@@ -110,7 +110,10 @@ def test_lookahead_answers_equal_one_step_at_a_time_and_the_reference(backend):
 # The seed preset's shape at R=1: a 512-token step takes ~1.3 ms on an H200, far longer than the
 # rank's host turnaround, so with 3 callers a step is enqueued while the one before still computes.
 SEED_CFG = LayerConfig(E=64, H=4096, I=3072, K=8, R=1, C=512, dtype=torch.bfloat16)
-SEED_SIZES = ((512, 333, 512, 1), (512, 1, 512, 97), (257, 512, 512, 512))
+# Sixteen steps per caller: a step overlaps the one before by chance of the callers' timing, 1-3 of
+# 12 when each had four, and 0 of 12 once on the H200 (2026-12-04): the guard below then failed a
+# correct build. With 48 steps the chance of none is well under 0.1 %.
+SEED_SIZES = tuple(sizes * 4 for sizes in ((512, 333, 512, 1), (512, 1, 512, 97), (257, 512, 512, 512)))
 
 
 def test_lookahead_overlaps_steps_on_the_device_and_changes_no_answer():
