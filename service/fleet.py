@@ -48,8 +48,9 @@ from multiprocessing.reduction import recvfds, sendfds
 import torch
 
 from service.config import LayerConfig, Settings
-from service.errors import GroupUnavailable, MoEError, WorkerError
+from service.errors import ConfigError, GroupUnavailable, MoEError, WorkerError
 from service.metrics import Snapshot
+from service.worker.direct import MAX_BYTES
 from service.worker.shm import SlotPool
 
 log = logging.getLogger("moe-serve.fleet")
@@ -77,6 +78,28 @@ def direct_regions(settings: Settings, device: str) -> tuple[bool, str]:
     if device == "cuda":
         return True, "shm_direct unset: on, the ranks are CUDA"
     return False, "shm_direct unset: off, the ranks are CPU"
+
+
+WIRE_ARENA_DEFAULT_MIB = 256  # a front end's wire arena where the ranks are CUDA (Settings.wire_arena_mib)
+WIRE_ARENA_MAX_MIB = MAX_BYTES // 2 // (1 << 20)  # every front end's arena together: a rank page-locks each
+                                                  # (half its bound on mapped regions; the rest is clients')
+
+
+def wire_arena_mib(settings: Settings, device: str, frontends: int) -> tuple[int, str]:
+    """Each front end's wire arena in MiB (Settings.wire_arena_mib; 0: none), and why: unset, on where
+    the ranks are CUDA (they DMA the rows from it), off on CPU ranks (there it would only move the front
+    end's copy of the rows into every rank). ConfigError when the front ends' arenas together are past
+    what a rank keeps page-locked for sources."""
+    if settings.wire_arena_mib is None:
+        mib, why = (WIRE_ARENA_DEFAULT_MIB, "unset: on, the ranks are CUDA") if device == "cuda" else \
+            (0, "unset: off, the ranks are CPU")
+    else:
+        mib, why = settings.wire_arena_mib, f"wire_arena_mib={settings.wire_arena_mib} was asked for"
+    if mib * frontends > WIRE_ARENA_MAX_MIB:
+        raise ConfigError(f"wire_arena_mib={mib} with {frontends} front-end processes is {mib * frontends} MiB of "
+                          f"arenas, which every rank page-locks; at most {WIRE_ARENA_MAX_MIB} MiB in all: lower "
+                          f"wire_arena_mib or frontends")
+    return mib, why
 
 
 def backoff_s(base: float, failures: int) -> float:

@@ -152,6 +152,10 @@ class Metrics:
         self.worker_restarts = Counter(
             "moe_worker_restarts_total", "Restarts of the rank group after a failure.", registry=r)
         self.ready = Gauge("moe_ready", "1 when the service answers inference requests, else 0.", registry=r)
+        self.arena_full = Counter(
+            "moe_wire_arena_full_total",
+            "v2 binary request bodies, and their answers, that found no room in the front end's wire arena "
+            "(--wire-arena-mib) and took the front end's copies instead.", registry=r)
         # Per answered request, the time of the steps its rows ran in, by phase: rows copied into
         # the slot, the layer, answers copied out (for the model statistics, not exported here).
         self.request_compute = {phase: Duration() for phase in COMPUTE_PHASES}

@@ -42,6 +42,7 @@ import uvicorn
 
 from service import logfilter
 from service.api.address import bind_error, grpc_port_taken, host_port, listen_socket
+from service.api.arena import make_arena
 from service.api.batcher import Batcher
 from service.api.connections import bounded_protocol, ensure_file_limit
 from service.api.frontend import Frontend
@@ -58,6 +59,7 @@ from service.fleet import (
     backoff_s,
     direct_regions,
     set_frontend_threads,
+    wire_arena_mib,
 )
 from service.metrics import Metrics, merge, serve_metrics
 from service.worker.warmup import expert_source, warm_up
@@ -111,6 +113,9 @@ class Endpoint:
         self.batcher.start()
         if self.fe.regions is not None:  # (set before start: by the owner, or from its ("regions",))
             self._prune_task = loop.create_task(self.fe.regions.keep_pruned(), name="moe-regions")
+        arena = self.fe.arena = self.batcher.arena = make_arena(s.wire_arena_mib or 0)
+        if arena is not None and self.fe.regions is not None:  # no client may register it under another name
+            self.fe.regions.table.reserve([arena.fd])
         try:
             self._grpc = GrpcServer(self.fe, s.host, grpc_port, reuse_port=reuse_port)
         except OSError as err:
@@ -121,7 +126,8 @@ class Endpoint:
         grpc_server = self._grpc
         self.fe.on_ready_change.append(lambda ready: loop.create_task(grpc_server.set_serving(ready)))
         await grpc_server.set_serving(self.fe.ready)  # a change during start() came before the hook
-        protocol = functools.partial(bounded_protocol(s.http_impl, s.max_request_bytes, s.send_threads),
+        protocol = functools.partial(bounded_protocol(s.http_impl, s.max_request_bytes, s.send_threads, arena,
+                                                      self.metrics.arena_full.inc),
                                      idle_timeout_s=s.idle_timeout_s, max_connections=s.max_connections)
         config = uvicorn.Config(create_app(self.fe), host=s.host, port=http_port, log_config=None,
                                 access_log=False, lifespan="off", http=protocol,
@@ -157,6 +163,8 @@ class Endpoint:
             await self._grpc.stop(GRPC_STOP_GRACE_S)
         if self._http_task is not None:
             await asyncio.gather(self._http_task, return_exceptions=True)
+        if self.fe.arena is not None:  # (blocks still held keep their pages until they are let go)
+            self.fe.arena.close()
 
 
 def frontend_count(settings: Settings, device: str) -> int:
@@ -190,6 +198,9 @@ class Server:
                                      f"{local_unavailable_reason(cfg, torch.device(self.device))}; "
                                      f"use --backend auto or serial")
         self.frontends = frontend_count(settings, self.device)
+        # Each front end's wire arena, resolved here for every front-end process (they read it from settings)
+        arena_mib, why_arena = wire_arena_mib(settings, self.device, self.frontends)
+        settings = self.settings = settings.model_copy(update={"wire_arena_mib": arena_mib})
         log.info("device %s (%s); layer %s; backend %s; weights %s", self.device, why, cfg.describe(),
                  settings.backend, settings.weights or f"synthetic (seed {settings.seed})")
         log.info("batching: %d tokens per step (R*C), delay %.2f ms, queue %d tokens, deadline %.1f s; "
@@ -209,6 +220,7 @@ class Server:
                      else "the front ends copy rows in and out")
         if self.regions is not None:
             self.fe.regions = Regions(self.regions)
+        log.info("wire arena %s (%s)", f"{arena_mib} MiB per front-end process" if arena_mib else "off", why_arena)
         self.fleet = Fleet(settings, cfg, self.frontends, self.fe.snapshot, self._on_remote_failure,
                            regions_fd=self.regions.fd if self.regions is not None else None) \
             if self.frontends > 1 else None

@@ -40,16 +40,19 @@ not copied at all here: its ids and w go into the slot as any piece's, and the s
 regions as registered (service.worker.direct: a rank maps a region's bytes, not its object); each
 rank reads its rows of it from the object, checks them (a row with NaN or infinity is zeroed there,
 and the request gets the same 400 as `codecs.rows_error` gives, naming its row) and writes their
-answer into the output object during `group.run`. Everything else (wire requests, regions of
-another dtype, a request whose rows already failed, a region larger than DIRECT_MAX_BYTES, a piece
-whose regions would take the step's past the ranks' bounds, MAX_OBJECTS regions and MAX_BYTES
-mapped) takes the copies above, in the same step. Since the answer lands in the client's region
-during `group.run`, a request with a direct piece in a step (`_Job.direct`, counted under its lock
-from before the descriptor is made until that step returned) is not answered, nor failed (its
-deadline, a cancel), before that step has returned: `submit` waits for it (`_Job.settled`) without
-blocking the loop. Its one visible difference: a request that fails (a bad row, its deadline; a
-gRPC client's own deadline may pass while its step still writes) may have had its output region
-written; once its answer or error is sent, nothing is.
+answer into the output object during `group.run`. A v2 binary request received into the wire arena
+(service.api.arena, `--wire-arena-mib`), whose answer has a block there too, is a direct piece the
+same way, whatever `direct_regions` says (the arena is the server's own memory: a rank that cannot
+use it fails that request with 503, and the arena's pieces take the copies from then on). Everything
+else (other wire requests, regions of another dtype, a request whose rows already failed, a region
+larger than DIRECT_MAX_BYTES, a piece whose regions would take the step's past the ranks' bounds,
+MAX_OBJECTS regions and MAX_BYTES mapped) takes the copies above, in the same step. Since the answer
+lands in the client's region (or the arena's block) during `group.run`, a request with a direct
+piece in a step (`_Job.direct`, counted under its lock from before the descriptor is made until that
+step returned) is not answered, nor failed (its deadline, a cancel), before that step has returned:
+`submit` waits for it (`_Job.settled`) without blocking the loop. Its one visible difference: a
+request that fails (a bad row, its deadline; a gRPC client's own deadline may pass while its step
+still writes) may have had its output region written; once its answer or error is sent, nothing is.
 """
 
 from __future__ import annotations
@@ -67,9 +70,10 @@ from collections.abc import Callable
 
 import torch
 
+from service.api.arena import Place, WireArena
 from service.api.codecs import nonfinite_error, rows_error
 from service.api.regions import RegionRows, Rows, copy_rows
-from service.errors import DeadlineExceeded, GroupUnavailable, InvalidInput, Overloaded, WorkerError
+from service.errors import DeadlineExceeded, GroupUnavailable, InvalidInput, MoEError, Overloaded, WorkerError
 from service.metrics import Metrics
 from service.worker.direct import DIRECT_MAX_BYTES, MAX_BYTES, MAX_OBJECTS, entry_key
 
@@ -136,7 +140,7 @@ class _Job:
     dropped: bool = False
     # set by a step thread when the request's rows fail their check in the slot (never cleared: its
     # pieces may be checked by several step threads at once); the loop fails it
-    invalid: InvalidInput | None = None
+    invalid: MoEError | None = None  # a 400 (InvalidInput), or the wire arena's 503 (`_source_error`)
     invalid_row: int = -1
     # set by `_forget` (the request has its answer or its error) under `lock`, under which a step
     # thread writes each piece of the answer: nothing is written into `out` once the caller may
@@ -157,7 +161,7 @@ class _Job:
         if not self.future.done():
             self.future.set_exception(exc)
 
-    def reject(self, row: int, err: InvalidInput) -> None:
+    def reject(self, row: int, err: MoEError) -> None:
         """Mark the request invalid (a step thread), naming its first bad row over all its pieces."""
         with _REJECT_LOCK:
             if self.invalid is None or row < self.invalid_row:
@@ -193,6 +197,10 @@ class Batcher:
         self._slots = asyncio.Semaphore(slots)
         self._pool = concurrent.futures.ThreadPoolExecutor(slots, thread_name_prefix="moe-step")
         self._split = RowSplit(copy_threads)
+        # The wire arena (service.api.arena), set by the endpoint: pieces whose rows and answer lie there
+        # go to the ranks as sources, until a rank reports it cannot use it (`_arena_failed`)
+        self.arena: WireArena | None = None
+        self._arena_direct = True
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -319,6 +327,14 @@ class Batcher:
         if not self._jobs:
             self._idle.set()
         self._gauges()
+
+    def _arena_failed(self, err: MoEError) -> None:
+        """A rank could not use the wire arena (it could not map or page-lock it: the host's memory, a
+        bug): that request fails with 503 (`_source_error`), and the arena's pieces take the copies from
+        now on (a step thread; said once)."""
+        if self._arena_direct:
+            self._arena_direct = False
+            log.error("%s", err)
 
     def _gauges(self) -> None:
         self.metrics.queued_tokens.set(self._queued)
@@ -455,7 +471,8 @@ class Batcher:
                 raise GroupUnavailable("the server is shutting down")
             t0 = time.perf_counter()
             row_bytes = slot.x.shape[1] * slot.x.element_size()  # a piece's size, in and out: in the slot's dtype
-            direct = getattr(group, "direct_regions", False)
+            regions = getattr(group, "direct_regions", False)  # clients' regions go direct (--shm-direct)
+            arena = self.arena if self._arena_direct else None
             sources: list[tuple] = []  # one per direct piece, in `held`'s order
             budget: dict[tuple, int] = {}  # the regions the sources name: their mapped bytes
             for p in pieces:
@@ -465,7 +482,7 @@ class Batcher:
                 if job.invalid is None:
                     slot.ids[at].copy_(job.ids[rows])
                     slot.w[at].copy_(job.w[rows])
-                    source = _source(p, budget) if direct and _is_direct(job, slot.x.dtype) else None
+                    source = _source(p, budget, slot.x.dtype, regions, arena)
                     if source is not None and _hold(job):
                         held.append(p)
                         sources.append(source)
@@ -486,7 +503,10 @@ class Batcher:
             for i, p in enumerate(held):  # what the ranks found in the rows they read and wrote
                 report = stats.sources.get(i)
                 if report is not None:
-                    p.job.reject(*_source_error(p, report))
+                    row, failure = _source_error(p, report)
+                    p.job.reject(row, failure)
+                    if not isinstance(failure, InvalidInput):
+                        self._arena_failed(failure)
             answered = set(held)  # (their answers are in the output regions already)
             for p in pieces:
                 job = p.job
@@ -514,11 +534,15 @@ class Batcher:
                 log.debug("releasing a slot of a failed group", exc_info=True)
 
 
-def _is_direct(job: _Job, dtype: torch.dtype) -> bool:
-    """Whether the ranks can read the job's rows from its input region and answer into its output
-    region themselves: both are regions, both of the slot's dtype (else the copies convert)."""
-    return (isinstance(job.x, RegionRows) and job.x.dtype == dtype
-            and isinstance(job.out, RegionRows) and job.out.dtype == dtype)
+def _placed(rows: Rows, dtype: torch.dtype, regions: bool, arena: WireArena | None) -> Place | None:
+    """Where rows of a piece lie for a rank that reads or writes them itself, or None (the copies
+    serve them): rows of the slot's dtype (else the copies convert) in a client's region when
+    `regions` (--shm-direct), or in the wire arena."""
+    if rows.dtype != dtype:
+        return None
+    if isinstance(rows, RegionRows):
+        return rows.place() if regions else None
+    return arena.place(rows) if arena is not None else None
 
 
 def _hold(job: _Job) -> bool:
@@ -540,14 +564,18 @@ def _settle(job: _Job) -> None:
             job.future.get_loop().call_soon_threadsafe(job.settled.set)
 
 
-def _source(p: _Piece, budget: dict[tuple, int]) -> tuple | None:
-    """The step's descriptor of a direct piece (service.worker.direct.Source), or None when its
-    regions do not fit: one larger than DIRECT_MAX_BYTES, or the step's regions (`budget`: the
-    mapped bytes of each, by entry key) past the ranks' bounds (MAX_OBJECTS, MAX_BYTES)."""
+def _source(p: _Piece, budget: dict[tuple, int], dtype: torch.dtype, regions: bool,
+            arena: WireArena | None) -> tuple | None:
+    """The step's descriptor of a piece the ranks read and answer themselves (service.worker.direct.Source),
+    or None when they cannot: its rows or its answer's are not `_placed`, a region is larger than
+    DIRECT_MAX_BYTES, or the step's regions (`budget`: the mapped bytes of each, by entry key) would
+    pass the ranks' bounds (MAX_OBJECTS, MAX_BYTES)."""
     rows = slice(p.start, p.start + p.rows)
-    assert isinstance(p.job.x, RegionRows) and isinstance(p.job.out, RegionRows)
-    in_key, in_id, in_at, in_region = p.job.x[rows].place()
-    out_key, out_id, out_at, out_region = p.job.out[rows].place()
+    src, dst = (_placed(t[rows], dtype, regions, arena) for t in (p.job.x, p.job.out))
+    if src is None or dst is None:
+        return None
+    in_key, in_id, in_at, in_region = src
+    out_key, out_id, out_at, out_region = dst
     if max(in_region[1], out_region[1]) > DIRECT_MAX_BYTES:
         return None
     more = {}
@@ -561,15 +589,18 @@ def _source(p: _Piece, budget: dict[tuple, int]) -> tuple | None:
     return (p.at, p.rows, in_key, in_id, in_at, out_key, out_id, out_at, in_region, out_region)
 
 
-def _source_error(p: _Piece, report) -> tuple[int, InvalidInput]:
-    """A direct piece's (request row, 400) from its ranks' report: its first bad row, or why the ranks
-    could not use its input or output object (the errors the copies would give)."""
+def _source_error(p: _Piece, report) -> tuple[int, MoEError]:
+    """A direct piece's (request row, error) from its ranks' report: its first bad row (a 400), or why
+    the ranks could not use its input or output object (a client's region: the 400 the copies would
+    give; the wire arena: the server's own memory, a 503)."""
     if isinstance(report, int):
         row = p.start + report
         return row, nonfinite_error(row)
     side, code, text = report
     rows = p.job.x if side == "in" else p.job.out
-    assert isinstance(rows, RegionRows)
+    if not isinstance(rows, RegionRows):
+        return p.start, GroupUnavailable(f"the ranks could not use the wire arena for this request ({code}: {text}); "
+                                         "retry: its requests take the front end's copies from now on")
     if code == "truncated":
         return p.start, rows.truncated()
     if code == "replaced":

@@ -32,10 +32,12 @@ import contextlib
 import logging
 import resource
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from service.api.arena import WireArena
 from service.api.send_thread import ThreadedWrites
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ FIRST_BYTE = "moe.first_byte"
 # The ASGI scope's key for the connection's ThreadedWrites (service.api.send_thread; only with send
 # threads): a response asks it when its last bytes reached the kernel (PartsResponse's send time).
 WRITER = "moe.writer"
+HEADER_LENGTH = b"inference-header-content-length"  # a v2 binary body's JSON header length (service.api.http)
 REFUSED_LINGER_S = 1.0  # a refused connection's client gets this long to read its 503 and close
 _REFUSED_BODY = b'{"error": "too many connections (max_connections): every one has a request in flight"}'
 REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
@@ -177,12 +180,13 @@ DIRECT_BODY_MIN = 1 << 16
 
 
 class _Body:
-    """One request body being read into its own buffer. numpy's empty() leaves the pages untouched
-    until data lands in them, so a declared length costs memory only as the bytes arrive."""
+    """One request body being read into its own buffer: `view` (a block of the wire arena), or else
+    numpy's empty(), which leaves the pages untouched until data lands in them, so a declared length
+    costs memory only as the bytes arrive."""
 
-    def __init__(self, cycle: Any, length: int):
+    def __init__(self, cycle: Any, length: int, view: memoryview | None = None):
         self.cycle = cycle
-        self.view = np.empty(length, dtype=np.uint8).data  # writable, C-contiguous bytes
+        self.view = np.empty(length, dtype=np.uint8).data if view is None else view  # writable, contiguous bytes
         self.filled = 0
 
     @property
@@ -240,6 +244,8 @@ class DirectBody:
     pipeline: Any
     parser: Any
     max_body_bytes = 0  # set by bounded_protocol
+    arena: WireArena | None = None  # set by bounded_protocol
+    on_arena_full: Callable[[], None] | None = None  # ... and called when a body does not fit in it
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -260,16 +266,35 @@ class DirectBody:
         length = self._declared_length()
         if length is None or not DIRECT_BODY_MIN <= length <= self.max_body_bytes:
             return
-        body = self._body = _Body(cycle, length)
+        body = self._body = _Body(cycle, length, self._arena_buffer(length))
         receive = cycle.receive
 
         async def receive_body() -> dict:
             message = await receive()
             if message["type"] == "http.request" and not message["more_body"] and body.complete:
-                message["body"] = body.view
+                # Handed over: the app's message holds the buffer now, and nothing here keeps it (this
+                # closure, the body and the cycle refer to each other, and a wire arena block held by
+                # them would wait for the cyclic collector instead of returning when the request ends).
+                message["body"], body.view = body.view, memoryview(b"")
             return message
 
         cycle.receive = receive_body  # run_asgi looks it up when the request's task starts
+
+    def _arena_buffer(self, length: int) -> memoryview | None:
+        """A block of the wire arena for a v2 binary inference body (POST .../infer with its JSON
+        header's length, sent uncompressed), its binary part (after that header) on a cache line;
+        None for other bodies and when the arena has no room (the copies then serve it)."""
+        if self.arena is None or self.scope["method"] != "POST" or not self.scope["path"].endswith("/infer"):
+            return None
+        header = [v for n, v in self.headers if n == HEADER_LENGTH]
+        if len(header) != 1 or not header[0].isdigit() or not 0 < int(header[0]) <= length:
+            return None
+        if any(n == b"content-encoding" and v.strip().lower() != b"identity" for n, v in self.headers):
+            return None
+        view = self.arena.buffer(length, lead=int(header[0]))
+        if view is None and self.on_arena_full is not None:
+            self.on_arena_full()
+        return view
 
     def on_body(self, body: bytes) -> None:
         direct = self._body
@@ -326,11 +351,14 @@ class DirectBody:
         super().connection_lost(exc)  # type: ignore[misc]
 
 
-def bounded_protocol(http_impl: str, max_body_bytes: int = 0, send_threads: int = 0) -> type[asyncio.Protocol]:
+def bounded_protocol(http_impl: str, max_body_bytes: int = 0, send_threads: int = 0, arena: WireArena | None = None,
+                     on_arena_full: Callable[[], None] | None = None) -> type[asyncio.Protocol]:
     """uvicorn's protocol class for `http_impl` (Settings.http_impl) with the bounds mixed in, on
     httptools the direct read of bodies up to `max_body_bytes` (Settings.max_request_bytes; 0: none),
-    and with `send_threads` > 0 (Settings.send_threads) large writes by that many send threads.
-    httptools is imported here, only when asked for: without it h11 still works."""
+    v2 binary inference bodies into `arena` (the wire arena, service.api.arena; `on_arena_full()` for
+    each that does not fit), and with `send_threads` > 0 (Settings.send_threads) large writes by that
+    many send threads. httptools is imported here, only when asked for: without it h11 still works
+    (and reads no body into the arena)."""
     if http_impl == "h11":
         from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -339,5 +367,6 @@ def bounded_protocol(http_impl: str, max_body_bytes: int = 0, send_threads: int 
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
         return type("BoundedHttpToolsProtocol", (DirectBody, ConnectionBounds, HttpToolsProtocol),
-                    {"max_body_bytes": max_body_bytes, "send_threads": send_threads})
+                    {"max_body_bytes": max_body_bytes, "send_threads": send_threads, "arena": arena,
+                     "on_arena_full": staticmethod(on_arena_full) if on_arena_full is not None else None})
     raise ValueError(f"http_impl must be httptools or h11, got {http_impl!r}")

@@ -19,6 +19,9 @@ import time
 from collections.abc import Callable
 from typing import NoReturn
 
+import torch
+
+from service.api.arena import WireArena
 from service.api.batcher import Batcher
 from service.api.codecs import INPUT_NAMES, MODEL_VERSION, OUTPUT_NAME, V2_NAMES, Decoded, ModelSpec, check_model
 from service.api.error_map import ModelControlUnsupported, RepositoryNameUnsupported
@@ -51,6 +54,8 @@ class Frontend:
         # The system shared-memory registry (service.api.regions) when Settings.shared_memory is
         # "system": set by the owner (service.server), or from the table it hands a front end.
         self.regions: Regions | None = None
+        # The wire arena (service.api.arena, Settings.wire_arena_mib): set by the endpoint, which makes it
+        self.arena: WireArena | None = None
         metrics.ready.set(0)
         for protocol in PROTOCOLS:
             metrics.requests.labels(protocol, "200")  # export the zero series up front
@@ -94,6 +99,19 @@ class Frontend:
         self._inference_count += answer.shape[0]
         self._last_inference_ms = time.time_ns() // 1_000_000
         return answer
+
+    def answer_rows(self, req: Decoded) -> torch.Tensor | None:
+        """Rows for the answer in the wire arena, where the ranks write it and the response sends it from:
+        for a request whose hidden_states arrived there in the compute dtype and whose answer goes in the
+        response's binary part; None otherwise, or when the arena has no room (counted)."""
+        arena = self.arena
+        if (arena is None or not req.binary_output or req.out_region is not None or req.out_dtype != self.spec.dtype
+                or not isinstance(req.x, torch.Tensor) or arena.place(req.x) is None):
+            return None
+        out = arena.rows(req.T, self.spec.H, req.out_dtype)
+        if out is None:
+            self.metrics.arena_full.inc()
+        return out
 
     async def offload(self, size: int, fn, *args):
         """fn(*args), in a thread when the tensor is large enough to stall the event loop."""

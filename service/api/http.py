@@ -319,7 +319,7 @@ def create_app(fe: Frontend) -> FastAPI:
             work = codecs.v2_http_decode_work(body, header_length)
             req = await fe.offload(work, codecs.decode_v2_http, body, header_length, fe.spec, fe.regions)
             req.timeout_s = timeout or req.timeout_s
-            out = await fe.infer(req)
+            out = await fe.infer(req, out=fe.answer_rows(req))  # (the wire arena's rows, if any)
             # Binary output is a JSON header and a view of `out`: nothing worth a thread hop.
             work = 0 if req.binary_output or req.out_region is not None else out.shape.numel() * codecs.JSON_NUMBER_WORK
             parts, json_length = await fe.offload(work, codecs.encode_v2_http, out, req, fe.model_name)

@@ -61,6 +61,12 @@ Each rank reports, per source it touched, its first row whose values are not all
 rows are zeroed before the layer reads them), or why the source could not be used (`report`), in
 its "done" stats; the group merges them (`merge`) and the batcher turns them into the request's 400.
 
+A source's object may also be a front end's wire arena (service.api.arena, `--wire-arena-mib`): a
+v2 binary request's body received into shared memory, and its answer's block beside it. The rank
+treats it as any region (the whole arena is the region: mapped and page-locked once), opens it by
+its own name (`source_path`: names starting with ARENA_PREFIX, which `key_path` refuses to clients),
+and keeps it however long it stays unused, while it is named.
+
 The helpers that name and open a client's object live here, below service.api (imports point from
 api to worker): service.api.regions uses the same ones.
 """
@@ -79,6 +85,7 @@ import time
 import torch
 
 from service.errors import InvalidInput
+from service.worker.shm import ARENA_PREFIX
 
 SHM_ROOT = "/dev/shm"  # where shm_open's names live on Linux
 OWN_PREFIX = "moe-"    # names of the server's own files there (service.worker.shm.PREFIX among them)
@@ -125,6 +132,16 @@ def key_path(key) -> str:
     return os.path.join(SHM_ROOT, name)
 
 
+def source_path(key: str) -> str:
+    """The file behind a source's key: a front end's wire arena (service.api.arena: the server's own
+    name, which no client can register, since `key_path` refuses it there), else a client's object
+    with `key_path`'s checks."""
+    name = key[1:] if isinstance(key, str) and key.startswith("/") else None
+    if name is not None and name.startswith(ARENA_PREFIX) and "/" not in name and len(name) <= MAX_NAME:
+        return os.path.join(SHM_ROOT, name)
+    return key_path(key)
+
+
 def open_object(path: str, key: str) -> int:
     """A descriptor of the regular file at `path` (the object behind `key`), never following a link."""
     try:
@@ -167,6 +184,7 @@ class _Entry:
     hi: int
     stamp: tuple[int, int] = (-1, -1)
     used: float = 0.0  # time.monotonic() of its last step
+    arena: bool = False  # a front end's wire arena: kept while named, however long unused (`prune`)
     mm: mmap.mmap | None = None
     base: torch.Tensor | None = None  # [hi - lo] uint8 over the mapping (CUDA): DMA only, never read by the CPU
 
@@ -225,10 +243,11 @@ class Objects:
         if k[:2] in self.reserved:
             raise SourceError("error", f"{key} is this server's own shared memory")
         try:
-            fd = open_object(key_path(key), key)
+            path = source_path(key)
+            fd = open_object(path, key)
         except InvalidInput as err:
             raise SourceError("error", str(err)) from None
-        entry = _Entry(fd, k[2], k[3])
+        entry = _Entry(fd, k[2], k[3], arena=os.path.basename(path).startswith(ARENA_PREFIX))
         try:
             if identity(fd) != k[:2]:
                 raise SourceError("replaced", f"{key} is no longer the object that was registered")
@@ -254,14 +273,16 @@ class Objects:
 
     def prune(self, force: bool = False) -> None:
         """Every PRUNE_S (or now, `force`: an idle rank) drop the regions that no step used for
-        IDLE_S, and those whose object no name leads to any more (the client removed it: its pages
-        would otherwise stay pinned until evicted)."""
+        IDLE_S (but a front end's wire arena, kept while it is named: page-locking its hundreds of
+        MiB again would cost the next request tens of ms), and those whose object no name leads to
+        any more (the client removed it, the front end exited: its pages would otherwise stay pinned
+        until evicted)."""
         now = time.monotonic()
         if not force and now - self._pruned < PRUNE_S:
             return
         self._pruned = now
         for k, entry in list(self._entries.items()):
-            if now - entry.used > IDLE_S or os.fstat(entry.fd).st_nlink == 0:
+            if (now - entry.used > IDLE_S and not entry.arena) or os.fstat(entry.fd).st_nlink == 0:
                 self._drop(k)
 
     def close(self) -> None:

@@ -39,6 +39,7 @@ from service.errors import GroupUnavailable
 
 ALIGN = 64  # bytes; each field starts on a cache line
 PREFIX = "moe-slot-"
+ARENA_PREFIX = "moe-arena-"  # a front end's wire arena (service.api.arena), made and swept as the slots are
 
 
 def shm_dir() -> str:
@@ -115,7 +116,7 @@ class SlotPool:
         self._free.put(slot)
 
 
-def _create_locked(directory: str, path: str, size: int) -> int:
+def create_locked(directory: str, path: str, size: int) -> int:
     """A new file of `size` bytes at `path`, exclusively flock-ed by the returned descriptor before
     its name appears (so no other instance can ever see it unlocked)."""
     try:
@@ -148,7 +149,7 @@ def create_slots(cfg: LayerConfig, count: int) -> list[Slot]:
     slots = []
     for i in range(count):
         path = os.path.join(directory, f"{PREFIX}{uuid.uuid4().hex}-{i}")
-        fd = _create_locked(directory, path, size)
+        fd = create_locked(directory, path, size)
         slot = Slot.open(cfg, i, path)
         slot.owner_fd = fd
         slots.append(slot)
@@ -156,10 +157,10 @@ def create_slots(cfg: LayerConfig, count: int) -> list[Slot]:
 
 
 def remove_stale_slots() -> None:
-    """Remove slot files whose creator is gone: those nobody holds the lock of."""
+    """Remove slot files and wire arenas whose creator is gone: those nobody holds the lock of."""
     directory = shm_dir()
     for name in os.listdir(directory):
-        if not name.startswith(PREFIX):
+        if not name.startswith((PREFIX, ARENA_PREFIX)):
             continue
         path = os.path.join(directory, name)
         try:
