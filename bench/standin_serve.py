@@ -8,6 +8,10 @@ steps take --step-ms each, one at a time (one device), and copy x into out (an e
 bytes are real). Its slots are real shared memory, so --frontends N > 1 runs as it does over a
 real group. No warm-up check (the echo is not the layer). Load it with bench/serve_load.py
 --url/--grpc --no-direct and the same layer flags; SIGTERM stops it.
+
+Sources (the wire arena's pieces, and clients' regions with --shm-direct) are echoed as the ranks
+would move them: from the input object's bytes to the output object's, through mappings of the objects
+(service.worker.direct.source_path) in the step, where a GPU rank's two DMAs would be.
 """
 
 from __future__ import annotations
@@ -15,12 +19,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import mmap
+import os
 import sys
 import threading
 import time
 
 from service.cli import parse_settings
 from service.server import Server
+from service.worker.direct import source_path
 from service.worker.group import StepStats
 from service.worker.shm import SlotPool, create_slots, remove_slots
 
@@ -36,6 +43,7 @@ class StandInGroup:
         self.slots: list = []
         self._free = SlotPool()
         self._device = threading.Lock()  # one step at a time, as on one GPU
+        self._mapped: dict[str, mmap.mmap] = {}  # sources' objects, by key
         self._seq = threading.Lock()
 
     def start(self) -> None:
@@ -66,10 +74,28 @@ class StandInGroup:
         with self._device:
             t0 = time.perf_counter()
             time.sleep(self.step_s)
-            slot.out[:T].copy_(slot.x[:T])
+            row_bytes = slot.x.shape[1] * slot.x.element_size()
+            at = 0  # the slot's rows between sources are echoed in the slot; a source's, object to object
+            for row, rows, in_key, _, in_at, out_key, _, out_at, _, _ in sorted(sources):
+                slot.out[at:row].copy_(slot.x[at:row])
+                n = rows * row_bytes
+                src, dst = memoryview(self._mapping(in_key)), memoryview(self._mapping(out_key))
+                dst[out_at:out_at + n] = src[in_at:in_at + n]
+                at = row + rows
+            slot.out[at:T].copy_(slot.x[at:T])
             layer_s = time.perf_counter() - t0
         return StepStats(seq=seq, tokens=T, backend=self.backend, layer_s=layer_s, stages={"gemm1": layer_s},
                          exposed_comm_s=0.0)
+
+    def _mapping(self, key: str) -> mmap.mmap:
+        """The whole object behind a source's key, mapped once (the stand-in trusts its front ends)."""
+        if key not in self._mapped:
+            fd = os.open(source_path(key), os.O_RDWR)
+            try:
+                self._mapped[key] = mmap.mmap(fd, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
+        return self._mapped[key]
 
 
 class StandInServer(Server):
