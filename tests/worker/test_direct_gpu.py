@@ -7,7 +7,9 @@ truncated below its region is reported "truncated" and nothing is written; objec
 truncated and grown back to their size, give the new rows and get the answer (the region registered
 again); a region in a 512 TiB sparse object is mapped alone (only its pages populated) and a region
 past the ranks' byte bound is its source's error, the step's others answered; an object grown
-between a step's two lookups of it (in this process) keeps what the step holds."""
+between a step's two lookups of it (in this process) keeps what the step holds. A front end's wire
+arena (service.api.arena) as the source's object: answers equal the slot path's over steps whose rows
+and answers take fresh blocks, and the arena is registered once however often the front end writes it."""
 
 from __future__ import annotations
 
@@ -335,3 +337,88 @@ def test_an_objects_two_regions_are_registered_once_each_over_steps(monkeypatch)
         cache.close()
     finally:
         o.remove()
+
+
+def arena_path(group, arena, x, ids, w):
+    """The step with SOURCE's rows in a fresh block of the wire arena (a body's hidden_states after an
+    odd-length JSON header) and their answer into another block, as a front end hands them over."""
+    from service.api.arena import WireArena
+
+    assert isinstance(arena, WireArena)
+    row, rows = SOURCE
+    lead = 1237  # the header's bytes before the rows
+    body = arena.buffer(lead + rows * ROW_BYTES, lead=lead)
+    x_rows = torch.frombuffer(body[lead:], dtype=CFG.dtype).view(rows, CFG.H)
+    x_rows.copy_(x[row:row + rows])
+    out_rows = arena.rows(rows, CFG.H, CFG.dtype)
+    out_rows.fill_(float("nan"))
+    src, dst = arena.place(x_rows), arena.place(out_rows)
+    slot = group.acquire_slot(timeout=60)
+    try:
+        slot.x[:T].copy_(x)
+        slot.x[row:row + rows].fill_(float("nan"))  # never read: the rows come from the arena
+        slot.ids[:T].copy_(ids)
+        slot.w[:T].copy_(w)
+        slot.out.fill_(float("nan"))
+        stats = group.run(slot, T, [(row, rows, *src[:3], *dst[:3], src[3], dst[3])])
+        answer = slot.out[:T].clone()
+        assert answer[row:row + rows].isnan().all(), "the source's answer went into the slot"
+        answer[row:row + rows] = out_rows
+        return answer, stats
+    finally:
+        group.release(slot)
+
+
+def test_wire_arena_rows_equal_the_slot_paths(group):
+    from service.api.arena import WireArena
+
+    arena = WireArena(16 << 20)
+    try:
+        for seed in range(4):
+            x, ids, w = step_inputs(100 + seed)
+            want = slot_path(group, x, ids, w)
+            got, stats = arena_path(group, arena, x, ids, w)
+            assert stats.sources == {}, stats.sources
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), seed
+    finally:
+        arena.close()
+
+
+def test_the_wire_arena_is_registered_once_while_the_front_end_writes_it(monkeypatch):
+    """In this process, real CUDA: five steps whose rows the front end writes into fresh blocks of its
+    arena (as bodies arrive) and whose answers the DMA writes into others: one registration, of the
+    whole arena (its pages were faulted in when it was made: no write of the front end's moves its
+    ctime), and every answer right."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from service.api.arena import WireArena
+    from service.worker.rank import _dma_in, _dma_out
+
+    n = 32
+    arena = WireArena(8 << 20)
+    try:
+        cache = direct.Objects(cuda=True)
+        real, registered = direct.Objects._register, []
+
+        def counting(self, entry):
+            registered.append((entry.lo, entry.hi))
+            return real(self, entry)
+
+        monkeypatch.setattr(direct.Objects, "_register", counting)
+        for step in range(5):
+            rows = arena.rows(n, CFG.H, CFG.dtype)
+            rows.copy_(torch.randn(n, CFG.H).to(CFG.dtype))
+            out = arena.rows(n, CFG.H, CFG.dtype)
+            (key, ident, at_in, region), (_, _, at_out, _) = arena.place(rows), arena.place(out)
+            plan = direct.plan([(0, n, key, ident, at_in, key, ident, at_out, region, region)], cache, ROW_BYTES,
+                               (0, n), (0, n))
+            assert plan.report == {}, plan.report
+            dev = torch.empty(n, CFG.H, dtype=CFG.dtype, device="cuda")
+            _dma_in(dev, torch.zeros(n, CFG.H, dtype=CFG.dtype), plan, ROW_BYTES)
+            _dma_out(dev * 2, torch.empty(n, CFG.H, dtype=CFG.dtype), plan, ROW_BYTES)
+            torch.cuda.synchronize()
+            assert torch.equal(out.view(torch.int16), (rows * 2).view(torch.int16)), step
+        assert registered == [(0, arena.size)], registered
+        cache.close()
+    finally:
+        arena.close()
