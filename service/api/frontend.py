@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from typing import NoReturn
@@ -29,6 +30,8 @@ from service.api.regions import Regions, Rows, enabled
 from service.config import LayerConfig, Settings
 from service.errors import GroupUnavailable
 from service.metrics import PROTOCOLS, Metrics, Snapshot, merge
+
+log = logging.getLogger(__name__)
 
 SERVER_NAME = "moe-serve"
 # Triton's names for what the server supports; perf_analyzer reads server-side statistics only
@@ -56,6 +59,7 @@ class Frontend:
         self.regions: Regions | None = None
         # The wire arena (service.api.arena, Settings.wire_arena_mib): set by the endpoint, which makes it
         self.arena: WireArena | None = None
+        self._warm_up: asyncio.Task | None = None  # its one row through the ranks, after each group start
         metrics.ready.set(0)
         for protocol in PROTOCOLS:
             metrics.requests.labels(protocol, "200")  # export the zero series up front
@@ -73,6 +77,8 @@ class Frontend:
             self.metrics.ready.set(1 if ready else 0)
             for callback in self.on_ready_change:
                 callback(ready)
+            if ready and self.arena is not None:  # a new group's ranks have not mapped the arena yet
+                self._warm_up = asyncio.get_running_loop().create_task(self._warm_arena(), name="moe-arena-warm-up")
 
     def accept(self) -> None:
         """Serve requests before turning ready: the owner's batcher has the group while the other
@@ -99,6 +105,26 @@ class Frontend:
         self._inference_count += answer.shape[0]
         self._last_inference_ms = time.time_ns() // 1_000_000
         return answer
+
+    async def _warm_arena(self) -> None:
+        """One row through the wire arena as soon as a group serves, so that each rank maps and page-locks
+        this front end's arena now (tens of ms for 256 MiB on a GPU host), not in a client's first step."""
+        arena, spec = self.arena, self.spec
+        assert arena is not None
+        x, out = arena.rows(1, spec.H, spec.dtype), arena.rows(1, spec.H, spec.dtype)
+        if x is None or out is None:
+            return
+        x.zero_()
+        ids = torch.arange(spec.K, dtype=torch.int32).view(1, spec.K)  # [1, K] distinct experts
+        w = torch.full((1, spec.K), 1.0 / spec.K)                      # [1, K]
+        started = time.perf_counter()
+        try:
+            await self.batcher.submit(x, ids, w, self.settings.request_timeout_s, out_dtype=spec.dtype, out=out)
+        except Exception as err:  # noqa: BLE001  a client's first request maps it instead
+            log.warning("the wire arena's warm-up step failed (%s): the ranks map it at its first request", err)
+            return
+        log.info("the ranks opened the wire arena (a CUDA rank maps and page-locks it): one row through it in "
+                 "%.1f ms", (time.perf_counter() - started) * 1e3)
 
     def answer_rows(self, req: Decoded) -> torch.Tensor | None:
         """Rows for the answer in the wire arena, where the ranks write it and the response sends it from:

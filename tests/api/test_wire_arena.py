@@ -425,6 +425,10 @@ def test_a_server_with_a_small_arena_answers_every_client_right(server):
     body alone is 600 KiB, its answer too). Each answer equals its solo answer and the reference; a
     NaN row gets its 400 naming the row."""
     assert "wire arena: 1 MiB" in server.log()
+    deadline = time.monotonic() + 30
+    while "the ranks opened the wire arena" not in server.log():  # its warm-up row, once the group served
+        assert time.monotonic() < deadline, server.log()[-2000:]
+        time.sleep(0.1)
     url = server.url
     before = full_count(url)
     work = [inputs(100, 500 + i) for i in range(6)] + [inputs(600, 600)]
