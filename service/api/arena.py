@@ -83,6 +83,9 @@ class WireArena:
         try:
             st = os.fstat(self.fd)
             self.identity = (st.st_dev, st.st_ino)
+            # Reserve every page first: a full /dev/shm (a container's 64 MiB default) is then ENOSPC here,
+            # an OSError `make_arena` reports, instead of a SIGBUS at the first write through the mapping.
+            os.posix_fallocate(self.fd, 0, size)
             self._mm = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             # Every page written once, now, before any rank maps the arena (the module docstring).
             zeros = bytes(MIB)

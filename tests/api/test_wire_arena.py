@@ -173,6 +173,19 @@ def test_a_rank_keeps_an_idle_arena_and_lets_an_unlinked_one_go(arena, monkeypat
     assert len(objects) == 0, "an unlinked arena is still held"
 
 
+def test_a_full_dev_shm_leaves_the_server_without_an_arena(monkeypatch, caplog):
+    """Its pages are reserved before they are written (a write past a full tmpfs is a SIGBUS): ENOSPC
+    there is a warning, no arena (the copies serve), and no file left behind."""
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    before = set(os.listdir(direct.SHM_ROOT))
+    monkeypatch.setattr(arena_module.os, "posix_fallocate", full)
+    assert arena_module.make_arena(4) is None
+    assert "No space left on device" in caplog.text and "copies" in caplog.text
+    assert set(os.listdir(direct.SHM_ROOT)) - before == set()
+
+
 def test_the_arena_is_on_where_the_ranks_are_cuda_and_bounded():
     assert wire_arena_mib(Settings(), "cuda", 4)[0] == WIRE_ARENA_DEFAULT_MIB
     assert wire_arena_mib(Settings(), "cpu", 1)[0] == 0
