@@ -201,6 +201,7 @@ class Batcher:
         # go to the ranks as sources, until a rank reports it cannot use it (`_arena_failed`)
         self.arena: WireArena | None = None
         self._arena_direct = True
+        self._retired: list[torch.Tensor] = []  # arena rows of failed steps (`_retire`)
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -458,9 +459,26 @@ class Batcher:
         held: list[_Piece] = []  # direct pieces: the ranks read and answer them (their jobs' `direct` counted)
         try:
             return self._run(group, pieces, T, held)
+        except BaseException:
+            self._retire(held)
+            raise
         finally:
             for p in held:
                 _settle(p.job)
+
+    def _retire(self, held: list[_Piece]) -> None:
+        """A step with direct pieces failed: keep their wire arena blocks for good (never handed out again).
+        A failed step may still be run by a rank later (a front end i >= 1 gives up on the owner after
+        step_timeout_s + 10 s and fails its requests, while the owner may yet run the step), which would
+        write another request's body or answer if the block were reused: the arena's room is the price,
+        never an answer (a client's region is the client's: only its own request's bytes are at stake)."""
+        arena = self.arena
+        kept = [t for p in held for t in (p.job.x, p.job.out)
+                if isinstance(t, torch.Tensor) and arena is not None and arena.place(t) is not None]
+        if kept:
+            self._retired.extend(kept)
+            log.warning("a step with wire arena rows failed: their %d bytes of the arena are kept from reuse for "
+                        "good (a rank might still write them)", sum(t.numel() * t.element_size() for t in kept))
 
     def _run(self, group, pieces: list[_Piece], T: int, held: list[_Piece]):
         """`_execute`'s work; the direct pieces it holds are appended to `held` (released by the caller

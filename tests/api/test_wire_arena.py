@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import gzip
 import json
 import multiprocessing as mp
@@ -40,7 +41,7 @@ from service.fleet import WIRE_ARENA_DEFAULT_MIB, wire_arena_mib
 from service.metrics import Metrics
 from service.worker import direct
 from service.worker.group import WorkerGroup
-from service.worker.shm import ARENA_PREFIX, remove_stale_slots
+from service.worker.shm import ARENA_PREFIX, SlotPool, create_slots, remove_slots, remove_stale_slots
 from tests.api.common import check, inputs, uvicorn_serving
 from tests.api.common import http_answers as answers
 from tests.helpers import routing
@@ -397,6 +398,44 @@ def test_an_arena_the_ranks_cannot_open_fails_its_request_with_503_then_takes_th
         assert sum("could not use the wire arena" in r.message for r in caplog.records) == 1
     finally:
         arena.close()
+
+
+class _LateGroup:
+    """A group whose step fails after its sources were sent (a front end i >= 1 giving up on the owner),
+    as if a rank could still write them later."""
+
+    direct_regions = False
+
+    def __init__(self):
+        self.slots = create_slots(CFG, 1)
+        self._free = SlotPool(self.slots)
+        self.sources: list = []
+
+    def acquire_slot(self, timeout=None):
+        return self._free.get(timeout)
+
+    def release(self, slot) -> None:
+        self._free.put(slot)
+
+    def run(self, slot, T, sources=()):
+        self.sources.extend(sources)
+        raise GroupUnavailable("the owner process did not answer step within 70 s")
+
+
+def test_a_failed_steps_arena_blocks_are_never_handed_out_again(arena, caplog):
+    late = _LateGroup()
+    jobs = jobs_of(arena, ((31, 4),))[:1]
+    batchers: list[Batcher] = []  # (a front end's batcher lives as long as its arena)
+    try:
+        got = serve(late, jobs, arena, batchers=batchers)
+    finally:
+        remove_slots(late.slots)
+    assert isinstance(got[0], GroupUnavailable) and len(late.sources) == 1
+    held = arena.in_use()
+    del jobs, got
+    gc.collect()
+    assert arena.in_use() == held > 0, "a failed step's blocks came back"
+    assert "kept from reuse for good" in caplog.text
 
 
 # ---- a real server -----------------------------------------------------------------------------
