@@ -72,7 +72,7 @@ for round in $(seq "${ROUNDS:-1}"); do
       if (( ${SPLIT:-0} )); then  # the server's own books over the whole load (every cell together)
         timeout 20 "$PY" bench/latency_split.py --url http://127.0.0.1:18000 \
           --before "$LOG/split_before_${name}_$round.json" > "$LOG/split_${name}_$round.txt" 2>&1
-        grep -iE "receive|send|arrival" "$LOG/split_${name}_$round.txt" | head -n 8
+        grep -iE "receive|send|arrival|compute_(input|output)" "$LOG/split_${name}_$round.txt" | head -n 12
       fi
       if [[ "${PYSPY_TREE:-}" == "$entry" ]] && (( ! profiled )) && (( $(left) > 30 )); then
         profiled=1
