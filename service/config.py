@@ -272,9 +272,9 @@ class Settings(BaseSettings):
                     "and the response is sent from it, so the front end copies neither way for a request whose "
                     "hidden_states are in the compute dtype and whose answer goes in the binary part (others, and "
                     "bodies that find no room, take the front end's copies: moe_wire_arena_full_total); a CUDA "
-                    "rank page-locks each front end's arena once, at its first request; unset (default): 256 where "
-                    "the ranks are CUDA, 0 (off) on CPU ranks (there each rank would read every row itself); "
-                    "front ends x this at most 2048")
+                    "rank page-locks each front end's arena once, when its group starts; unset (default): 256 "
+                    "where the ranks are CUDA (2048 / front ends when that is less), 0 (off) on CPU ranks (there "
+                    "each rank would read every row itself); front ends x this at most 2048")
     max_connections: int = Field(1000, ge=1,
         description="open connections per protocol; at the limit HTTP closes the longest-idle one (or answers 503 "
                     "to the new one when every one has a request in flight), gRPC refuses new ones")

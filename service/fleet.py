@@ -51,7 +51,7 @@ from service.config import LayerConfig, Settings
 from service.errors import ConfigError, GroupUnavailable, MoEError, WorkerError
 from service.metrics import Snapshot
 from service.worker.direct import MAX_BYTES
-from service.worker.shm import SlotPool
+from service.worker.shm import SlotPool, remove_stale_slots
 
 log = logging.getLogger("moe-serve.fleet")
 
@@ -87,12 +87,13 @@ WIRE_ARENA_MAX_MIB = MAX_BYTES // 2 // (1 << 20)  # every front end's arena toge
 
 def wire_arena_mib(settings: Settings, device: str, frontends: int) -> tuple[int, str]:
     """Each front end's wire arena in MiB (Settings.wire_arena_mib; 0: none), and why: unset, on where
-    the ranks are CUDA (they DMA the rows from it), off on CPU ranks (there it would only move the front
-    end's copy of the rows into every rank). ConfigError when the front ends' arenas together are past
-    what a rank keeps page-locked for sources."""
-    if settings.wire_arena_mib is None:
-        mib, why = (WIRE_ARENA_DEFAULT_MIB, "unset: on, the ranks are CUDA") if device == "cuda" else \
-            (0, "unset: off, the ranks are CPU")
+    the ranks are CUDA (they DMA the rows from it; WIRE_ARENA_DEFAULT_MIB, or the front ends' share of
+    WIRE_ARENA_MAX_MIB when smaller), off on CPU ranks (there it would only move the front end's copy
+    of the rows into every rank). ConfigError when a size asked for makes the front ends' arenas
+    together more than a rank keeps page-locked for sources."""
+    if settings.wire_arena_mib is None:  # (with many front ends each gets its share of the bound)
+        mib, why = (min(WIRE_ARENA_DEFAULT_MIB, WIRE_ARENA_MAX_MIB // frontends), "unset: on, the ranks are CUDA") \
+            if device == "cuda" else (0, "unset: off, the ranks are CPU")
     else:
         mib, why = settings.wire_arena_mib, f"wire_arena_mib={settings.wire_arena_mib} was asked for"
     if mib * frontends > WIRE_ARENA_MAX_MIB:
@@ -330,6 +331,7 @@ class Fleet:
                     t.join()
                 for conn in (m.ctl.conn, *m.steps):
                     conn.close()
+                remove_stale_slots()  # its wire arena (its lock died with it); the ranks let it go at a prune
                 failures = 0 if time.monotonic() - m.started > HEALTHY_RESET_S else self._failures.get(m.index, 0)
                 while not self._stopping:
                     time.sleep(backoff_s(RESTART_BACKOFF_S, failures))

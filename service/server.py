@@ -107,7 +107,15 @@ class Endpoint:
         self._prune_task: asyncio.Task | None = None
 
     async def start(self, http_port: int, grpc_port: int, reuse_port: bool = False) -> bool:
-        """Start the batcher and both servers; False (logged) if one cannot listen."""
+        """Start the batcher and both servers; False (logged) if one cannot listen (its wire arena then
+        removed: the process exits)."""
+        if await self._start(http_port, grpc_port, reuse_port):
+            return True
+        if self.fe.arena is not None:
+            self.fe.arena.close()
+        return False
+
+    async def _start(self, http_port: int, grpc_port: int, reuse_port: bool) -> bool:
         s = self.settings
         loop = asyncio.get_running_loop()
         self.batcher.start()
@@ -116,6 +124,8 @@ class Endpoint:
         arena = self.fe.arena = self.batcher.arena = make_arena(s.wire_arena_mib or 0)
         if arena is not None and self.fe.regions is not None:  # no client may register it under another name
             self.fe.regions.table.reserve([arena.fd])
+        if arena is not None and self.fe.ready:  # (a front end i >= 1 may be attached before it starts)
+            self.fe.warm_arena()
         try:
             self._grpc = GrpcServer(self.fe, s.host, grpc_port, reuse_port=reuse_port)
         except OSError as err:

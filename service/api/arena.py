@@ -56,12 +56,11 @@ import torch
 
 from service.config import round_up
 from service.worker.direct import ARENA_PREFIX, SHM_ROOT
-from service.worker.shm import create_locked
+from service.worker.shm import ALIGN, create_locked
 
 log = logging.getLogger(__name__)
 
-PAGE = mmap.PAGESIZE  # blocks are whole pages
-ALIGN = 64            # a cache line: where a block's `lead` byte may be placed
+PAGE = mmap.PAGESIZE  # blocks are whole pages (a block's `lead` byte is placed on an ALIGN boundary)
 MIB = 1 << 20
 
 # Where a tensor's rows lie for a rank: the arena's key, its identity, the rows' first byte, and the

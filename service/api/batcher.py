@@ -201,7 +201,7 @@ class Batcher:
         # go to the ranks as sources, until a rank reports it cannot use it (`_arena_failed`)
         self.arena: WireArena | None = None
         self._arena_direct = True
-        self._retired: list[torch.Tensor] = []  # arena rows of failed steps (`_retire`)
+        self._retired: list[torch.Tensor] = []  # arena rows of failed steps (`_retire`), until the next attach
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -232,9 +232,13 @@ class Batcher:
         await asyncio.gather(*self._steps, return_exceptions=True)
 
     def attach(self, group) -> None:
-        """Serve requests with `group` (started and warmed up)."""
+        """Serve requests with `group` (started and warmed up). A group is attached only after the one
+        before it was closed (its ranks are gone): the arena blocks its failed steps held come back, and
+        its ranks' failure to use the arena (`_arena_failed`) is forgotten."""
         self._group = group
         self._refusal = None
+        self._retired.clear()
+        self._arena_direct = True
 
     def detach(self, reason: BaseException) -> None:
         """Stop using the group: refuse new requests with `reason`, fail every accepted one."""
@@ -331,8 +335,8 @@ class Batcher:
 
     def _arena_failed(self, err: MoEError) -> None:
         """A rank could not use the wire arena (it could not map or page-lock it: the host's memory, a
-        bug): that request fails with 503 (`_source_error`), and the arena's pieces take the copies from
-        now on (a step thread; said once)."""
+        bug): that request fails with 503 (`_source_error`), and the arena's pieces take the copies until
+        the next group is attached (a step thread; said once)."""
         if self._arena_direct:
             self._arena_direct = False
             log.error("%s", err)
@@ -467,18 +471,20 @@ class Batcher:
                 _settle(p.job)
 
     def _retire(self, held: list[_Piece]) -> None:
-        """A step with direct pieces failed: keep their wire arena blocks for good (never handed out again).
-        A failed step may still be run by a rank later (a front end i >= 1 gives up on the owner after
-        step_timeout_s + 10 s and fails its requests, while the owner may yet run the step), which would
-        write another request's body or answer if the block were reused: the arena's room is the price,
-        never an answer (a client's region is the client's: only its own request's bytes are at stake)."""
+        """A step with direct pieces failed: keep their wire arena blocks from reuse while its group may
+        still run it (until the next `attach`: a new group comes only once the old one's ranks are
+        gone). A front end i >= 1 gives up on the owner after step_timeout_s + 10 s and fails its
+        requests while the owner may yet run the step, which would write another request's body or
+        answer into a reused block: the arena's room is the price, never an answer (a client's region
+        is the client's: only its own request's bytes are at stake there)."""
         arena = self.arena
         kept = [t for p in held for t in (p.job.x, p.job.out)
                 if isinstance(t, torch.Tensor) and arena is not None and arena.place(t) is not None]
         if kept:
             self._retired.extend(kept)
-            log.warning("a step with wire arena rows failed: their %d bytes of the arena are kept from reuse for "
-                        "good (a rank might still write them)", sum(t.numel() * t.element_size() for t in kept))
+            log.warning("a step with wire arena rows failed: their %d bytes of the arena are kept from reuse "
+                        "until the next rank group (a rank might still write them)",
+                        sum(t.numel() * t.element_size() for t in kept))
 
     def _run(self, group, pieces: list[_Piece], T: int, held: list[_Piece]):
         """`_execute`'s work; the direct pieces it holds are appended to `held` (released by the caller
@@ -618,7 +624,7 @@ def _source_error(p: _Piece, report) -> tuple[int, MoEError]:
     rows = p.job.x if side == "in" else p.job.out
     if not isinstance(rows, RegionRows):
         return p.start, GroupUnavailable(f"the ranks could not use the wire arena for this request ({code}: {text}); "
-                                         "retry: its requests take the front end's copies from now on")
+                                         "retry: its requests take the front end's copies until the group restarts")
     if code == "truncated":
         return p.start, rows.truncated()
     if code == "replaced":

@@ -49,7 +49,7 @@ FIRST_BYTE = "moe.first_byte"
 # The ASGI scope's key for the connection's ThreadedWrites (service.api.send_thread; only with send
 # threads): a response asks it when its last bytes reached the kernel (PartsResponse's send time).
 WRITER = "moe.writer"
-HEADER_LENGTH = b"inference-header-content-length"  # a v2 binary body's JSON header length (service.api.http)
+HEADER_LENGTH = "inference-header-content-length"  # a v2 binary body's JSON header length (service.api.http)
 REFUSED_LINGER_S = 1.0  # a refused connection's client gets this long to read its 503 and close
 _REFUSED_BODY = b'{"error": "too many connections (max_connections): every one has a request in flight"}'
 REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
@@ -286,7 +286,7 @@ class DirectBody:
         None for other bodies and when the arena has no room (the copies then serve it)."""
         if self.arena is None or self.scope["method"] != "POST" or not self.scope["path"].endswith("/infer"):
             return None
-        header = [v for n, v in self.headers if n == HEADER_LENGTH]
+        header = [v for n, v in self.headers if n == HEADER_LENGTH.encode()]
         if len(header) != 1 or not header[0].isdigit() or not 0 < int(header[0]) <= length:
             return None
         if any(n == b"content-encoding" and v.strip().lower() != b"identity" for n, v in self.headers):
@@ -342,13 +342,20 @@ class DirectBody:
 
     def on_response_complete(self) -> None:
         if self._body is not None and self._body.cycle is self.cycle:  # answered before its body arrived
-            self._body = None
+            self._drop_body()
             self.transport.close()
         super().on_response_complete()  # type: ignore[misc]
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._body = None
+        self._drop_body()
         super().connection_lost(exc)  # type: ignore[misc]
+
+    def _drop_body(self) -> None:
+        """Forget a body that will never be handed over, and its buffer with it: the request's closure
+        still refers to the body (a cycle), and a wire arena block it kept would wait for the collector."""
+        if self._body is not None:
+            self._body.view = memoryview(b"")
+            self._body = None
 
 
 def bounded_protocol(http_impl: str, max_body_bytes: int = 0, send_threads: int = 0, arena: WireArena | None = None,

@@ -77,8 +77,8 @@ class Frontend:
             self.metrics.ready.set(1 if ready else 0)
             for callback in self.on_ready_change:
                 callback(ready)
-            if ready and self.arena is not None:  # a new group's ranks have not mapped the arena yet
-                self._warm_up = asyncio.get_running_loop().create_task(self._warm_arena(), name="moe-arena-warm-up")
+            if ready:  # a new group's ranks have not mapped the arena yet
+                self.warm_arena()
 
     def accept(self) -> None:
         """Serve requests before turning ready: the owner's batcher has the group while the other
@@ -105,6 +105,12 @@ class Frontend:
         self._inference_count += answer.shape[0]
         self._last_inference_ms = time.time_ns() // 1_000_000
         return answer
+
+    def warm_arena(self) -> None:
+        """Send one row through the wire arena (if any) in the background: at each turn to ready, and
+        when the arena is made after it (a front end i >= 1 learns of the group before it serves)."""
+        if self.arena is not None:
+            self._warm_up = asyncio.get_running_loop().create_task(self._warm_arena(), name="moe-arena-warm-up")
 
     async def _warm_arena(self) -> None:
         """One row through the wire arena as soon as a group serves, so that each rank maps and page-locks

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from service.api import codecs
-from service.api.connections import FIRST_BYTE, WRITER
+from service.api.connections import FIRST_BYTE, HEADER_LENGTH, WRITER
 from service.api.error_map import (
     RETRY_AFTER_S,
     BodyTimeout,
@@ -43,7 +43,6 @@ log = logging.getLogger(__name__)
 JSON = "application/json"
 SAFETENSORS = "application/x-safetensors"
 OCTET_STREAM = "application/octet-stream"
-HEADER_LENGTH = "inference-header-content-length"
 TIMEOUT_HEADER = "x-request-timeout"
 REGISTER_BODY_LIMIT = 4096  # bytes of a shared-memory register request ({"key", "offset", "byte_size"})
 
@@ -233,6 +232,9 @@ def create_app(fe: Frontend) -> FastAPI:
             response = await handle()
         except Exception as exc:  # noqa: BLE001  mapped to a status in one place
             response = error_response(exc)
+            # Its traceback holds the handler's frames, and so the request's tensors (a wire arena block),
+            # in a cycle only the collector frees (the batcher's _step does the same)
+            exc.__traceback__ = None
         fe.observe(protocol, response.status_code, started)
         return response
 

@@ -192,6 +192,7 @@ def test_the_arena_is_on_where_the_ranks_are_cuda_and_bounded():
     assert wire_arena_mib(Settings(), "cpu", 1)[0] == 0
     assert wire_arena_mib(Settings(wire_arena_mib=0), "cuda", 4)[0] == 0
     assert wire_arena_mib(Settings(wire_arena_mib=8), "cpu", 1) == (8, "wire_arena_mib=8 was asked for")
+    assert wire_arena_mib(Settings(frontends=16), "cuda", 16)[0] == 128  # their share of the bound
     with pytest.raises(ConfigError, match="at most 2048 MiB"):
         wire_arena_mib(Settings(wire_arena_mib=1024, frontends=4), "cuda", 4)
 
@@ -422,7 +423,7 @@ class _LateGroup:
         raise GroupUnavailable("the owner process did not answer step within 70 s")
 
 
-def test_a_failed_steps_arena_blocks_are_never_handed_out_again(arena, caplog):
+def test_a_failed_steps_arena_blocks_are_not_handed_out_again_while_its_group_lives(arena, caplog):
     late = _LateGroup()
     jobs = jobs_of(arena, ((31, 4),))[:1]
     batchers: list[Batcher] = []  # (a front end's batcher lives as long as its arena)
@@ -435,7 +436,112 @@ def test_a_failed_steps_arena_blocks_are_never_handed_out_again(arena, caplog):
     del jobs, got
     gc.collect()
     assert arena.in_use() == held > 0, "a failed step's blocks came back"
-    assert "kept from reuse for good" in caplog.text
+    assert "kept from reuse until the next rank group" in caplog.text
+
+
+def test_a_new_group_gives_a_failed_steps_blocks_back(arena, group):
+    """A group is attached only once the one before it is closed: the blocks come back then."""
+    late = _LateGroup()
+    jobs = jobs_of(arena, ((32, 4),))[:1]
+    batchers: list[Batcher] = []
+    try:
+        assert isinstance(serve(late, jobs, arena, batchers=batchers)[0], GroupUnavailable)
+    finally:
+        remove_slots(late.slots)
+    del jobs
+    assert arena.in_use() > 0
+    batchers[0].attach(group)
+    assert arena.in_use() == 0
+
+
+# ---- nothing of a request waits for the cyclic collector ---------------------------------------
+
+RIG_CFG = LayerConfig(E=8, H=256, I=64, K=2, R=1, C=256, dtype=torch.float32)
+
+
+class _FrontEnd:
+    """One front end in this process (batcher, Frontend, the HTTP app on uvicorn with the arena) before
+    a real CPU rank group."""
+
+    def __init__(self, arena: WireArena):
+        from service.api.frontend import Frontend
+        from service.api.http import create_app
+
+        self.group = WorkerGroup(RIG_CFG, seed=1, slots=2)
+        self.group.start()
+        metrics = Metrics()
+        self.batcher = Batcher(budget=RIG_CFG.tokens_per_step, delay_s=0.001, queue_tokens=100_000, slots=2,
+                               metrics=metrics)
+        self.fe = Frontend(Settings(), RIG_CFG, metrics, self.batcher)
+        self.fe.arena = self.batcher.arena = arena
+        self.app = create_app(self.fe)
+        self.protocol = functools.partial(bounded_protocol("httptools", 64 << 20, 0, arena, metrics.arena_full.inc),
+                                          idle_timeout_s=30, max_connections=16)
+
+        async def app_(scope, receive, send):
+            if self.batcher.group is None:  # (first call: on uvicorn's loop)
+                self.batcher.start()
+                self.batcher.attach(self.group)
+                self.fe.set_ready(True)  # (and the arena's warm-up row)
+            await self.app(scope, receive, send)
+
+        self.app_ = app_
+
+
+def rig_body(T: int, seed: int, nan_row: int | None = None) -> tuple[bytes, int]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, RIG_CFG.H, generator=gen)
+    if nan_row is not None:
+        x[nan_row, 0] = NAN
+    ids, w = routing(T, RIG_CFG.E, RIG_CFG.K, "balanced", gen)
+    tensors = (("hidden_states", "FP32", x), ("topk_ids", "INT32", ids.to(torch.int32)), ("topk_weights", "FP32", w))
+    header = json.dumps({"inputs": [{"name": n, "datatype": d, "shape": list(t.shape),
+                                     "parameters": {"binary_data_size": t.numel() * 4}} for n, d, t in tensors],
+                         "outputs": [{"name": "output", "parameters": {"binary_data": True}}]}).encode()
+    return header + b"".join(t.contiguous().numpy().tobytes() for _, _, t in tensors), len(header)
+
+
+def test_no_request_leaves_its_blocks_to_the_cyclic_collector():
+    """With the collector off: an answer, a NaN row's 400, a body cut off by a client that leaves, a
+    client that leaves after its body and a deadline's 504 all give their blocks back at once (a
+    traceback or the body's closure in a reference cycle held them until a collection)."""
+    arena = WireArena(4096 * PAGE)
+    front = _FrontEnd(arena)
+
+    def send(data: bytes, header: int, extra: str = "", cut: int | None = None, read: bool = True):
+        head = (f"POST /v2/models/moe/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n"
+                f"Inference-Header-Content-Length: {header}\r\n{extra}\r\n").encode()
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(head + data[:cut])
+            if read:
+                return answers(s, 1)[0][0]
+            time.sleep(0.3)
+        return None
+
+    def settled() -> int:
+        deadline = time.monotonic() + 5
+        while arena.in_use() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return arena.in_use()
+
+    gc.disable()
+    try:
+        with uvicorn_serving(front.app_, front.protocol) as port:
+            assert send(*rig_body(100, 1)) == 200
+            assert settled() == 0
+            assert send(*rig_body(100, 2, nan_row=7)) == 400
+            assert settled() == 0, "a 400's blocks wait for the collector"
+            data, header = rig_body(200, 3)
+            send(data, header, cut=len(data) // 2, read=False)
+            assert settled() == 0, "a body cut off waits for the collector"
+            send(data, header, read=False)
+            assert settled() == 0, "a client gone after its body: its blocks wait for the collector"
+            assert send(data, header, extra="X-Request-Timeout: 0.000001\r\n") == 504
+            assert settled() == 0
+    finally:
+        gc.enable()
+        front.group.close()
+        arena.close()
 
 
 # ---- a real server -----------------------------------------------------------------------------
@@ -508,3 +614,35 @@ def test_a_server_with_a_small_arena_answers_every_client_right(server):
 def test_the_arenas_names_are_among_the_servers_own():
     """What keeps a client from registering an arena (key_path refuses the server's own prefix)."""
     assert arena_module.ARENA_PREFIX.startswith(direct.OWN_PREFIX)
+
+
+def test_a_killed_front_ends_arena_is_removed_and_its_successor_warms_its_own(tmp_path):
+    """--frontends 2: each front end makes an arena and warms it up; front end 1 killed, its arena's
+    file is removed (a rank would otherwise keep it open, page-locked on CUDA, until the next group) and
+    the restarted one warms its new arena up, though it learnt of the group before it served."""
+    import re
+    import signal
+
+    with ServerProcess.serving(tmp_path / "server.log", "--frontends", "2", "--wire-arena-mib", "1") as proc:
+        def arenas() -> list[str]:
+            return re.findall(r"wire arena: 1 MiB at (\S+)", proc.log())
+
+        def wait(what, timeout: float = 90) -> None:
+            deadline = time.monotonic() + timeout
+            while not what():
+                assert time.monotonic() < deadline, proc.log()[-3000:]
+                time.sleep(0.2)
+
+        wait(lambda: len(arenas()) == 2 and proc.log().count("the ranks opened the wire arena") == 2)
+        (fe1,) = proc.frontend_pids()
+        theirs = [a for a in arenas() if os.path.exists(a)]
+        assert len(theirs) == 2
+        os.kill(fe1, signal.SIGKILL)
+        wait(lambda: len(arenas()) == 3 and proc.log().count("the ranks opened the wire arena") == 3)
+        gone = [a for a in theirs if not os.path.exists(a)]
+        assert len(gone) == 1, (theirs, gone)
+        assert os.path.exists(arenas()[2])
+        x, ids, w = inputs(100, 800)
+        status, out = v2_binary(proc.url, x, ids, w)
+        assert status == 200
+        check(out, x, ids, w)
