@@ -44,6 +44,7 @@ from service.worker.group import WorkerGroup
 from service.worker.shm import ARENA_PREFIX, SlotPool, create_slots, remove_slots, remove_stale_slots
 from tests.api.common import check, inputs, uvicorn_serving
 from tests.api.common import http_answers as answers
+from tests.api.test_shm_direct import BUDGET, CFG, SIZES, rows_of  # the same layer and requests as --shm-direct's
 from tests.helpers import routing
 from tests.serverproc import ServerProcess
 
@@ -251,8 +252,6 @@ def test_a_v2_binary_body_lands_in_the_arena_and_other_bodies_do_not():
 
 # ---- the batcher and a real rank group ---------------------------------------------------------
 
-CFG = LayerConfig(E=7, H=40, I=32, K=3, R=2, C=13, dtype=torch.bfloat16)  # budget R*C = 26 tokens
-BUDGET = CFG.tokens_per_step
 NAN = float("nan")
 
 
@@ -260,13 +259,6 @@ NAN = float("nan")
 def group():
     with WorkerGroup(CFG, seed=3, slots=2) as g:  # (direct_regions off: the arena needs no flag)
         yield g
-
-
-def rows_of(T: int, seed: int, dtype=torch.bfloat16):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, CFG.H, generator=gen).to(dtype)
-    ids, w = routing(T, CFG.E, CFG.K, "balanced", gen)
-    return x, ids.to(torch.int32), w
 
 
 def in_arena(arena: WireArena, x: torch.Tensor) -> torch.Tensor:
@@ -294,9 +286,6 @@ def jobs_of(arena: WireArena, sizes, nan_at=None):
     x, ids, w = rows_of(3, 901, torch.float32)
     jobs.append((in_arena(arena, x), ids, w, arena.rows(3, CFG.H, torch.float32)))
     return jobs
-
-
-SIZES = ((11, 1), (12, 7), (13, BUDGET + 19), (14, 2))  # (seed, T): T=1, odd, two steps
 
 
 @pytest.fixture

@@ -96,19 +96,26 @@ def direct_path(group, x, ids, w, obj_in: ShmObject, obj_out: ShmObject):
     """The step with SOURCE's rows in obj_in (at OFFSET) and their answer into obj_out (at OFFSET):
     (the answer's rows, the step's stats)."""
     row, rows = SOURCE
+    obj_in.write(x[row:row + rows], OFFSET)
+    obj_out.write(torch.full((rows, CFG.H), float("nan"), dtype=CFG.dtype), OFFSET)
+    return step_with_source(group, x, ids, w, source(obj_in, obj_out), lambda: obj_out.read(OFFSET, rows))
+
+
+def step_with_source(group, x, ids, w, src: tuple, answered):
+    """One step of x, ids, w whose SOURCE rows come from `src` (their slot rows poisoned: never read):
+    (the answer, with the source's rows from `answered()`, and the step's stats)."""
+    row, rows = SOURCE
     slot = group.acquire_slot(timeout=60)
     try:
         slot.x[:T].copy_(x)
-        slot.x[row:row + rows].fill_(float("nan"))  # never read: the rows come from the object
+        slot.x[row:row + rows].fill_(float("nan"))
         slot.ids[:T].copy_(ids)
         slot.w[:T].copy_(w)
         slot.out.fill_(float("nan"))
-        obj_in.write(x[row:row + rows], OFFSET)
-        obj_out.write(torch.full((rows, CFG.H), float("nan"), dtype=CFG.dtype), OFFSET)
-        stats = group.run(slot, T, [source(obj_in, obj_out)])
+        stats = group.run(slot, T, [src])
         answer = slot.out[:T].clone()
         assert answer[row:row + rows].isnan().all(), "the source's answer went into the slot"
-        answer[row:row + rows] = obj_out.read(OFFSET, rows)
+        answer[row:row + rows] = answered()
         return answer, stats
     finally:
         group.release(slot)
@@ -300,6 +307,31 @@ def test_an_object_grown_between_a_steps_two_lookups_of_it_in_process(monkeypatc
         o.remove()
 
 
+def registrations(monkeypatch) -> list[tuple[int, int]]:
+    """The (lo, hi) of every region registration `direct.Objects` makes from now on."""
+    real, seen = direct.Objects._register, []
+
+    def counting(self, entry):
+        seen.append((entry.lo, entry.hi))
+        return real(self, entry)
+
+    monkeypatch.setattr(direct.Objects, "_register", counting)
+    return seen
+
+
+def round_trip(sources, cache: direct.Objects, n: int) -> None:
+    """One step's moves of `sources` (n rows) as a CUDA rank makes them: plan, DMA in, the answer (the
+    rows doubled) DMA'd out, synchronized."""
+    from service.worker.rank import _dma_in, _dma_out
+
+    plan = direct.plan(sources, cache, ROW_BYTES, (0, n), (0, n))
+    assert plan.report == {}, plan.report
+    dev = torch.empty(n, CFG.H, dtype=CFG.dtype, device="cuda")
+    _dma_in(dev, torch.zeros(n, CFG.H, dtype=CFG.dtype), plan, ROW_BYTES)
+    _dma_out(dev * 2, torch.empty(n, CFG.H, dtype=CFG.dtype), plan, ROW_BYTES)
+    torch.cuda.synchronize()
+
+
 def test_an_objects_two_regions_are_registered_once_each_over_steps(monkeypatch):
     """In this process, real CUDA: a client's input region and output region in one object (the
     usual layout of tritonclient's utilities), five steps of plan, DMA in and DMA out: each region
@@ -308,8 +340,6 @@ def test_an_objects_two_regions_are_registered_once_each_over_steps(monkeypatch)
     registration made the other look stale, and both were registered again at every step.)"""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    from service.worker.rank import _dma_in, _dma_out
-
     n = 32
     o = ShmObject(4 << 20)
     try:
@@ -318,20 +348,9 @@ def test_an_objects_two_regions_are_registered_once_each_over_steps(monkeypatch)
         src, dst = (0, 1 << 20), (2 << 20, 1 << 20)  # separate pages: two entries of one object
         sources = [(0, n, o.key, o.ident, 0, o.key, o.ident, 2 << 20, src, dst)]
         cache = direct.Objects(cuda=True)
-        real, registered = direct.Objects._register, []
-
-        def counting(self, entry):
-            registered.append((entry.lo, entry.hi))
-            return real(self, entry)
-
-        monkeypatch.setattr(direct.Objects, "_register", counting)
+        registered = registrations(monkeypatch)
         for _ in range(5):
-            plan = direct.plan(sources, cache, ROW_BYTES, (0, n), (0, n))
-            assert plan.report == {}, plan.report
-            dev = torch.empty(n, CFG.H, dtype=CFG.dtype, device="cuda")
-            _dma_in(dev, torch.zeros(n, CFG.H, dtype=CFG.dtype), plan, ROW_BYTES)
-            _dma_out(dev * 2, torch.empty(n, CFG.H, dtype=CFG.dtype), plan, ROW_BYTES)
-            torch.cuda.synchronize()
+            round_trip(sources, cache, n)
         assert sorted(registered) == [(0, 1 << 20), (2 << 20, 3 << 20)], registered
         assert torch.equal(o.read(2 << 20, n).view(torch.int16), (rows * 2).view(torch.int16))
         cache.close()
@@ -353,20 +372,7 @@ def arena_path(group, arena, x, ids, w):
     out_rows = arena.rows(rows, CFG.H, CFG.dtype)
     out_rows.fill_(float("nan"))
     src, dst = arena.place(x_rows), arena.place(out_rows)
-    slot = group.acquire_slot(timeout=60)
-    try:
-        slot.x[:T].copy_(x)
-        slot.x[row:row + rows].fill_(float("nan"))  # never read: the rows come from the arena
-        slot.ids[:T].copy_(ids)
-        slot.w[:T].copy_(w)
-        slot.out.fill_(float("nan"))
-        stats = group.run(slot, T, [(row, rows, *src[:3], *dst[:3], src[3], dst[3])])
-        answer = slot.out[:T].clone()
-        assert answer[row:row + rows].isnan().all(), "the source's answer went into the slot"
-        answer[row:row + rows] = out_rows
-        return answer, stats
-    finally:
-        group.release(slot)
+    return step_with_source(group, x, ids, w, (row, rows, *src[:3], *dst[:3], src[3], dst[3]), lambda: out_rows)
 
 
 def test_wire_arena_rows_equal_the_slot_paths(group):
@@ -392,31 +398,18 @@ def test_the_wire_arena_is_registered_once_while_the_front_end_writes_it(monkeyp
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     from service.api.arena import WireArena
-    from service.worker.rank import _dma_in, _dma_out
 
     n = 32
     arena = WireArena(8 << 20)
     try:
         cache = direct.Objects(cuda=True)
-        real, registered = direct.Objects._register, []
-
-        def counting(self, entry):
-            registered.append((entry.lo, entry.hi))
-            return real(self, entry)
-
-        monkeypatch.setattr(direct.Objects, "_register", counting)
+        registered = registrations(monkeypatch)
         for step in range(5):
             rows = arena.rows(n, CFG.H, CFG.dtype)
             rows.copy_(torch.randn(n, CFG.H).to(CFG.dtype))
             out = arena.rows(n, CFG.H, CFG.dtype)
             (key, ident, at_in, region), (_, _, at_out, _) = arena.place(rows), arena.place(out)
-            plan = direct.plan([(0, n, key, ident, at_in, key, ident, at_out, region, region)], cache, ROW_BYTES,
-                               (0, n), (0, n))
-            assert plan.report == {}, plan.report
-            dev = torch.empty(n, CFG.H, dtype=CFG.dtype, device="cuda")
-            _dma_in(dev, torch.zeros(n, CFG.H, dtype=CFG.dtype), plan, ROW_BYTES)
-            _dma_out(dev * 2, torch.empty(n, CFG.H, dtype=CFG.dtype), plan, ROW_BYTES)
-            torch.cuda.synchronize()
+            round_trip([(0, n, key, ident, at_in, key, ident, at_out, region, region)], cache, n)
             assert torch.equal(out.view(torch.int16), (rows * 2).view(torch.int16)), step
         assert registered == [(0, arena.size)], registered
         cache.close()
