@@ -235,7 +235,10 @@ def _per_layer(value, layer: int | None, name: str, where: str):
 def _config_top_k(config: dict, layer: int | None, where: str) -> int | None:
     if isinstance(config.get("ffn_config"), dict) and "moe_top_k" in config["ffn_config"]:  # dbrx
         return int(config["ffn_config"]["moe_top_k"])
-    for name in ("num_experts_per_tok", "moe_topk", "moe_top_k", "top_k", "num_selected_experts"):
+    # num_experts_per_tok as each model names it (transformers' attribute_map): moe_k ERNIE-4.5,
+    # num_experts_per_token Kimi-Linear / Bailing, top_k_experts Gemma 4, moe_topk Hunyuan.
+    for name in ("num_experts_per_tok", "moe_topk", "moe_top_k", "moe_k", "num_experts_per_token", "top_k_experts",
+                 "top_k", "num_selected_experts"):
         if config.get(name) is not None:
             return int(_per_layer(config[name], layer, name, where))
     return None

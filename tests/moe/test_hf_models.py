@@ -82,7 +82,7 @@ EXPECT = {
     "mixtral": (0, "mixtral", 2), "qwen3_moe": (1, "hf", 3), "deepseek_v3": (1, "hf", 2), "olmoe": (0, "hf", 2),
     "granitemoe": (0, "granite", 2), "granitemoe_swa": (0, "fused", 2), "gpt_oss": (0, "gpt_oss", 2),
     "deepseek_v4": (0, "mixtral", 2), "dbrx": (0, "dbrx", 2), "jetmoe": (0, "granite", 2),
-    "qwen3_vl_moe": (0, "fused", 2), "hunyuan_v1_moe": (0, "hf", 3),
+    "qwen3_vl_moe": (0, "fused", 2), "hunyuan_v1_moe": (0, "hf", 3)
 }
 
 
@@ -130,6 +130,17 @@ def test_top_k_given_per_layer(models, one_thread):  # noqa: F811
     with torch.no_grad():
         ref = expert_output(model, "hunyuan_v1_moe", 1, x, ids, w)
     assert rel_err(served(path, cfg, spec.prefix, x, ids, w), ref) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("name", ["num_experts_per_tok", "moe_k", "num_experts_per_token", "top_k_experts"])
+def test_top_k_read_under_each_models_name(tmp_path, name):
+    """ERNIE-4.5 says moe_k, Kimi-Linear and Bailing num_experts_per_token, Gemma 4 top_k_experts: K comes from
+    config.json whatever the name, so that a contradicting --top-k is refused as the README says."""
+    prefix = "model.layers.0.mlp."
+    path = _plain_dir(tmp_path, {"model_type": "x", "num_experts": E, name: 3}, _hf_experts(prefix))
+    assert inspect_layer(path).K == 3
+    with pytest.raises(ConfigError, match=r"MOE_TOP_K=2 contradicts"):
+        checkpoint_layer(base_cfg(), path, top_k=2)
 
 
 def test_gelu_tanh_model(tmp_path, one_thread):  # noqa: F811
