@@ -33,9 +33,11 @@ block. bf16 / fp16 / fp32 / fp64 tensors are cast to the layer dtype.
 What the layer cannot compute exactly is refused here (WeightsError, so the service exits 2
 before starting) with a message naming the feature: a router that scales the expert input
 (Llama 4), non-gated experts (ReLU^2, Nemotron-H), zero / identity experts (LongCat-Flash), an
-activation the kernels do not have. Shared experts, a block-level output bias (JetMoE) and the
-router itself stay with the client: the layer serves the routed experts, and `LayerSpec.notes`
-says so in the start-up log.
+activation the kernels do not have, a clamp applied after the activation (Bailing-hybrid,
+Step-3.5). Shared experts, a block-level output bias (JetMoE) and the router itself stay with
+the client: the layer serves the routed experts, and `LayerSpec.notes` says so in the start-up
+log. The activation comes from config.json's hidden_act, except for model types whose experts
+ignore it (MiniMax-M3: gpt-oss's activation, GPT_OSS_ACT_MODELS).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import SafetensorError, safe_open
 
-from service.config import Activation, cdiv
+from service.config import GPT_OSS_ALPHA, Activation, cdiv
 from service.errors import WeightsError
 
 log = logging.getLogger(__name__)
@@ -87,6 +89,13 @@ REFUSED_MODELS = {
                    "before the experts), which the layer, applying weights to expert outputs, cannot do",
 }
 INTERLEAVED_MODELS = ("gpt_oss",)  # gate_up_proj columns alternate gate, up
+# Experts computing gpt-oss's (u + 1) * g * sigmoid(alpha * g) with its clamp, whatever hidden_act says (MiniMax-M3
+# saves "silu": transformers' experts module ignores it), on gate / up halves that are not interleaved.
+GPT_OSS_ACT_MODELS = ("minimax_m3_vl", "minimax_m3_vl_text")
+# Per-layer clamps applied *after* the activation, min(act(g), L) * clamp(u, -L, L) (transformers'
+# `limit_after_act`: Step-3.5 / Step-3.7 `swiglu_limits`, Bailing-hybrid `expert_swiglu_limit_list`); 0 = none.
+# The kernels clamp g before the activation, so a layer whose limit is set is refused.
+POST_ACT_LIMITS = ("swiglu_limits", "expert_swiglu_limit_list")
 # config.json activation names -> Activation.kind (exact equals: gelu_new / gelu_fast are the tanh form).
 ACT_NAMES = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
              "gelu_fast": "gelu_tanh"}
@@ -253,15 +262,29 @@ def _config_experts(config: dict, layer: int | None, where: str) -> int | None:
     return None
 
 
-def _config_activation(config: dict, model_type: str) -> Activation:
+def _config_activation(config: dict, model_types: tuple[str, ...], layer: int | None, where: str) -> Activation:
+    """The experts' activation; `model_types` the config's and its text_config's model_type."""
     name = _first(config, "hidden_act", "activation_function", "hidden_activation")
     if name is None and isinstance(config.get("ffn_config"), dict):  # dbrx: ffn_act_fn {"name": ...}
         name = (config["ffn_config"].get("ffn_act_fn") or {}).get("name")
     name = name or "silu"
+    for key in POST_ACT_LIMITS:
+        if config.get(key) is None:
+            continue
+        limits = config[key] if isinstance(config[key], (list, tuple)) else [config[key]] * (1 + (layer or 0))
+        if layer is None and any(limits):
+            raise WeightsError(f"config.json of {where!r} clamps experts after the activation ({key} = {limits}); "
+                               f"serve a decoder layer whose limit is 0 (--layer)")
+        if layer is not None and _per_layer(limits, layer, key, where):
+            free = [n for n, L in enumerate(limits) if not L]
+            raise WeightsError(
+                f"layer {layer} of {where!r}: {key}[{layer}] = {limits[layer]:g} clamps the experts after the "
+                f"activation, min(act(g), L) * clamp(u, -L, L), which the kernels (clamping g before it) do not "
+                f"compute; layers without that clamp: {_ranges(free) or 'none'}")
     limit = config.get("swiglu_limit")
     limit = float(limit) if limit else None
-    if model_type in INTERLEAVED_MODELS:
-        return Activation("gpt_oss", limit=limit, alpha=float(config.get("swiglu_alpha", 1.702)))
+    if any(t in INTERLEAVED_MODELS or t in GPT_OSS_ACT_MODELS for t in model_types):
+        return Activation("gpt_oss", limit=limit, alpha=float(config.get("swiglu_alpha", GPT_OSS_ALPHA)))
     if name not in ACT_NAMES:
         hint = " (a non-gated ReLU^2 expert)" if name == "relu2" else ""
         raise WeightsError(f"expert activation {name!r}{hint} is not one the kernels compute: "
@@ -529,7 +552,8 @@ def read_spec(sh: Shards, prefix: str = "", layer: int | None = None) -> LayerSp
     if E_config is not None and E_config != E:
         raise WeightsError(f"config.json of {path!r} says {E_config} routed experts, the tensors at "
                            f"prefix={prefix!r} hold {E}")
-    act = _config_activation(config, model_type) if config is not None else Activation()
+    act = (_config_activation(config, (model_type, config.get("model_type", "")), _layer_of(prefix), path)
+           if config is not None else Activation())
     if bias and config is None:
         raise WeightsError(f"expert biases at prefix={prefix!r} in {path!r} (gpt-oss) need the model's config.json "
                            f"for their activation; pass the model directory")

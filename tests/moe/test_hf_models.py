@@ -82,7 +82,8 @@ EXPECT = {
     "mixtral": (0, "mixtral", 2), "qwen3_moe": (1, "hf", 3), "deepseek_v3": (1, "hf", 2), "olmoe": (0, "hf", 2),
     "granitemoe": (0, "granite", 2), "granitemoe_swa": (0, "fused", 2), "gpt_oss": (0, "gpt_oss", 2),
     "deepseek_v4": (0, "mixtral", 2), "dbrx": (0, "dbrx", 2), "jetmoe": (0, "granite", 2),
-    "qwen3_vl_moe": (0, "fused", 2), "hunyuan_v1_moe": (0, "hf", 3)
+    "qwen3_vl_moe": (0, "fused", 2), "hunyuan_v1_moe": (0, "hf", 3), "minimax_m3_vl": (0, "mixtral", 2),
+    "bailing_hybrid": (1, "hf", 2),
 }
 
 
@@ -129,6 +130,31 @@ def test_top_k_given_per_layer(models, one_thread):  # noqa: F811
     ids, w = routing(T, E, 2, "skewed", gen)
     with torch.no_grad():
         ref = expert_output(model, "hunyuan_v1_moe", 1, x, ids, w)
+    assert rel_err(served(path, cfg, spec.prefix, x, ids, w), ref) <= TOL[torch.float32]
+
+
+def test_minimax_m3_computes_gpt_oss_activation_on_concatenated_halves(models):
+    """MiniMax-M3's experts compute gpt-oss's (u + 1) * g * sigmoid(1.702 g) with its clamp, on gate / up
+    halves that are not interleaved, while its saved config.json says hidden_act "silu"."""
+    _, path = models("minimax_m3_vl")
+    spec = inspect_layer(path)
+    assert (spec.layout, spec.act.kind, spec.act.limit, spec.act.alpha) == ("mixtral", "gpt_oss", 7.0, 1.702)
+    assert not spec.bias
+
+
+def test_clamp_after_the_activation_is_refused_where_it_applies(models, one_thread):  # noqa: F811
+    """Bailing-hybrid (and Step-3.5) clamp per layer *after* the activation: min(silu(g), L) * clamp(u, -L, L),
+    which the kernels do not compute. Its layer 1 (limit 0: no clamp) is served, layer 2 (limit 3) refused."""
+    model, path = models("bailing_hybrid")
+    with pytest.raises(WeightsError, match=r"layer 2 .*expert_swiglu_limit_list.*3.*after the activation"):
+        inspect_layer(path, layer=2)
+    cfg, spec = checkpoint_layer(base_cfg(), path, layer=1)
+    assert spec.act.limit is None and cfg.K == 2
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(T, H, generator=gen) * 6.0
+    ids, w = routing(T, E, 2, "skewed", gen)
+    with torch.no_grad():
+        ref = expert_output(model, "bailing_hybrid", 1, x, ids, w)
     assert rel_err(served(path, cfg, spec.prefix, x, ids, w), ref) <= TOL[torch.float32]
 
 
