@@ -298,6 +298,21 @@ def test_non_float_dtype(tmp_path):
     assert key in str(err.value) and "I8" in str(err.value)
 
 
+@pytest.mark.parametrize("value,dtype,why", [
+    (float("nan"), torch.float32, "NaN or infinity"), (float("inf"), torch.bfloat16, "NaN or infinity"),
+    (7e4, torch.float16, r"values up to 70000, beyond the range of torch.float16")])
+def test_non_finite_weights_are_refused_at_load(tmp_path, value, dtype, why):
+    """A NaN or infinity, or an fp32 value past float16's 65504 loaded into an fp16 layer, would make every answer
+    through that expert non-finite (the warm-up then blamed the slots): refused naming the expert and the rank."""
+    tensors = hf_tensors(make_cfg())
+    tensors[expert_key("", 3, "down")][5, I - 1] = value  # [H, I]: the last rank's columns
+    path = save(tmp_path / "ckpt.safetensors", tensors)
+    cfg = make_cfg(dtype=dtype)
+    load_rank_weights(path, cfg, 0)  # rank 0's slice holds no bad value
+    with pytest.raises(WeightsError, match=rf"expert 3's down .*rank 1's slice\) holds {why}"):
+        load_rank_weights(path, cfg, 1)
+
+
 @pytest.mark.parametrize("field,value", [("E", 4), ("E", 6), ("H", 48), ("I", 96)])
 def test_shape_mismatch_with_config(tmp_path, field, value):
     path = tmp_path / "ckpt.safetensors"
