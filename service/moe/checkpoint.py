@@ -142,7 +142,14 @@ class Shards:
                 files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
                 if not files:
                     raise WeightsError(f"model directory {path!r} holds no *.safetensors file")
-                self.where = {k: os.path.join(path, f) for f in files for k in self._open(os.path.join(path, f)).keys()}
+                self.where = {}
+                for f in files:
+                    for k in self._open(os.path.join(path, f)).keys():
+                        if k in self.where:  # without an index no file is the right one
+                            raise WeightsError(f"key {k!r} is in both {self.where[k]!r} and {os.path.join(path, f)!r} "
+                                               f"in {path!r}, which has no *.safetensors.index.json to say which "
+                                               f"is meant; remove the stale copy")
+                        self.where[k] = os.path.join(path, f)
         elif path.endswith(".json"):
             if not os.path.isfile(path):
                 raise WeightsError(f"checkpoint index {path!r} does not exist or is not a file")

@@ -227,6 +227,18 @@ def test_directory_and_not_safetensors(tmp_path):
         inspect_checkpoint(empty)
 
 
+def test_directory_with_a_key_in_two_files_is_refused(tmp_path):
+    """Without an index, a directory whose files hold the same key twice (a stale copy beside the
+    shards) is ambiguous: the file sorted last used to win without a word."""
+    tensors = hf_tensors(make_cfg(), prefix=PREFIX)
+    (tmp_path / "config.json").write_text('{"model_type": "mixtral", "num_local_experts": 5}')
+    save(tmp_path / "model.safetensors", tensors)
+    key = expert_key(PREFIX, 3, "gate")
+    save(tmp_path / "model.stale.safetensors", {key: tensors[key] * 2})
+    with pytest.raises(WeightsError, match=rf"{key}.* both .*model.safetensors.* and .*model.stale.safetensors"):
+        inspect_checkpoint(tmp_path)
+
+
 @pytest.mark.parametrize("role,shape", [("up", "[144, 40]"), ("down", "[40, 144]")])
 def test_missing_key_names_key_and_shape(tmp_path, role, shape):
     tensors = hf_tensors(make_cfg())
