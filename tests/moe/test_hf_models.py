@@ -169,6 +169,14 @@ def test_top_k_read_under_each_models_name(tmp_path, name):
         checkpoint_layer(base_cfg(), path, top_k=2)
 
 
+def test_intermediate_size_that_does_not_split_over_the_ranks_names_the_flag(models):
+    """I = 30 over the cpu preset's R = 4: the message says where each number comes from and what to set."""
+    _, path = models("olmoe")
+    why = r"I=30 \(layer 0 of .*R=4 ranks \(--world-size.*divisor of 30 \(1, 2, 3, 5, 6"
+    with pytest.raises(ConfigError, match=why):
+        checkpoint_layer(base_cfg().replace(R=4), path)
+
+
 def test_gelu_tanh_model(tmp_path, one_thread):  # noqa: F811
     model = build("qwen3_moe", str(tmp_path), hidden_act="gelu_pytorch_tanh")
     _, spec, _ = check_model(model, str(tmp_path), 1, T, x_scale=2.0)
