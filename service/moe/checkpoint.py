@@ -578,6 +578,9 @@ def read_spec(sh: Shards, prefix: str = "", layer: int | None = None) -> LayerSp
     block_keys = [k for k in keys if k.startswith(prefix) and _SHARED.search(k[len(prefix):])]
     if block_keys:
         notes.append(f"shared experts ({block_keys[0]!r}, ...) are the client's: serving the routed experts only")
+    if config is not None and K_config is None:  # K falls back to --top-k, else the preset's: say so
+        notes.append(f"the config.json of {path!r} names no top-k (num_experts_per_tok or a model's own name for "
+                     f"it): K is --top-k's, else the preset's")
     if prefix + "bias" in sh.where:
         notes.append(f"the block's output bias {prefix + 'bias'!r} is the client's (added after the expert sum)")
     return LayerSpec(path=path, prefix=prefix, layout=layout, E=E, H=H, I=I,

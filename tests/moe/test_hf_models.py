@@ -177,6 +177,16 @@ def test_intermediate_size_that_does_not_split_over_the_ranks_names_the_flag(mod
         checkpoint_layer(base_cfg().replace(R=4), path)
 
 
+def test_config_without_top_k_says_where_k_comes_from(tmp_path, caplog):
+    """A config.json that names K under no known name (Qwen3-Omni nests it under thinker_config): K is the
+    preset's unless --top-k says otherwise, and the start-up log says so instead of a bare 'K=1'."""
+    path = _plain_dir(tmp_path, {"model_type": "x", "num_experts": E}, _hf_experts("model.layers.0.mlp."))
+    with caplog.at_level(logging.INFO):
+        cfg, spec = checkpoint_layer(base_cfg().replace(K=4), path)
+    assert cfg.K == 4 and "names no top-k" in caplog.text and "K is --top-k's, else the preset's" in spec.notes[0]
+    assert checkpoint_layer(base_cfg(), path, top_k=3)[0].K == 3
+
+
 def test_gelu_tanh_model(tmp_path, one_thread):  # noqa: F811
     model = build("qwen3_moe", str(tmp_path), hidden_act="gelu_pytorch_tanh")
     _, spec, _ = check_model(model, str(tmp_path), 1, T, x_scale=2.0)
