@@ -80,6 +80,9 @@ _BLOCK_KEYS = (
 )
 _LAYER = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)\.")  # decoder layer (dbrx: transformer.blocks.N)
 _ATTENTION = re.compile(r"attn|attention")  # JetMoE's mixture of attention heads is not an MLP
+# Keys of a decoder layer's experts in a layout not read (Step-3.5 'moe.gate_proj.weight' [E, I, H], Aria
+# 'experts.fc1.weight'): named in the error rather than "is this a Mixture-of-Experts model?".
+_EXPERT_LIKE = re.compile(r"(?:layers|blocks)\.\d+\.(?:.*\.)?(?:experts?|moe)\.")
 
 # config.json model types whose experts the layer cannot compute exactly.
 REFUSED_MODELS = {
@@ -341,6 +344,12 @@ def find_layer(keys: list[str], layer: int | None, where: str) -> str:
         if (n := _layer_of(p)) is not None:
             by_layer[n].append(p)
     if not by_layer:
+        unknown = sorted(k for k in keys if _EXPERT_LIKE.search(k) and not _SHARED.search(k))
+        if unknown:  # a MoE model whose experts are stored in a layout not read (Step-3.5, Aria)
+            raise WeightsError(f"{where!r} holds expert tensors in a layout that is not read (e.g. "
+                               f"{unknown[:_EXAMPLES]}); known: per-expert 'experts.<e>.gate_proj/up_proj/down_proj"
+                               f".weight' or 'w1/w3/w2', fused 'experts.gate_up_proj' + 'experts.down_proj', "
+                               f"'input_linear' / 'output_linear', dbrx 'experts.mlp.w1/v1/w2'")
         raise WeightsError(f"{where!r} has no routed-expert tensors under any 'layers.<n>.' prefix "
                            f"(keys: {sorted(keys)[:_EXAMPLES]}...); is this a Mixture-of-Experts model?")
     moe_layers = sorted(by_layer)

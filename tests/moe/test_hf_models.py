@@ -321,6 +321,19 @@ def test_non_gated_zero_experts_unknown_activation_and_mxfp4_are_refused(tmp_pat
         inspect_layer(path)
 
 
+def test_experts_in_a_layout_not_read_are_named(tmp_path):
+    """Step-3.5 stacks each role as 'moe.gate_proj.weight' [E, I, H]: refused, naming those keys, not asked
+    whether the model is a Mixture-of-Experts."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"model.layers.1.moe.{r}.weight": torch.randn(E, *s, generator=gen)
+               for r, s in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I)))}
+    tensors["model.layers.0.mlp.gate_proj.weight"] = torch.randn(I, H, generator=gen)
+    tensors["model.layers.1.share_expert.gate_proj.weight"] = torch.randn(I, H, generator=gen)
+    path = _plain_dir(tmp_path, {"model_type": "step3p5", "n_routed_experts": E}, tensors)
+    with pytest.raises(WeightsError, match=r"expert tensors in a layout that is not read .*layers.1.moe.down_proj"):
+        inspect_layer(path)
+
+
 def test_top_k_contradicting_config_names_both(models, caplog):
     _, path = models("mixtral")
     with pytest.raises(ConfigError, match=r"MOE_TOP_K=3 contradicts num_experts_per_tok=2"):
