@@ -95,6 +95,10 @@ INTERLEAVED_MODELS = ("gpt_oss",)  # gate_up_proj columns alternate gate, up
 # Experts computing gpt-oss's (u + 1) * g * sigmoid(alpha * g) with its clamp, whatever hidden_act says (MiniMax-M3
 # saves "silu": transformers' experts module ignores it), on gate / up halves that are not interleaved.
 GPT_OSS_ACT_MODELS = ("minimax_m3_vl", "minimax_m3_vl_text")
+# transformers' swiglu_limit default for models whose experts always clamp: it applies where config.json leaves
+# the key out (a config.json written by hand or by other tools), so it must here too.
+CLAMP_DEFAULTS = {"gpt_oss": 7.0, "minimax_m3_vl": 7.0, "minimax_m3_vl_text": 7.0, "deepseek_v4": 10.0,
+                  "hy_v4": 10.0, "hy_v4_vl": 10.0, "hy_v4_vl_text": 10.0, "glm5_next": 10.0, "glm5_next_text": 10.0}
 # Per-layer clamps applied *after* the activation, min(act(g), L) * clamp(u, -L, L) (transformers'
 # `limit_after_act`: Step-3.5 / Step-3.7 `swiglu_limits`, Bailing-hybrid `expert_swiglu_limit_list`); 0 = none.
 # The kernels clamp g before the activation, so a layer whose limit is set is refused.
@@ -291,7 +295,10 @@ def _config_activation(config: dict, model_types: tuple[str, ...], layer: int | 
                 f"layer {layer} of {where!r}: {key}[{layer}] = {limits[layer]:g} clamps the experts after the "
                 f"activation, min(act(g), L) * clamp(u, -L, L), which the kernels (clamping g before it) do not "
                 f"compute; layers without that clamp: {_ranges(free) or 'none'}")
-    limit = config.get("swiglu_limit")
+    if "swiglu_limit" in config:
+        limit = config["swiglu_limit"]
+    else:
+        limit = next((CLAMP_DEFAULTS[t] for t in model_types if t in CLAMP_DEFAULTS), None)
     limit = float(limit) if limit else None
     if any(t in INTERLEAVED_MODELS or t in GPT_OSS_ACT_MODELS for t in model_types):
         return Activation("gpt_oss", limit=limit, alpha=float(config.get("swiglu_alpha", GPT_OSS_ALPHA)))

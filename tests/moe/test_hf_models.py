@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -185,6 +186,23 @@ def test_config_without_top_k_says_where_k_comes_from(tmp_path, caplog):
         cfg, spec = checkpoint_layer(base_cfg().replace(K=4), path)
     assert cfg.K == 4 and "names no top-k" in caplog.text and "K is --top-k's, else the preset's" in spec.notes[0]
     assert checkpoint_layer(base_cfg(), path, top_k=3)[0].K == 3
+
+
+def test_clamp_default_applies_where_config_leaves_swiglu_limit_out(models, tmp_path, one_thread):  # noqa: F811
+    """transformers clamps gpt-oss at 7 and DeepSeek-V4 at 10 when config.json has no swiglu_limit (its config
+    defaults); the layer served no clamp: relative error about 3 at inputs x 6."""
+    model, src = models("gpt_oss")
+    path = tmp_path / "gpt_oss"
+    shutil.copytree(src, path)
+    config = json.load(open(path / "config.json"))
+    del config["swiglu_limit"]
+    json.dump(config, open(path / "config.json", "w"))
+    cfg, spec, _ = check_model(model, str(path), 0, T, X_SCALE["gpt_oss"], model_type="gpt_oss")
+    assert spec.act.limit == 7.0
+    (tmp_path / "v4").mkdir()
+    v4 = _plain_dir(tmp_path / "v4", {"model_type": "deepseek_v4", "n_routed_experts": E, "num_experts_per_tok": 2},
+                    _hf_experts("model.layers.0.mlp."))
+    assert inspect_layer(v4).act.limit == 10.0
 
 
 def test_gelu_tanh_model(tmp_path, one_thread):  # noqa: F811
