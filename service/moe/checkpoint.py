@@ -95,6 +95,8 @@ INTERLEAVED_MODELS = ("gpt_oss",)  # gate_up_proj columns alternate gate, up
 # Experts computing gpt-oss's (u + 1) * g * sigmoid(alpha * g) with its clamp, whatever hidden_act says (MiniMax-M3
 # saves "silu": transformers' experts module ignores it), on gate / up halves that are not interleaved.
 GPT_OSS_ACT_MODELS = ("minimax_m3_vl", "minimax_m3_vl_text")
+# transformers' activation default where config.json names none (every other MoE model type's is silu).
+ACT_DEFAULTS = {t: "gelu_pytorch_tanh" for t in ("gemma4", "gemma4_text", "diffusion_gemma", "diffusion_gemma_text")}
 # transformers' swiglu_limit default for models whose experts always clamp: it applies where config.json leaves
 # the key out (a config.json written by hand or by other tools), so it must here too.
 CLAMP_DEFAULTS = {"gpt_oss": 7.0, "minimax_m3_vl": 7.0, "minimax_m3_vl_text": 7.0, "deepseek_v4": 10.0,
@@ -281,7 +283,7 @@ def _config_activation(config: dict, model_types: tuple[str, ...], layer: int | 
     name = _first(config, "hidden_act", "activation_function", "hidden_activation")
     if name is None and isinstance(config.get("ffn_config"), dict):  # dbrx: ffn_act_fn {"name": ...}
         name = (config["ffn_config"].get("ffn_act_fn") or {}).get("name")
-    name = name or "silu"
+    name = name or next((ACT_DEFAULTS[t] for t in model_types if t in ACT_DEFAULTS), "silu")
     for key in POST_ACT_LIMITS:
         if config.get(key) is None:
             continue

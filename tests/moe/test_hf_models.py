@@ -188,7 +188,7 @@ def test_config_without_top_k_says_where_k_comes_from(tmp_path, caplog):
     assert checkpoint_layer(base_cfg(), path, top_k=3)[0].K == 3
 
 
-def test_clamp_default_applies_where_config_leaves_swiglu_limit_out(models, tmp_path, one_thread):  # noqa: F811
+def test_defaults_apply_where_config_leaves_swiglu_limit_or_activation_out(models, tmp_path, one_thread):  # noqa: F811
     """transformers clamps gpt-oss at 7 and DeepSeek-V4 at 10 when config.json has no swiglu_limit (its config
     defaults); the layer served no clamp: relative error about 3 at inputs x 6."""
     model, src = models("gpt_oss")
@@ -203,6 +203,10 @@ def test_clamp_default_applies_where_config_leaves_swiglu_limit_out(models, tmp_
     v4 = _plain_dir(tmp_path / "v4", {"model_type": "deepseek_v4", "n_routed_experts": E, "num_experts_per_tok": 2},
                     _hf_experts("model.layers.0.mlp."))
     assert inspect_layer(v4).act.limit == 10.0
+    (tmp_path / "gemma4").mkdir()  # the same for the activation: Gemma 4's default is GELU-tanh, not SiLU
+    gemma = _plain_dir(tmp_path / "gemma4", {"model_type": "gemma4", "text_config": {
+        "model_type": "gemma4_text", "num_experts": E, "top_k_experts": 2}}, _hf_experts("model.layers.0.mlp."))
+    assert inspect_layer(gemma).act.kind == "gelu_tanh"
 
 
 def test_gelu_tanh_model(tmp_path, one_thread):  # noqa: F811
