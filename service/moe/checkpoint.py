@@ -185,7 +185,11 @@ class Shards:
         return list(self.where)
 
     def slice(self, key: str):
-        return self._open(self.where[key]).get_slice(key)
+        try:
+            return self._open(self.where[key]).get_slice(key)
+        except SafetensorError as exc:  # an index that names the wrong shard for a key
+            raise WeightsError(f"{self.path!r} says key {key!r} is in {self.where[key]!r}, which does not hold it "
+                               f"({exc})") from exc
 
     def shape(self, key: str) -> list[int]:
         return list(self.slice(key).get_shape())

@@ -5,6 +5,7 @@ E experts, H hidden, I intermediate, R ranks, Ir = I / R.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -237,6 +238,20 @@ def test_directory_with_a_key_in_two_files_is_refused(tmp_path):
     save(tmp_path / "model.stale.safetensors", {key: tensors[key] * 2})
     with pytest.raises(WeightsError, match=rf"{key}.* both .*model.safetensors.* and .*model.stale.safetensors"):
         inspect_checkpoint(tmp_path)
+
+
+def test_index_naming_the_wrong_shard_for_a_key(tmp_path):
+    """An index whose weight_map sends a key to a shard without it: a WeightsError naming both (it was a raw
+    SafetensorError traceback, exit 1)."""
+    tensors = hf_tensors(make_cfg(), prefix=PREFIX)
+    keys = sorted(tensors)
+    save(tmp_path / "a.safetensors", {k: tensors[k] for k in keys[:6]})
+    save(tmp_path / "b.safetensors", {k: tensors[k] for k in keys[6:]})
+    weight_map = {k: "a.safetensors" for k in keys[:6]} | {k: "a.safetensors" for k in keys[6:]}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(WeightsError, match=r"says key '(.*)' is in '.*a.safetensors', which does not hold it") as err:
+        inspect_checkpoint(tmp_path / "model.safetensors.index.json", prefix=PREFIX)
+    assert err.value.args[0].split("says key '")[1].split("'")[0] in keys[6:]
 
 
 @pytest.mark.parametrize("role,shape", [("up", "[144, 40]"), ("down", "[40, 144]")])
