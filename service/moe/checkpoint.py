@@ -282,8 +282,10 @@ def _config_experts(config: dict, layer: int | None, where: str) -> int | None:
     return None
 
 
-def _config_activation(config: dict, model_types: tuple[str, ...], layer: int | None, where: str) -> Activation:
-    """The experts' activation; `model_types` the config's and its text_config's model_type."""
+def _config_activation(config: dict, model_types: tuple[str, ...], layer: int | None, where: str,
+                       moe_layers: list[int]) -> Activation:
+    """The experts' activation; `model_types` the config's and its text_config's model_type, `moe_layers` the
+    decoder layers that have routed experts."""
     name = _first(config, "hidden_act", "activation_function", "hidden_activation")
     if name is None and isinstance(config.get("ffn_config"), dict):  # dbrx: ffn_act_fn {"name": ...}
         name = (config["ffn_config"].get("ffn_act_fn") or {}).get("name")
@@ -296,11 +298,11 @@ def _config_activation(config: dict, model_types: tuple[str, ...], layer: int | 
             raise WeightsError(f"config.json of {where!r} clamps experts after the activation ({key} = {limits}); "
                                f"serve a decoder layer whose limit is 0 (--layer)")
         if layer is not None and _per_layer(limits, layer, key, where):
-            free = [n for n, L in enumerate(limits) if not L]
+            free = [n for n in moe_layers if n < len(limits) and not limits[n]]
             raise WeightsError(
                 f"layer {layer} of {where!r}: {key}[{layer}] = {limits[layer]:g} clamps the experts after the "
                 f"activation, min(act(g), L) * clamp(u, -L, L), which the kernels (clamping g before it) do not "
-                f"compute; layers without that clamp: {_ranges(free) or 'none'}")
+                f"compute; layers with routed experts and no such clamp: {_ranges(free) or 'none'}")
     if "swiglu_limit" in config:
         limit = config["swiglu_limit"]
     else:
@@ -581,7 +583,8 @@ def read_spec(sh: Shards, prefix: str = "", layer: int | None = None) -> LayerSp
     if E_config is not None and E_config != E:
         raise WeightsError(f"config.json of {path!r} says {E_config} routed experts, the tensors at "
                            f"prefix={prefix!r} hold {E}")
-    act = (_config_activation(config, (model_type, config.get("model_type", "")), _layer_of(prefix), path)
+    moe_layers = sorted({n for p in _blocks(keys) if (n := _layer_of(p)) is not None})
+    act = (_config_activation(config, (model_type, config.get("model_type", "")), _layer_of(prefix), path, moe_layers)
            if config is not None else Activation())
     if bias and config is None:
         raise WeightsError(f"expert biases at prefix={prefix!r} in {path!r} (gpt-oss) need the model's config.json "

@@ -147,7 +147,8 @@ def test_clamp_after_the_activation_is_refused_where_it_applies(models, one_thre
     """Bailing-hybrid (and Step-3.5) clamp per layer *after* the activation: min(silu(g), L) * clamp(u, -L, L),
     which the kernels do not compute. Its layer 1 (limit 0: no clamp) is served, layer 2 (limit 3) refused."""
     model, path = models("bailing_hybrid")
-    with pytest.raises(WeightsError, match=r"layer 2 .*expert_swiglu_limit_list.*3.*after the activation"):
+    why = r"layer 2 .*expert_swiglu_limit_list.*3.*after the activation.*routed experts and no such clamp: 1$"
+    with pytest.raises(WeightsError, match=why):
         inspect_layer(path, layer=2)
     cfg, spec = checkpoint_layer(base_cfg(), path, layer=1)
     assert spec.act.limit is None and cfg.K == 2
