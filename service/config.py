@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import logging
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -368,7 +369,11 @@ class Settings(BaseSettings):
         return "cpu", "no CUDA device found"
 
     def layer_config(self, device: str) -> LayerConfig:
-        """The layer shape: the preset (seed on GPU, cpu on CPU) with any overrides applied."""
+        """The layer shape: the preset (seed on GPU, cpu on CPU) with any overrides applied.
+
+        With --weights, E, H, I (and K, where config.json gives it) are the checkpoint's, which
+        service.moe.weights.checkpoint_layer puts in place and checks R and K against; the preset's E and I,
+        which the checkpoint replaces, are widened here so as not to refuse an R or K that fits the checkpoint."""
         name = self.preset or ("seed" if device == "cuda" else "cpu")
         R = self.world_size
         if device == "cuda":
@@ -381,6 +386,9 @@ class Settings(BaseSettings):
                 log.warning("preset %s wants R=%d ranks, %d GPU(s) found: running R=%d", name,
                             PRESETS[name].R, gpus, R)
         overrides = dict(R=R, C=self.capacity, K=self.top_k, dtype=DTYPES[self.dtype] if self.dtype else None)
+        if self.weights:  # placeholders until checkpoint_layer: I a multiple of R, E at least K
+            base = preset(name)
+            overrides.update(I=math.lcm(base.I, R or base.R), E=max(base.E, self.top_k or base.K))
         return preset(name, **overrides)
 
 

@@ -41,11 +41,26 @@ MODELS = {
                                             deepstack_visual_indexes=[])),
     "hunyuan_v1_moe": dict(num_experts=E, moe_topk=[3, 2], intermediate_size=I),  # K per layer; shared_mlp
     "jetmoe": dict(num_local_experts=E, num_experts_per_tok=2, intermediate_size=I, kv_channels=10),
+    # gpt-oss's activation on concatenated (not interleaved) gate / up halves; config.json says hidden_act "silu"
+    "minimax_m3_vl": dict(text_config=dict(COMMON, num_local_experts=E, num_experts_per_tok=2, intermediate_size=I,
+                                           swiglu_limit=7.0, mlp_layer_types=["sparse"] * 2,
+                                           layer_types=["full_attention"] * 2, rotary_dim=10, pad_token_id=0,
+                                           bos_token_id=1, eos_token_id=2, dense_intermediate_size=48,
+                                           shared_intermediate_size=16),
+                          vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28),
+                          projector_hidden_size=16, merged_hidden_size=64),
+    # K in num_experts_per_token; per-layer clamps applied after the activation (expert_swiglu_limit_list)
+    "bailing_hybrid": dict(num_experts=E, num_experts_per_token=2, moe_intermediate_size=I, intermediate_size=48,
+                           num_hidden_layers=3, first_k_dense_replace=1, swiglu_limits=[0, 0, 3.0],
+                           num_expert_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                           qk_nope_head_dim=8, v_head_dim=10, linear_head_dim=10, linear_num_heads=4,
+                           layer_group_size=2, num_nextn_predict_layers=0, pad_token_id=0, eos_token_id=2),
     "dbrx": dict(d_model=H, n_heads=4, n_layers=2, max_seq_len=64, attn_config={"kv_n_heads": 2, "rope_theta": 1e4},
                  ffn_config={"moe_num_experts": E, "moe_top_k": 2, "ffn_hidden_size": I}),
 }
 # Inputs scaled so that clamped activations clamp (checked in the test): the limit's activations.
-X_SCALE = {"gpt_oss": 6.0, "deepseek_v4": 12.0}
+X_SCALE = {"gpt_oss": 6.0, "deepseek_v4": 12.0, "minimax_m3_vl": 6.0}
 
 
 def build(model_type: str, directory, **overrides):

@@ -104,6 +104,26 @@ def test_top_k_flag_and_environment(monkeypatch):
         Settings(top_k=0)
 
 
+def test_with_weights_r_and_k_are_checked_against_the_checkpoint_not_the_preset(tmp_path):
+    """--weights replaces the preset's E, H, I: --world-size 3 and a checkpoint with I = 48 were refused with
+    'I (512) must be divisible by R (3)', the cpu preset's I; --top-k 20 with 'must not exceed E (experts = 16)'."""
+    from safetensors.torch import save_file
+
+    from service.moe.weights import checkpoint_layer
+
+    E, H, I = 24, 8, 48  # noqa: E741
+    path = str(tmp_path / "experts.safetensors")
+    save_file({f"experts.{e}.{n}.weight": torch.zeros(s) for e in range(E)
+               for n, s in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I)))}, path)
+    cfg, _ = checkpoint_layer(Settings(weights=path, world_size=3).layer_config("cpu"), path)
+    assert (cfg.R, cfg.I, cfg.E) == (3, 48, 24)
+    s = Settings(weights=path, top_k=20)
+    cfg, _ = checkpoint_layer(s.layer_config("cpu"), path, top_k=s.top_k)
+    assert (cfg.K, cfg.E) == (20, 24)
+    with pytest.raises(ConfigError, match="I=48 .* does not split over R=5"):  # the checkpoint's I decides
+        checkpoint_layer(Settings(weights=path, world_size=5).layer_config("cpu"), path)
+
+
 def test_layer_needs_weights_and_activation_is_checked():
     from service.config import Activation
 

@@ -33,9 +33,11 @@ block. bf16 / fp16 / fp32 / fp64 tensors are cast to the layer dtype.
 What the layer cannot compute exactly is refused here (WeightsError, so the service exits 2
 before starting) with a message naming the feature: a router that scales the expert input
 (Llama 4), non-gated experts (ReLU^2, Nemotron-H), zero / identity experts (LongCat-Flash), an
-activation the kernels do not have. Shared experts, a block-level output bias (JetMoE) and the
-router itself stay with the client: the layer serves the routed experts, and `LayerSpec.notes`
-says so in the start-up log.
+activation the kernels do not have, a clamp applied after the activation (Bailing-hybrid,
+Step-3.5). Shared experts, a block-level output bias (JetMoE) and the router itself stay with
+the client: the layer serves the routed experts, and `LayerSpec.notes` says so in the start-up
+log. The activation comes from config.json's hidden_act, except for model types whose experts
+ignore it (MiniMax-M3: gpt-oss's activation, GPT_OSS_ACT_MODELS).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import SafetensorError, safe_open
 
-from service.config import Activation, cdiv
+from service.config import GPT_OSS_ALPHA, Activation, cdiv
 from service.errors import WeightsError
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,9 @@ _BLOCK_KEYS = (
 )
 _LAYER = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)\.")  # decoder layer (dbrx: transformer.blocks.N)
 _ATTENTION = re.compile(r"attn|attention")  # JetMoE's mixture of attention heads is not an MLP
+# Keys of a decoder layer's experts in a layout not read (Step-3.5 'moe.gate_proj.weight' [E, I, H], Aria
+# 'experts.fc1.weight'): named in the error rather than "is this a Mixture-of-Experts model?".
+_EXPERT_LIKE = re.compile(r"(?:layers|blocks)\.\d+\.(?:.*\.)?(?:experts?|moe)\.")
 
 # config.json model types whose experts the layer cannot compute exactly.
 REFUSED_MODELS = {
@@ -87,6 +92,19 @@ REFUSED_MODELS = {
                    "before the experts), which the layer, applying weights to expert outputs, cannot do",
 }
 INTERLEAVED_MODELS = ("gpt_oss",)  # gate_up_proj columns alternate gate, up
+# Experts computing gpt-oss's (u + 1) * g * sigmoid(alpha * g) with its clamp, whatever hidden_act says (MiniMax-M3
+# saves "silu": transformers' experts module ignores it), on gate / up halves that are not interleaved.
+GPT_OSS_ACT_MODELS = ("minimax_m3_vl", "minimax_m3_vl_text")
+# transformers' activation default where config.json names none (every other MoE model type's is silu).
+ACT_DEFAULTS = {t: "gelu_pytorch_tanh" for t in ("gemma4", "gemma4_text", "diffusion_gemma", "diffusion_gemma_text")}
+# transformers' swiglu_limit default for models whose experts always clamp: it applies where config.json leaves
+# the key out (a config.json written by hand or by other tools), so it must here too.
+CLAMP_DEFAULTS = {"gpt_oss": 7.0, "minimax_m3_vl": 7.0, "minimax_m3_vl_text": 7.0, "deepseek_v4": 10.0,
+                  "hy_v4": 10.0, "hy_v4_vl": 10.0, "hy_v4_vl_text": 10.0, "glm5_next": 10.0, "glm5_next_text": 10.0}
+# Per-layer clamps applied *after* the activation, min(act(g), L) * clamp(u, -L, L) (transformers'
+# `limit_after_act`: Step-3.5 / Step-3.7 `swiglu_limits`, Bailing-hybrid `expert_swiglu_limit_list`); 0 = none.
+# The kernels clamp g before the activation, so a layer whose limit is set is refused.
+POST_ACT_LIMITS = ("swiglu_limits", "expert_swiglu_limit_list")
 # config.json activation names -> Activation.kind (exact equals: gelu_new / gelu_fast are the tanh form).
 ACT_NAMES = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
              "gelu_fast": "gelu_tanh"}
@@ -133,7 +151,14 @@ class Shards:
                 files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
                 if not files:
                     raise WeightsError(f"model directory {path!r} holds no *.safetensors file")
-                self.where = {k: os.path.join(path, f) for f in files for k in self._open(os.path.join(path, f)).keys()}
+                self.where = {}
+                for f in files:
+                    for k in self._open(os.path.join(path, f)).keys():
+                        if k in self.where:  # without an index no file is the right one
+                            raise WeightsError(f"key {k!r} is in both {self.where[k]!r} and {os.path.join(path, f)!r} "
+                                               f"in {path!r}, which has no *.safetensors.index.json to say which "
+                                               f"is meant; remove the stale copy")
+                        self.where[k] = os.path.join(path, f)
         elif path.endswith(".json"):
             if not os.path.isfile(path):
                 raise WeightsError(f"checkpoint index {path!r} does not exist or is not a file")
@@ -160,7 +185,11 @@ class Shards:
         return list(self.where)
 
     def slice(self, key: str):
-        return self._open(self.where[key]).get_slice(key)
+        try:
+            return self._open(self.where[key]).get_slice(key)
+        except SafetensorError as exc:  # an index that names the wrong shard for a key
+            raise WeightsError(f"{self.path!r} says key {key!r} is in {self.where[key]!r}, which does not hold it "
+                               f"({exc})") from exc
 
     def shape(self, key: str) -> list[int]:
         return list(self.slice(key).get_shape())
@@ -235,7 +264,10 @@ def _per_layer(value, layer: int | None, name: str, where: str):
 def _config_top_k(config: dict, layer: int | None, where: str) -> int | None:
     if isinstance(config.get("ffn_config"), dict) and "moe_top_k" in config["ffn_config"]:  # dbrx
         return int(config["ffn_config"]["moe_top_k"])
-    for name in ("num_experts_per_tok", "moe_topk", "moe_top_k", "top_k", "num_selected_experts"):
+    # num_experts_per_tok as each model names it (transformers' attribute_map): moe_k ERNIE-4.5,
+    # num_experts_per_token Kimi-Linear / Bailing, top_k_experts Gemma 4, moe_topk Hunyuan.
+    for name in ("num_experts_per_tok", "moe_topk", "moe_top_k", "moe_k", "num_experts_per_token", "top_k_experts",
+                 "top_k", "num_selected_experts"):
         if config.get(name) is not None:
             return int(_per_layer(config[name], layer, name, where))
     return None
@@ -250,15 +282,34 @@ def _config_experts(config: dict, layer: int | None, where: str) -> int | None:
     return None
 
 
-def _config_activation(config: dict, model_type: str) -> Activation:
+def _config_activation(config: dict, model_types: tuple[str, ...], layer: int | None, where: str,
+                       moe_layers: list[int]) -> Activation:
+    """The experts' activation; `model_types` the config's and its text_config's model_type, `moe_layers` the
+    decoder layers that have routed experts."""
     name = _first(config, "hidden_act", "activation_function", "hidden_activation")
     if name is None and isinstance(config.get("ffn_config"), dict):  # dbrx: ffn_act_fn {"name": ...}
         name = (config["ffn_config"].get("ffn_act_fn") or {}).get("name")
-    name = name or "silu"
-    limit = config.get("swiglu_limit")
+    name = name or next((ACT_DEFAULTS[t] for t in model_types if t in ACT_DEFAULTS), "silu")
+    for key in POST_ACT_LIMITS:
+        if config.get(key) is None:
+            continue
+        limits = config[key] if isinstance(config[key], (list, tuple)) else [config[key]] * (1 + (layer or 0))
+        if layer is None and any(limits):
+            raise WeightsError(f"config.json of {where!r} clamps experts after the activation ({key} = {limits}); "
+                               f"serve a decoder layer whose limit is 0 (--layer)")
+        if layer is not None and _per_layer(limits, layer, key, where):
+            free = [n for n in moe_layers if n < len(limits) and not limits[n]]
+            raise WeightsError(
+                f"layer {layer} of {where!r}: {key}[{layer}] = {limits[layer]:g} clamps the experts after the "
+                f"activation, min(act(g), L) * clamp(u, -L, L), which the kernels (clamping g before it) do not "
+                f"compute; layers with routed experts and no such clamp: {_ranges(free) or 'none'}")
+    if "swiglu_limit" in config:
+        limit = config["swiglu_limit"]
+    else:
+        limit = next((CLAMP_DEFAULTS[t] for t in model_types if t in CLAMP_DEFAULTS), None)
     limit = float(limit) if limit else None
-    if model_type in INTERLEAVED_MODELS:
-        return Activation("gpt_oss", limit=limit, alpha=float(config.get("swiglu_alpha", 1.702)))
+    if any(t in INTERLEAVED_MODELS or t in GPT_OSS_ACT_MODELS for t in model_types):
+        return Activation("gpt_oss", limit=limit, alpha=float(config.get("swiglu_alpha", GPT_OSS_ALPHA)))
     if name not in ACT_NAMES:
         hint = " (a non-gated ReLU^2 expert)" if name == "relu2" else ""
         raise WeightsError(f"expert activation {name!r}{hint} is not one the kernels compute: "
@@ -308,6 +359,12 @@ def find_layer(keys: list[str], layer: int | None, where: str) -> str:
         if (n := _layer_of(p)) is not None:
             by_layer[n].append(p)
     if not by_layer:
+        unknown = sorted(k for k in keys if _EXPERT_LIKE.search(k) and not _SHARED.search(k))
+        if unknown:  # a MoE model whose experts are stored in a layout not read (Step-3.5, Aria)
+            raise WeightsError(f"{where!r} holds expert tensors in a layout that is not read (e.g. "
+                               f"{unknown[:_EXAMPLES]}); known: per-expert 'experts.<e>.gate_proj/up_proj/down_proj"
+                               f".weight' or 'w1/w3/w2', fused 'experts.gate_up_proj' + 'experts.down_proj', "
+                               f"'input_linear' / 'output_linear', dbrx 'experts.mlp.w1/v1/w2'")
         raise WeightsError(f"{where!r} has no routed-expert tensors under any 'layers.<n>.' prefix "
                            f"(keys: {sorted(keys)[:_EXAMPLES]}...); is this a Mixture-of-Experts model?")
     moe_layers = sorted(by_layer)
@@ -526,7 +583,9 @@ def read_spec(sh: Shards, prefix: str = "", layer: int | None = None) -> LayerSp
     if E_config is not None and E_config != E:
         raise WeightsError(f"config.json of {path!r} says {E_config} routed experts, the tensors at "
                            f"prefix={prefix!r} hold {E}")
-    act = _config_activation(config, model_type) if config is not None else Activation()
+    moe_layers = sorted({n for p in _blocks(keys) if (n := _layer_of(p)) is not None})
+    act = (_config_activation(config, (model_type, config.get("model_type", "")), _layer_of(prefix), path, moe_layers)
+           if config is not None else Activation())
     if bias and config is None:
         raise WeightsError(f"expert biases at prefix={prefix!r} in {path!r} (gpt-oss) need the model's config.json "
                            f"for their activation; pass the model directory")
@@ -544,6 +603,9 @@ def read_spec(sh: Shards, prefix: str = "", layer: int | None = None) -> LayerSp
     block_keys = [k for k in keys if k.startswith(prefix) and _SHARED.search(k[len(prefix):])]
     if block_keys:
         notes.append(f"shared experts ({block_keys[0]!r}, ...) are the client's: serving the routed experts only")
+    if config is not None and K_config is None:  # K falls back to --top-k, else the preset's: say so
+        notes.append(f"the config.json of {path!r} names no top-k (num_experts_per_tok or a model's own name for "
+                     f"it): K is --top-k's, else the preset's")
     if prefix + "bias" in sh.where:
         notes.append(f"the block's output bias {prefix + 'bias'!r} is the client's (added after the expert sum)")
     return LayerSpec(path=path, prefix=prefix, layout=layout, E=E, H=H, I=I,

@@ -102,6 +102,11 @@ def checkpoint_layer(cfg: LayerConfig, path: str | os.PathLike, *, prefix: str =
              spec.dtype, spec.act.describe(), K, " from config.json" if spec.K else "")
     for note in spec.notes:
         log.warning("%s", note)
+    if spec.I % cfg.R:  # R comes from --world-size or the preset, I from the checkpoint: say which is which
+        fits = [r for r in range(1, min(spec.I, 8) + 1) if spec.I % r == 0]
+        raise ConfigError(f"the checkpoint's expert intermediate size I={spec.I} ({where} of {spec.path!r}) does not "
+                          f"split over R={cfg.R} ranks (--world-size, default the preset's); each rank holds I/R "
+                          f"columns: set --world-size to a divisor of {spec.I} ({', '.join(map(str, fits))}, ...)")
     return cfg.replace(E=spec.E, H=spec.H, I=spec.I, K=K, act=spec.act, bias=spec.bias), spec
 
 
@@ -137,7 +142,28 @@ def load_rank_weights(path: str | os.PathLike, cfg: LayerConfig, rank: int, pref
                 b13[es].copy_(bias13.to(device))
             if b2 is not None:
                 b2[es].copy_(bias2.to(device))
+            parts = (("gate", w13[es, :, :Ir], gate), ("up", w13[es, :, Ir:], up), ("down", w2[es], down_t),
+                     ("gate/up bias", b13[es] if b13 is not None else None, bias13),
+                     ("down bias", b2[es] if b2 is not None else None, bias2))
+            for role, held, read in parts:
+                _check_finite(spec, cfg, rank, es.start, role, held, read)
     return RankWeights(w13=w13, w2=w2, b13=b13, b2=b2)
+
+
+def _check_finite(spec: LayerSpec, cfg: LayerConfig, rank: int, e: int, role: str, held: Tensor | None,
+                  read: Tensor | None) -> None:
+    """A NaN or infinity in a weight, or a finite one that the cast to cfg.dtype turned into an infinity
+    (fp32 / bf16 values past float16's 65504), would make every answer that uses the expert non-finite:
+    refused at load, naming the expert."""
+    if held is None or read is None or bool(torch.isfinite(held).all()):
+        return
+    where = f"expert {e}'s {role} in {spec.path!r} (prefix={spec.prefix!r}, rank {rank}'s slice)"
+    read = read.float()
+    if bool(torch.isfinite(read).all()):
+        big = float(read.abs().max())
+        raise WeightsError(f"{where} holds values up to {big:g}, beyond the range of {cfg.dtype} the layer "
+                           f"computes in; serve it in bfloat16 or float32 (--dtype)")
+    raise WeightsError(f"{where} holds NaN or infinity")
 
 
 def load_expert(path: str | os.PathLike, cfg: LayerConfig, e: int, prefix: str = "") -> ExpertWeights:

@@ -23,6 +23,7 @@ MODELS = {
     "clamped_swiglu": (Activation("silu", limit=2.0), False, 4.0),
     "gelu_tanh": (Activation("gelu_tanh"), False, 1.0),
     "gpt_oss": (Activation("gpt_oss", limit=2.0), True, 4.0),
+    "gpt_oss_unbiased": (Activation("gpt_oss", limit=2.0), False, 4.0),  # MiniMax-M3's experts
 }
 E, H, I, K, C = 12, 384, 320, 3, 300  # noqa: E741  odd-ish: 12 experts, N tiles masked
 

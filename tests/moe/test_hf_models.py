@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -82,7 +83,8 @@ EXPECT = {
     "mixtral": (0, "mixtral", 2), "qwen3_moe": (1, "hf", 3), "deepseek_v3": (1, "hf", 2), "olmoe": (0, "hf", 2),
     "granitemoe": (0, "granite", 2), "granitemoe_swa": (0, "fused", 2), "gpt_oss": (0, "gpt_oss", 2),
     "deepseek_v4": (0, "mixtral", 2), "dbrx": (0, "dbrx", 2), "jetmoe": (0, "granite", 2),
-    "qwen3_vl_moe": (0, "fused", 2), "hunyuan_v1_moe": (0, "hf", 3),
+    "qwen3_vl_moe": (0, "fused", 2), "hunyuan_v1_moe": (0, "hf", 3), "minimax_m3_vl": (0, "mixtral", 2),
+    "bailing_hybrid": (1, "hf", 2),
 }
 
 
@@ -130,6 +132,82 @@ def test_top_k_given_per_layer(models, one_thread):  # noqa: F811
     with torch.no_grad():
         ref = expert_output(model, "hunyuan_v1_moe", 1, x, ids, w)
     assert rel_err(served(path, cfg, spec.prefix, x, ids, w), ref) <= TOL[torch.float32]
+
+
+def test_minimax_m3_computes_gpt_oss_activation_on_concatenated_halves(models):
+    """MiniMax-M3's experts compute gpt-oss's (u + 1) * g * sigmoid(1.702 g) with its clamp, on gate / up
+    halves that are not interleaved, while its saved config.json says hidden_act "silu"."""
+    _, path = models("minimax_m3_vl")
+    spec = inspect_layer(path)
+    assert (spec.layout, spec.act.kind, spec.act.limit, spec.act.alpha) == ("mixtral", "gpt_oss", 7.0, 1.702)
+    assert not spec.bias
+
+
+def test_clamp_after_the_activation_is_refused_where_it_applies(models, one_thread):  # noqa: F811
+    """Bailing-hybrid (and Step-3.5) clamp per layer *after* the activation: min(silu(g), L) * clamp(u, -L, L),
+    which the kernels do not compute. Its layer 1 (limit 0: no clamp) is served, layer 2 (limit 3) refused."""
+    model, path = models("bailing_hybrid")
+    why = r"layer 2 .*expert_swiglu_limit_list.*3.*after the activation.*routed experts and no such clamp: 1$"
+    with pytest.raises(WeightsError, match=why):
+        inspect_layer(path, layer=2)
+    cfg, spec = checkpoint_layer(base_cfg(), path, layer=1)
+    assert spec.act.limit is None and cfg.K == 2
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(T, H, generator=gen) * 6.0
+    ids, w = routing(T, E, 2, "skewed", gen)
+    with torch.no_grad():
+        ref = expert_output(model, "bailing_hybrid", 1, x, ids, w)
+    assert rel_err(served(path, cfg, spec.prefix, x, ids, w), ref) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("name", ["num_experts_per_tok", "moe_k", "num_experts_per_token", "top_k_experts"])
+def test_top_k_read_under_each_models_name(tmp_path, name):
+    """ERNIE-4.5 says moe_k, Kimi-Linear and Bailing num_experts_per_token, Gemma 4 top_k_experts: K comes from
+    config.json whatever the name, so that a contradicting --top-k is refused as the README says."""
+    prefix = "model.layers.0.mlp."
+    path = _plain_dir(tmp_path, {"model_type": "x", "num_experts": E, name: 3}, _hf_experts(prefix))
+    assert inspect_layer(path).K == 3
+    with pytest.raises(ConfigError, match=r"MOE_TOP_K=2 contradicts"):
+        checkpoint_layer(base_cfg(), path, top_k=2)
+
+
+def test_intermediate_size_that_does_not_split_over_the_ranks_names_the_flag(models):
+    """I = 30 over the cpu preset's R = 4: the message says where each number comes from and what to set."""
+    _, path = models("olmoe")
+    why = r"I=30 \(layer 0 of .*R=4 ranks \(--world-size.*divisor of 30 \(1, 2, 3, 5, 6"
+    with pytest.raises(ConfigError, match=why):
+        checkpoint_layer(base_cfg().replace(R=4), path)
+
+
+def test_config_without_top_k_says_where_k_comes_from(tmp_path, caplog):
+    """A config.json that names K under no known name (Qwen3-Omni nests it under thinker_config): K is the
+    preset's unless --top-k says otherwise, and the start-up log says so instead of a bare 'K=1'."""
+    path = _plain_dir(tmp_path, {"model_type": "x", "num_experts": E}, _hf_experts("model.layers.0.mlp."))
+    with caplog.at_level(logging.INFO):
+        cfg, spec = checkpoint_layer(base_cfg().replace(K=4), path)
+    assert cfg.K == 4 and "names no top-k" in caplog.text and "K is --top-k's, else the preset's" in spec.notes[0]
+    assert checkpoint_layer(base_cfg(), path, top_k=3)[0].K == 3
+
+
+def test_defaults_apply_where_config_leaves_swiglu_limit_or_activation_out(models, tmp_path, one_thread):  # noqa: F811
+    """transformers clamps gpt-oss at 7 and DeepSeek-V4 at 10 when config.json has no swiglu_limit (its config
+    defaults); the layer served no clamp: relative error about 3 at inputs x 6."""
+    model, src = models("gpt_oss")
+    path = tmp_path / "gpt_oss"
+    shutil.copytree(src, path)
+    config = json.load(open(path / "config.json"))
+    del config["swiglu_limit"]
+    json.dump(config, open(path / "config.json", "w"))
+    cfg, spec, _ = check_model(model, str(path), 0, T, X_SCALE["gpt_oss"], model_type="gpt_oss")
+    assert spec.act.limit == 7.0
+    (tmp_path / "v4").mkdir()
+    v4 = _plain_dir(tmp_path / "v4", {"model_type": "deepseek_v4", "n_routed_experts": E, "num_experts_per_tok": 2},
+                    _hf_experts("model.layers.0.mlp."))
+    assert inspect_layer(v4).act.limit == 10.0
+    (tmp_path / "gemma4").mkdir()  # the same for the activation: Gemma 4's default is GELU-tanh, not SiLU
+    gemma = _plain_dir(tmp_path / "gemma4", {"model_type": "gemma4", "text_config": {
+        "model_type": "gemma4_text", "num_experts": E, "top_k_experts": 2}}, _hf_experts("model.layers.0.mlp."))
+    assert inspect_layer(gemma).act.kind == "gelu_tanh"
 
 
 def test_gelu_tanh_model(tmp_path, one_thread):  # noqa: F811
@@ -263,6 +341,19 @@ def test_non_gated_zero_experts_unknown_activation_and_mxfp4_are_refused(tmp_pat
              for n in ("gate_up_proj", "down_proj") for part in ("blocks", "scales")}
     path = _plain_dir(tmp_path / "d", {"model_type": "gpt_oss", "num_local_experts": E}, mxfp4)
     with pytest.raises(WeightsError, match="MXFP4"):
+        inspect_layer(path)
+
+
+def test_experts_in_a_layout_not_read_are_named(tmp_path):
+    """Step-3.5 stacks each role as 'moe.gate_proj.weight' [E, I, H]: refused, naming those keys, not asked
+    whether the model is a Mixture-of-Experts."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"model.layers.1.moe.{r}.weight": torch.randn(E, *s, generator=gen)
+               for r, s in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I)))}
+    tensors["model.layers.0.mlp.gate_proj.weight"] = torch.randn(I, H, generator=gen)
+    tensors["model.layers.1.share_expert.gate_proj.weight"] = torch.randn(I, H, generator=gen)
+    path = _plain_dir(tmp_path, {"model_type": "step3p5", "n_routed_experts": E}, tensors)
+    with pytest.raises(WeightsError, match=r"expert tensors in a layout that is not read .*layers.1.moe.down_proj"):
         inspect_layer(path)
 
 

@@ -5,6 +5,7 @@ E experts, H hidden, I intermediate, R ranks, Ir = I / R.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -227,6 +228,32 @@ def test_directory_and_not_safetensors(tmp_path):
         inspect_checkpoint(empty)
 
 
+def test_directory_with_a_key_in_two_files_is_refused(tmp_path):
+    """Without an index, a directory whose files hold the same key twice (a stale copy beside the
+    shards) is ambiguous: the file sorted last used to win without a word."""
+    tensors = hf_tensors(make_cfg(), prefix=PREFIX)
+    (tmp_path / "config.json").write_text('{"model_type": "mixtral", "num_local_experts": 5}')
+    save(tmp_path / "model.safetensors", tensors)
+    key = expert_key(PREFIX, 3, "gate")
+    save(tmp_path / "model.stale.safetensors", {key: tensors[key] * 2})
+    with pytest.raises(WeightsError, match=rf"{key}.* both .*model.safetensors.* and .*model.stale.safetensors"):
+        inspect_checkpoint(tmp_path)
+
+
+def test_index_naming_the_wrong_shard_for_a_key(tmp_path):
+    """An index whose weight_map sends a key to a shard without it: a WeightsError naming both (it was a raw
+    SafetensorError traceback, exit 1)."""
+    tensors = hf_tensors(make_cfg(), prefix=PREFIX)
+    keys = sorted(tensors)
+    save(tmp_path / "a.safetensors", {k: tensors[k] for k in keys[:6]})
+    save(tmp_path / "b.safetensors", {k: tensors[k] for k in keys[6:]})
+    weight_map = {k: "a.safetensors" for k in keys[:6]} | {k: "a.safetensors" for k in keys[6:]}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(WeightsError, match=r"says key '(.*)' is in '.*a.safetensors', which does not hold it") as err:
+        inspect_checkpoint(tmp_path / "model.safetensors.index.json", prefix=PREFIX)
+    assert err.value.args[0].split("says key '")[1].split("'")[0] in keys[6:]
+
+
 @pytest.mark.parametrize("role,shape", [("up", "[144, 40]"), ("down", "[40, 144]")])
 def test_missing_key_names_key_and_shape(tmp_path, role, shape):
     tensors = hf_tensors(make_cfg())
@@ -296,6 +323,21 @@ def test_non_float_dtype(tmp_path):
     with pytest.raises(WeightsError) as err:
         load_rank_weights(path, make_cfg(), 0)
     assert key in str(err.value) and "I8" in str(err.value)
+
+
+@pytest.mark.parametrize("value,dtype,why", [
+    (float("nan"), torch.float32, "NaN or infinity"), (float("inf"), torch.bfloat16, "NaN or infinity"),
+    (7e4, torch.float16, r"values up to 70000, beyond the range of torch.float16")])
+def test_non_finite_weights_are_refused_at_load(tmp_path, value, dtype, why):
+    """A NaN or infinity, or an fp32 value past float16's 65504 loaded into an fp16 layer, would make every answer
+    through that expert non-finite (the warm-up then blamed the slots): refused naming the expert and the rank."""
+    tensors = hf_tensors(make_cfg())
+    tensors[expert_key("", 3, "down")][5, I - 1] = value  # [H, I]: the last rank's columns
+    path = save(tmp_path / "ckpt.safetensors", tensors)
+    cfg = make_cfg(dtype=dtype)
+    load_rank_weights(path, cfg, 0)  # rank 0's slice holds no bad value
+    with pytest.raises(WeightsError, match=rf"expert 3's down .*rank 1's slice\) holds {why}"):
+        load_rank_weights(path, cfg, 1)
 
 
 @pytest.mark.parametrize("field,value", [("E", 4), ("E", 6), ("H", 48), ("I", 96)])
