@@ -50,7 +50,7 @@ from service.api.grpc import GrpcServer
 from service.api.http import create_app
 from service.api.regions import Regions, RegionTable
 from service.config import LayerConfig, Settings, unknown_variables
-from service.errors import BackendUnavailable, ConfigError, GroupUnavailable, MoEError, WorkerError
+from service.errors import BackendUnavailable, ConfigError, GroupUnavailable, MoEError, WeightsError, WorkerError
 from service.fleet import (
     FRONTEND_STOP_GRACE_S,
     HEALTHY_RESET_S,
@@ -378,7 +378,8 @@ class Server:
                     return
                 if first:
                     log.error("the rank group did not start: %s", exc)
-                    self.exit_code = 2 if isinstance(exc, ConfigError) else 1  # 2: a setting it refused
+                    # 2: a setting or the weights refused (the ranks refuse a backend or a checkpoint's values)
+                    self.exit_code = 2 if isinstance(exc, (ConfigError, WeightsError)) else 1
                     self.request_stop()
                     return
                 failures += 1

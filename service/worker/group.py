@@ -46,7 +46,7 @@ from multiprocessing.connection import wait
 import torch
 
 from service.config import LayerConfig
-from service.errors import BackendUnavailable, GroupUnavailable, InvalidInput, WorkerError
+from service.errors import BackendUnavailable, GroupUnavailable, InvalidInput, WeightsError, WorkerError
 from service.metrics import STEP_PHASES
 from service.moe.hostcomm import HostPeers
 from service.moe.layer import BACKENDS
@@ -439,8 +439,8 @@ class WorkerGroup:
                     if pending[rank].closed:  # closed here by _kill, not by the rank's death
                         raise self._failure or GroupUnavailable("the rank group was stopped") from None
                     raise WorkerError(f"{what}: rank {rank} died ({_exit(procs[rank])})", rank=rank) from None
-                if msg[0] == "refused":
-                    raise BackendUnavailable(msg[2])
+                if msg[0] == "refused":  # (a 3-tuple from a rank of before the weights' refusal: the backend)
+                    raise WeightsError(msg[2]) if msg[3:] == ("weights",) else BackendUnavailable(msg[2])
                 if msg[0] == "error":
                     raise WorkerError(f"{what}: rank {msg[1]} raised", rank=msg[1], traceback=msg[2])
                 if msg[0] != kind:

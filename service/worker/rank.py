@@ -2,7 +2,7 @@
 
 Control messages on the rank's pipe (parent -> rank): ("step", seq, slot_index, T, sources),
 ("ping", seq) and ("stop",). Answers (rank -> parent): ("ready", rank, info), ("done", rank,
-seq, stats), ("pong", rank, seq, None), ("refused", rank, message) for a backend asked for that
+seq, stats), ("pong", rank, seq, None), ("refused", rank, message, "backend" | "weights") for a backend asked for that
 cannot run here, and ("error", rank, traceback_text). Tensors never cross the pipe: they live in
 the slots. A step's stats carry the rank's host timestamps (`stamps`: step message read, copy-in
 issued, layer and the answer's copy enqueued, device done, answer in the slot, answer ready to send: its pickling and
@@ -41,7 +41,7 @@ from collections.abc import Callable
 import torch
 
 from service.config import LayerConfig
-from service.errors import BackendUnavailable
+from service.errors import BackendUnavailable, WeightsError
 from service.moe.hostcomm import HostPeers
 from service.moe.layer import Layer, StepState
 from service.moe.routing import rank_range  # the split of a step's rows (the group and tests use it from here)
@@ -93,9 +93,9 @@ def rank_main(rank: int, opts: RankOptions, conn) -> None:
     log = logging.getLogger("service.worker.rank")
     try:
         _serve(rank, opts, conn, log)
-    except BackendUnavailable as err:  # a refusal, not a failure: the parent reports it (once)
+    except (BackendUnavailable, WeightsError) as err:  # a refusal, not a failure: the parent reports it (once)
         with contextlib.suppress(OSError):
-            conn.send(("refused", rank, str(err)))
+            conn.send(("refused", rank, str(err), "weights" if isinstance(err, WeightsError) else "backend"))
         os._exit(1)
     except BaseException:  # noqa: BLE001 - everything, KeyboardInterrupt too, goes to the parent
         text = traceback.format_exc()

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from service.config import LayerConfig
-from service.errors import WorkerError
+from service.errors import ConfigError, WorkerError
 from service.moe.reference import moe_reference
 from service.moe.weights import ExpertWeights, load_expert, synthetic_expert
 from service.worker.rank import rank_range
@@ -75,9 +75,16 @@ def warm_up(group, cfg: LayerConfig, expert: Expert, timeout_s: float) -> None:
     elapsed = time.perf_counter() - t0
 
     bad = (~torch.isfinite(out).all(dim=1)).nonzero().flatten()
-    if bad.numel():
-        raise WorkerError(f"the warm-up step left {bad.numel()} of {T} rows unwritten or non-finite "
-                          f"(first: row {int(bad[0])}); the ranks do not share the front end's slots")
+    unwritten = out[bad].isnan().all(dim=1)  # [b] every value still the NaN the slot was filled with
+    if bool(unwritten.any()):
+        raise WorkerError(f"the warm-up step left {int(unwritten.sum())} of {T} rows unwritten (first: row "
+                          f"{int(bad[unwritten][0])}); the ranks do not share the front end's slots")
+    if bad.numel():  # written, with an infinity or a NaN among finite values: the layer overflowed its dtype
+        wider = ("serve them in bfloat16 or float32 (--dtype)" if cfg.dtype == torch.float16 else
+                 "bfloat16 and float32 have the same range: the checkpoint's values are beyond what the layer "
+                 "can compute")
+        raise ConfigError(f"the layer overflows {cfg.dtype} on the warm-up's random rows: {bad.numel()} of {T} "
+                          f"answers hold infinity or NaN (first: row {int(bad[0])}); {wider}")
     ref = torch.zeros(len(rows), cfg.H)                                            # [n, H]
     for e in chosen.tolist():
         gate, up, down, biases = expert(e)

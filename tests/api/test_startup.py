@@ -161,3 +161,26 @@ def test_an_ipv6_host_serves_both_protocols(tmp_path, host):
     finally:
         code = proc.stop()
     assert code == 0, f"exit code {code}:\n{proc.log()[-3000:]}"
+
+
+def test_weights_a_rank_refuses_exit_2_naming_the_expert(tmp_path):
+    """A NaN in one expert's weights is refused by the rank that loads it: the server exits 2 (the README's
+    "the weights refused"), not 1 as a failed start, and says which expert."""
+    import safetensors.torch
+
+    from service.config import preset
+    from service.moe.weights import write_synthetic_checkpoint
+
+    path = tmp_path / "w.safetensors"
+    write_synthetic_checkpoint(path, preset("cpu"), seed=3)
+    tensors = safetensors.torch.load_file(path)
+    key = next(k for k in sorted(tensors) if ".3." in k and "gate" in k)
+    tensors[key][0, 0] = float("nan")
+    safetensors.torch.save_file(tensors, path)
+    proc = ServerProcess.module(tmp_path / "server.log", "--weights", str(path))
+    try:
+        code = proc.proc.wait(FAIL_TIMEOUT_S)
+    finally:
+        proc.stop()
+    assert code == 2, f"exit code {code}:\n{proc.log()[-3000:]}"
+    assert "expert 3" in proc.log() and "NaN or infinity" in proc.log(), proc.log()[-3000:]

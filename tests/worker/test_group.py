@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from service.config import LayerConfig
-from service.errors import GroupUnavailable, InvalidInput, WorkerError
+from service.errors import GroupUnavailable, InvalidInput, WeightsError, WorkerError
 from service.moe.reference import full_weights, moe_reference
 from service.worker import group as group_mod
 from service.worker.group import WorkerGroup
@@ -265,9 +265,11 @@ def test_silent_ranks_are_explained(monkeypatch):
     assert "one stalled rank holds every one" in text
 
 
-def test_start_failure_is_reported(tmp_path):
+def test_weights_a_rank_refuses_are_reported_as_such(tmp_path):
+    """A rank that cannot load its weights refuses them (WeightsError, the serve command's exit 2), naming
+    the file, as a rank refuses a backend: not a failure of the group."""
     bad = tmp_path / "missing.safetensors"
-    with pytest.raises(WorkerError, match="raised") as info:
+    with pytest.raises(WeightsError) as info:
         WorkerGroup(SMALL, weights=str(bad), start_timeout_s=60).start()
     assert "missing.safetensors" in str(info.value)
 

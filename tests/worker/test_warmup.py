@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from service.config import LayerConfig
-from service.errors import WorkerError
+from service.errors import ConfigError, WorkerError
 from service.moe.weights import write_synthetic_checkpoint
 from service.worker.group import WorkerGroup
 from service.worker.warmup import expert_source, warm_up
@@ -72,3 +74,25 @@ def test_a_model_directory_passes(tmp_path, model_type):
         warm_up(g, cfg, expert_source(cfg, str(tmp_path), spec.prefix, 0), timeout_s=60)
         with pytest.raises(WorkerError, match="disagrees"):  # other weights fail: no tautology
             warm_up(g, cfg, expert_source(cfg, None, "", 3), timeout_s=60)
+
+
+class Overflowing(Detached):
+    """A group whose answer holds an infinity in two rows, as a layer that overflows its dtype gives."""
+
+    def run(self, slot, T):
+        stats = self.group.run(slot, T)
+        slot.out[2, 5] = float("inf")
+        slot.out[7, 0] = float("-inf")
+        return stats
+
+
+def test_an_answer_that_overflows_its_dtype_is_a_setting_to_change_not_the_slots():
+    """Rows written with infinities are the layer overflowing (weights too large for the dtype: exit 2,
+    naming --dtype), not ranks writing elsewhere (all NaN rows, as the slot was filled)."""
+    with WorkerGroup(CFG, seed=4) as g:
+        with pytest.raises(ConfigError, match=r"overflows torch.bfloat16 .* 2 of 10 .*first: row 2.*same range"):
+            warm_up(Overflowing(g), CFG, expert_source(CFG, None, "", 4), timeout_s=30)
+    fp16 = dataclasses.replace(CFG, dtype=torch.float16)
+    with WorkerGroup(fp16, seed=4) as g:
+        with pytest.raises(ConfigError, match=r"overflows torch.float16 .*bfloat16 or float32 \(--dtype\)"):
+            warm_up(Overflowing(g), fp16, expert_source(fp16, None, "", 4), timeout_s=30)
