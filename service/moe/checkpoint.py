@@ -37,7 +37,8 @@ activation the kernels do not have, a clamp applied after the activation (Bailin
 Step-3.5). Shared experts, a block-level output bias (JetMoE) and the router itself stay with
 the client: the layer serves the routed experts, and `LayerSpec.notes` says so in the start-up
 log. The activation comes from config.json's hidden_act, except for model types whose experts
-ignore it (MiniMax-M3: gpt-oss's activation, GPT_OSS_ACT_MODELS).
+ignore it (MiniMax-M3: gpt-oss's activation, GPT_OSS_ACT_MODELS; HY-V4, GLM-5-Next, LFM2-MoE:
+SiLU, SILU_ACT_MODELS); Inkling 2's soft-capped SwiGLU is refused by model type.
 """
 
 from __future__ import annotations
@@ -85,7 +86,10 @@ _ATTENTION = re.compile(r"attn|attention")  # JetMoE's mixture of attention head
 _EXPERT_LIKE = re.compile(r"(?:layers|blocks)\.\d+\.(?:.*\.)?(?:experts?|moe)\.")
 
 # config.json model types whose experts the layer cannot compute exactly.
+_SOFTCAP = ("the experts compute a soft-capped SwiGLU (Inkling 2: the gate and up products squashed by "
+            "tanh), which the kernels do not")
 REFUSED_MODELS = {
+    **{t: _SOFTCAP for t in ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text")},
     "llama4": "the router scales the expert input (Llama 4 multiplies x by the routing weight "
               "before the experts), which the layer, applying weights to expert outputs, cannot do",
     "llama4_text": "the router scales the expert input (Llama 4 multiplies x by the routing weight "
@@ -95,6 +99,8 @@ INTERLEAVED_MODELS = ("gpt_oss",)  # gate_up_proj columns alternate gate, up
 # Experts computing gpt-oss's (u + 1) * g * sigmoid(alpha * g) with its clamp, whatever hidden_act says (MiniMax-M3
 # saves "silu": transformers' experts module ignores it), on gate / up halves that are not interleaved.
 GPT_OSS_ACT_MODELS = ("minimax_m3_vl", "minimax_m3_vl_text")
+# Experts computing SiLU whatever hidden_act says (transformers' experts modules call F.silu themselves).
+SILU_ACT_MODELS = ("hy_v4", "hy_v4_vl", "hy_v4_vl_text", "glm5_next", "glm5_next_text", "lfm2_moe")
 # transformers' activation default where config.json names none (every other MoE model type's is silu).
 ACT_DEFAULTS = {t: "gelu_pytorch_tanh" for t in ("gemma4", "gemma4_text", "diffusion_gemma", "diffusion_gemma_text")}
 # transformers' swiglu_limit default for models whose experts always clamp: it applies where config.json leaves
@@ -290,6 +296,8 @@ def _config_activation(config: dict, model_types: tuple[str, ...], layer: int | 
     if name is None and isinstance(config.get("ffn_config"), dict):  # dbrx: ffn_act_fn {"name": ...}
         name = (config["ffn_config"].get("ffn_act_fn") or {}).get("name")
     name = name or next((ACT_DEFAULTS[t] for t in model_types if t in ACT_DEFAULTS), "silu")
+    if any(t in SILU_ACT_MODELS for t in model_types):
+        name = "silu"
     for key in POST_ACT_LIMITS:
         if config.get(key) is None:
             continue

@@ -6,7 +6,7 @@
       ("step", seq, slot, T,   ------------>   layer step (and the rows of `sources` from and
         sources)                                   to clients' objects: service.worker.direct)
                                <------------   ("done", rank, seq, stats) | ("error", rank, tb)
-                                                   | ("refused", rank, why) at start
+                                                   | ("refused", rank, why, "backend" | "weights") at start
 
 Every wait on the ranks is bounded and also watches the processes' sentinels, so a rank that
 dies, raises or stalls turns into a `WorkerError` carrying its traceback, never a hang; a rank

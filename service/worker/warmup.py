@@ -1,6 +1,6 @@
 """The warm-up step: a new rank group must compute the layer the front end serves before it is ready.
 
-One full step (R*C tokens) on random rows. The front end fills the slot's `out` with NaN first,
+One full step (R*C tokens) on random rows. The front end fills the slot's `out` with UNWRITTEN first,
 so a row that no rank wrote (a rank mapped other memory than the front end's) is caught, and it
 checks the first and last row of every rank's share against the fp32 reference computed here,
 independently of the ranks, from the same weights (synthetic or the checkpoint's, one expert at a
@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 # 1.2e-2 in bf16 (tests/helpers.py); fp32 leaves room for TF32 GEMMs on a GPU (~1e-3). What
 # this guards against is far above: a row from memory the front end never sees is off by ~1,
 # one computed with other weights by ~1.4.
+# What the slot's answer rows hold before the step: a finite value no row of the layer's is made of (an
+# overflowing layer's rows can be all NaN: fp16 silu(-inf) is NaN, spread over the row by the down GEMM),
+# so a row still all this value was not written, and any non-finite one was written by an overflow.
+UNWRITTEN = 31337.0
 ROW_TOL = {torch.float32: 5e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 Expert = Callable[[int], ExpertWeights]  # e -> gate, up, down, biases (fp32)
@@ -67,19 +71,20 @@ def warm_up(group, cfg: LayerConfig, expert: Expert, timeout_s: float) -> None:
         slot.x[:T].copy_(x)
         slot.ids[:T].copy_(ids)
         slot.w[:T].copy_(w)
-        slot.out[:T].fill_(float("nan"))
+        slot.out[:T].fill_(UNWRITTEN)
         group.run(slot, T)
         out = slot.out[:T].float()                                                 # [T, H]
+        fill = float(torch.tensor(UNWRITTEN, dtype=slot.out.dtype))  # (as the slot's dtype holds it)
     finally:
         group.release(slot)
     elapsed = time.perf_counter() - t0
 
+    unwritten = (out == fill).all(dim=1).nonzero().flatten()
+    if unwritten.numel():
+        raise WorkerError(f"the warm-up step left {unwritten.numel()} of {T} rows unwritten (first: row "
+                          f"{int(unwritten[0])}); the ranks do not share the front end's slots")
     bad = (~torch.isfinite(out).all(dim=1)).nonzero().flatten()
-    unwritten = out[bad].isnan().all(dim=1)  # [b] every value still the NaN the slot was filled with
-    if bool(unwritten.any()):
-        raise WorkerError(f"the warm-up step left {int(unwritten.sum())} of {T} rows unwritten (first: row "
-                          f"{int(bad[unwritten][0])}); the ranks do not share the front end's slots")
-    if bad.numel():  # written, with an infinity or a NaN among finite values: the layer overflowed its dtype
+    if bad.numel():  # written, with an infinity or a NaN: the layer overflowed its dtype
         wider = ("serve them in bfloat16 or float32 (--dtype)" if cfg.dtype == torch.float16 else
                  "bfloat16 and float32 have the same range: the checkpoint's values are beyond what the layer "
                  "can compute")

@@ -391,3 +391,22 @@ def test_rank_reads_its_slice_from_the_shards_that_hold_the_layer(models, monkey
     for key, shape in reads:
         assert not key.endswith("down_proj_bias"), "rank 1 read the down bias, which rank 0 alone adds"
         assert cfg.Ir in shape or 2 * cfg.Ir in shape, (key, shape)
+
+
+@pytest.mark.parametrize("model_type", ["hy_v4", "glm5_next", "lfm2_moe"])
+def test_experts_that_compute_silu_whatever_hidden_act_says_are_served_silu(tmp_path, model_type):
+    """transformers' experts modules of these types call F.silu themselves: a config.json naming another
+    activation must not change what is served (reviewer RB: hy_v4 with gelu_pytorch_tanh was 1.4e-2 off)."""
+    prefix = "model.layers.0.mlp."
+    path = _plain_dir(tmp_path, {"model_type": model_type, "hidden_act": "gelu_pytorch_tanh", "num_experts": E,
+                                 "num_experts_per_tok": 2}, _hf_experts(prefix))
+    assert inspect_layer(path).act.kind == "silu"
+
+
+def test_a_soft_capped_swiglu_is_refused_by_model_type(tmp_path):
+    """Inkling 2's experts squash the gated product with tanh: refused by its type whatever the layout, so a
+    later layout reader cannot start serving it as plain SwiGLU."""
+    path = _plain_dir(tmp_path, {"model_type": "inkling2", "hidden_act": "silu", "num_experts": E,
+                                 "num_experts_per_tok": 2}, _hf_experts("model.layers.0.mlp."))
+    with pytest.raises(WeightsError, match="soft-capped SwiGLU"):
+        inspect_layer(path)

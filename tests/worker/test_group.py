@@ -265,6 +265,15 @@ def test_silent_ranks_are_explained(monkeypatch):
     assert "one stalled rank holds every one" in text
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA, where a CUDA rank raises")
+def test_a_rank_that_raises_at_start_is_a_failure_with_its_traceback():
+    """Not a refusal (a backend or weights): the group's start fails with WorkerError (the serve command's
+    exit 1) carrying the rank's traceback."""
+    with pytest.raises(WorkerError, match="start: rank . raised") as info:
+        WorkerGroup(SMALL, device="cuda", start_timeout_s=60).start()
+    assert "Traceback" in str(info.value) and "cuda" in str(info.value)
+
+
 def test_weights_a_rank_refuses_are_reported_as_such(tmp_path):
     """A rank that cannot load its weights refuses them (WeightsError, the serve command's exit 2), naming
     the file, as a rank refuses a backend: not a failure of the group."""
