@@ -43,7 +43,7 @@ and the request gets the same 400 as `codecs.rows_error` gives, naming its row) 
 answer into the output object during `group.run`. A v2 binary request received into the wire arena
 (service.api.arena, `--wire-arena-mib`), whose answer has a block there too, is a direct piece the
 same way, whatever `direct_regions` says (the arena is the server's own memory: a rank that cannot
-use it fails that request with 503, and the arena's pieces take the copies from then on). Everything
+use it fails that request with 503, and the arena's pieces take the copies until the next group). Everything
 else (other wire requests, regions of another dtype, a request whose rows already failed, a region
 larger than DIRECT_MAX_BYTES, a piece whose regions would take the step's past the ranks' bounds,
 MAX_OBJECTS regions and MAX_BYTES mapped) takes the copies above, in the same step. Since the answer

@@ -22,7 +22,8 @@ so that both protocols' caps fit under it: past it every accept() fails (and log
 On httptools a large body with a Content-Length is read straight into one buffer (`DirectBody`):
 uvicorn would pause reading every 64 KiB until the app asks for more, and copy each chunk three
 times (asyncio's bytes, httptools' bytes, its own bytearray, then bytes() of that) before the
-decoder joins them (bench/NOTES.md, issue 11a).
+decoder joins them (bench/NOTES.md, issue 11a). A v2 binary inference body goes into a block of the
+front end's wire arena where there is one (service.api.arena): the ranks read its rows there.
 """
 
 from __future__ import annotations
