@@ -27,6 +27,7 @@ from service.api.regions import Regions, RegionTable
 from service.config import LayerConfig, Settings
 from service.errors import GroupUnavailable, WorkerError
 from service.fleet import FRONTEND_STOP_GRACE_S, Channel, name_process, set_frontend_threads
+from service.worker.malloc import keep_freed_memory
 from service.worker.shm import Slot, SlotPool
 
 log = logging.getLogger("moe-serve.frontend")
@@ -232,6 +233,7 @@ def replica_main(index: int, settings: Settings, cfg: LayerConfig, ctl: Connecti
     logfilter.install()
     ensure_file_limit(settings.max_connections)
     set_frontend_threads()
+    keep_freed_memory(settings.malloc_keep_mib)
     replica = Replica(index, settings, cfg, ctl, steps)
     sys.exit(asyncio.run(replica.serve(http_port, grpc_port)))
 

@@ -62,6 +62,7 @@ from service.fleet import (
     wire_arena_mib,
 )
 from service.metrics import Metrics, merge, serve_metrics
+from service.worker.malloc import keep_freed_memory
 from service.worker.warmup import expert_source, warm_up
 
 log = logging.getLogger("moe-serve")
@@ -218,6 +219,7 @@ class Server:
                  cfg.tokens_per_step, settings.batch_delay_ms, settings.queue_tokens, settings.request_timeout_s,
                  self.frontends, settings.slots, settings.copy_threads, settings.send_threads)
         set_frontend_threads()
+        keep_freed_memory(settings.malloc_keep_mib)
         self.group_factory = group_factory or self._new_group
         self.endpoint = Endpoint(settings, cfg, settings.slots, on_failure=self._on_step_failure)
         self.metrics, self.batcher, self.fe = self.endpoint.metrics, self.endpoint.batcher, self.endpoint.fe
@@ -255,7 +257,8 @@ class Server:
                            seed=s.seed, backend=s.backend, slots=s.slots * self.frontends,
                            step_timeout_s=s.step_timeout_s, start_timeout_s=s.start_timeout_s,
                            log_level=s.log_level.upper(), lookahead=s.rank_lookahead,
-                           copy_streams=s.rank_copy_streams, direct_regions=self.direct)
+                           copy_streams=s.rank_copy_streams, direct_regions=self.direct,
+                           malloc_keep_mib=s.malloc_keep_mib)
 
     # ---- the process -----------------------------------------------------------------------
 

@@ -139,7 +139,7 @@ class WorkerGroup:
                  weights_prefix: str = "", seed: int = 0, backend: str = "serial", slots: int = 2,
                  step_timeout_s: float = 60.0, start_timeout_s: float = 300.0,
                  log_level: str | None = None, lookahead: int = 2, copy_streams: bool = False,
-                 direct_regions: bool = False):
+                 direct_regions: bool = False, malloc_keep_mib: int = 0):
         if backend not in BACKENDS:
             raise InvalidInput(f"backend must be auto, serial or fused, got {backend!r}")
         self.requested_backend = backend  # the ranks decide (and log why); see service.worker.rank
@@ -156,6 +156,7 @@ class WorkerGroup:
         self.requested_copy_streams = copy_streams  # CUDA ranks' copies beside the layers; `copy_streams`: run
         self.copy_streams = False
         self.direct_regions = direct_regions  # the batcher may pass sources (--shm-direct)
+        self.malloc_keep_mib = malloc_keep_mib  # each rank's freed memory kept for reuse (service.worker.malloc)
         self.seq = 0
         self.alive = False
         self.pids: list[int] = []
@@ -212,7 +213,7 @@ class WorkerGroup:
                            weights=self.weights, weights_prefix=self.weights_prefix, seed=self.seed,
                            backend=self.requested_backend, timeout_s=self.start_timeout_s, threads=threads,
                            log_level=self.log_level, lookahead=self.requested_lookahead,
-                           copy_streams=self.requested_copy_streams,
+                           copy_streams=self.requested_copy_streams, malloc_keep_mib=self.malloc_keep_mib,
                            host=cpu_host_peers(ctx, cfg, self.device, self.start_timeout_s))
         for rank in range(cfg.R):
             parent_end, child_end = ctx.Pipe()

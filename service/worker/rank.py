@@ -47,6 +47,7 @@ from service.moe.layer import Layer, StepState
 from service.moe.routing import rank_range  # the split of a step's rows (the group and tests use it from here)
 from service.worker import direct
 from service.worker.direct import Objects, Plan
+from service.worker.malloc import keep_freed_memory
 
 LOOPBACK_IFNAME = "lo"  # Linux's loopback interface
 # A step's timestamps (StepStats.phases): CLOCK_MONOTONIC, one clock for every process of the host,
@@ -71,6 +72,7 @@ class RankOptions:
     log_level: str = "INFO"
     lookahead: int = 2          # CUDA ranks: steps in flight at most (1: one at a time; CPU ranks always 1)
     copy_streams: bool = False  # CUDA ranks: rows in and answers out on copy streams beside the layers
+    malloc_keep_mib: int = 0    # freed memory kept for reuse (service.worker.malloc; CPU ranks allocate per step)
 
 
 def pin_slot(slot) -> None:
@@ -91,6 +93,7 @@ def rank_main(rank: int, opts: RankOptions, conn) -> None:
     logging.basicConfig(level=opts.log_level,
                         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("service.worker.rank")
+    keep_freed_memory(opts.malloc_keep_mib)
     try:
         _serve(rank, opts, conn, log)
     except (BackendUnavailable, WeightsError) as err:  # a refusal, not a failure: the parent reports it (once)
