@@ -4,8 +4,8 @@ A front end allocates every request's buffers afresh (grpc's message bytes, the 
 bytes, a body, an answer tensor) and a CPU rank its layer's intermediates every step. With glibc's
 defaults each of those of more than a few hundred KiB was mapped, page-faulted in 4 KiB at a time,
 and unmapped again: a gRPC T=512 bf16 request cost the CPU stand-in's front end 2,354 page faults,
-its copy of the answer 1.2-1.9 ms instead of 0.2-0.5; the CPU default's four ranks ~300 faults a
-request (bench/NOTES.md, "Issue 11: page faults").
+its copy of the answer 1.2-1.9 ms instead of 0.2-0.5; the CPU default's four ranks ~1,480 faults a
+full 512-token step (bench/NOTES.md, "Issue 11: page faults").
 """
 
 from __future__ import annotations
