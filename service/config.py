@@ -278,10 +278,11 @@ class Settings(BaseSettings):
                     "each rank would read every row itself); front ends x this at most 2048")
     malloc_keep_mib: int = Field(256, ge=0, le=2047,
         description="MiB of freed memory each front-end and rank process keeps for reuse (glibc malloc: "
-                    "allocations up to 32 MiB come from its heaps, trimmed only past this much free) instead of "
-                    "mapping, page-faulting and unmapping a request's buffers anew each time (CPU stand-in, gRPC "
-                    "T=512 at 4 clients: +32 % tokens/s; the CPU default's T=512 p50 -8 %); a process's memory "
-                    "then stays near its peak; 0: glibc's defaults")
+                    "allocations up to 32 MiB come from its heaps, each heap trimmed only past this much free; a "
+                    "process has a heap per thread that allocates) instead of mapping, page-faulting and "
+                    "unmapping a request's buffers anew each time (CPU stand-in, gRPC at 4 clients: +32 % "
+                    "tokens/s at T=512, +24-29 % at T=2048, where 64 kept too little; the CPU default's T=512 "
+                    "p50 -8 %); a process's memory then stays near its peak; 0: glibc's defaults")
     max_connections: int = Field(1000, ge=1,
         description="open connections per protocol; at the limit HTTP closes the longest-idle one (or answers 503 "
                     "to the new one when every one has a request in flight), gRPC refuses new ones")

@@ -32,7 +32,10 @@ def _serving(tmp_path_factory, http_impl: str):
                                "--http-impl", http_impl,
                                "--idle-timeout-s", str(IDLE_TIMEOUT_S), "--max-connections", str(MAX_CONNECTIONS),
                                "--max-request-bytes", str(4 << 20),
-                               "--grpc-max-message-bytes", str(GRPC_MAX_MESSAGE_BYTES)) as proc:
+                               "--grpc-max-message-bytes", str(GRPC_MAX_MESSAGE_BYTES),
+                               # The RSS bounds below are on what the front end keeps of a request, not
+                               # on the freed memory malloc_keep_mib keeps for the next ones
+                               "--malloc-keep-mib", "0") as proc:
         assert f"serving HTTP ({http_impl})" in proc.log(), proc.log()[-3000:]
         yield proc
 
