@@ -18,14 +18,15 @@ neither way.
 
 The arena is one POSIX shared-memory object, `/dev/shm/moe-arena-<uuid4 hex>`, made by the front end
 as the slots are (service.worker.shm: created locked, so a file whose lock can be taken is a dead
-front end's and is removed at the next start) and mapped once. It stays named while the front end
-lives, since the ranks open it by that name when a source first names it (a restarted group's too);
-`OWN_PREFIX` keeps clients from ever naming it, and with system shared memory on its identity is
-also reserved in the region table. Every page is written once when it is made, before any rank maps
-it: a page's first write fault would move the object's ctime, and a rank takes a moved ctime for a
-changed object and registers its mapping again (service.worker.direct, "stale pages"). A rank maps
-and page-locks the whole arena as one region the first time a source names it, and keeps it while
-the arena's name exists (not let go when idle: registering 256 MiB again costs tens of ms).
+front end's and is removed at the next group start, or when the fleet sees it die) and mapped once.
+It stays named while the front end lives, since the ranks open it by that name when a source first
+names it (a restarted group's too); `OWN_PREFIX` keeps clients from ever naming it, and with system
+shared memory on its identity is also reserved in the region table. Every page is written once when
+it is made, before any rank maps it: a page's first write fault would move the object's ctime, and a
+rank takes a moved ctime for a changed object and registers its mapping again
+(service.worker.direct, "stale pages"). A rank maps and page-locks the whole arena as one region the
+first time a source names it, and keeps it while the arena's name exists (not let go when idle:
+registering 256 MiB again costs tens of ms).
 
 Blocks are handed out first fit from the free extents, rounded to PAGE bytes, and an offset `lead`
 into a block can be aligned to ALIGN (a body's binary part, after its JSON header, so that its rows
@@ -55,8 +56,8 @@ import weakref
 import torch
 
 from service.config import round_up
-from service.worker.direct import ARENA_PREFIX, SHM_ROOT
-from service.worker.shm import ALIGN, create_locked
+from service.worker.direct import SHM_ROOT
+from service.worker.shm import ALIGN, ARENA_PREFIX, create_locked
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class WireArena:
         self._free: list[tuple[int, int]] = [(0, size)]  # (start, length) extents, by start
         self._freed: collections.deque[tuple[int, int]] = collections.deque()  # from finalizers
         self._lock = threading.Lock()
-        self.used = 0  # bytes in blocks handed out (as of the last allocation's bookkeeping)
+        self._used = 0  # bytes in blocks handed out, the finalizers' queue not yet taken
 
     # ---- blocks ------------------------------------------------------------------------------
 
@@ -119,7 +120,7 @@ class WireArena:
                 del self._free[i]
             else:
                 self._free[i] = (start + length, free - length)
-            self.used += length
+            self._used += length
         block = (ctypes.c_char * n).from_buffer(self._mm, start + pad)
         weakref.finalize(block, self._freed.append, (start, length))
         return memoryview(block).cast("B")
@@ -144,7 +145,7 @@ class WireArena:
         """Return the blocks finalizers freed to the free extents, merging neighbours (under the lock)."""
         while self._freed:
             start, length = self._freed.popleft()
-            self.used -= length
+            self._used -= length
             i = bisect.bisect(self._free, (start, length))
             if i < len(self._free) and start + length == self._free[i][0]:  # the extent after it
                 length += self._free.pop(i)[1]
@@ -158,7 +159,7 @@ class WireArena:
         """Bytes in blocks some view still holds (frees taken first)."""
         with self._lock:
             self._take_freed()
-            return self.used
+            return self._used
 
     # ---- life --------------------------------------------------------------------------------
 
