@@ -11,7 +11,8 @@
 #   TREES=". .base" ROUNDS=2 CELL_S=3 CONCURRENCY=4,16 [PYSPY_TREE=.] OUT=$OUT bash bench/gpu_serve_ab.sh
 # Knobs: BUDGET (s, default 400), PROTOCOLS (v2_binary,grpc; the shm ones need MOE_SHARED_MEMORY=system
 # in the environment, which every server inherits, as any MOE_ setting), SIZES (512), CONCURRENCY (4,16), CELL_S (3), ROUNDS (1),
-# SPLIT (0; 1: bench/latency_split.py around each server's load, its receive/send lines printed), SITE (the
+# SPLIT (0; 1: bench/latency_split.py around each server's load, its receive/send lines printed), DIRECT (0;
+# 1: the layer alone at the served step after the rounds, this checkout's code: the ratio's denominator), SITE (the
 # wheels' target, /tmp/site), PYTHON, OUT (else build/gpu_serve_ab). Everything it writes is packed
 # into ONE file, $OUT/serve_ab.tgz (also when a step fails); the summary is printed.
 # A root other than "." is a copy of another commit's tree inside this checkout (carried), e.g.
@@ -92,6 +93,18 @@ for round in $(seq "${ROUNDS:-1}"); do
     stop_server
   done
 done
+if (( ${DIRECT:-0} )) && (( $(left) > 40 )); then  # the layer alone at the served step (no server holds the GPU now)
+  PYTHONPATH="$ROOT:$SITE" timeout -k 5 "$(cap 90)" "$PY" -c '
+import sys; sys.path.insert(0, "bench")
+from serve_load import direct_tokens_per_s
+from service.cli import parse_settings
+s = parse_settings([]); device, _ = s.resolve_device(); cfg = s.layer_config(device)
+assert cfg.R == 1, "the layer alone is R=1 here (bench/multigpu.py layer for R > 1)"
+for n, d in direct_tokens_per_s(cfg, s.backend, s.seed, device, [cfg.tokens_per_step], 200).items():
+    name, us, rate = d["backend"], d["s"] * 1e6, d["tok_s"]
+    print(f"layer alone ({name}, {n} tokens a step): {us:,.0f} us = {rate:,.0f} tokens/s")
+' 2>&1 | tee "$LOG/direct.txt" | tail -n 3
+fi
 trap pack EXIT
 echo "== summary: $(( $(date +%s) - START )) s"
 for f in "$LOG"/load_*.txt; do echo "${f##*/}:"; grep -E "^\| (v2|grpc)" "$f"; done
