@@ -20,21 +20,25 @@
 #   export CALL_START=$(date +%s); python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #     .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site || exit; python3 csrc/build.py; bash bench/multigpu.sh
 #
-# Wheels .whl needs (cp312, manylinux x86_64). Already there: pydantic, pydantic-core, pydantic-settings,
-# annotated-types, typing-inspection, python-dotenv. The image has anyio, h11, click, httpx, numpy,
-# safetensors, prometheus-client, typing-extensions, annotated-doc, urllib3, certifi, six, but not
-# fastapi (which needs opentelemetry-api), starlette, uvicorn, httptools, orjson (service/api/codecs.py
-# imports it), the grpcio health and reflection packages or tritonclient; its grpcio / protobuf may be older than the generated stubs demand
-# (grpcio>=1.72.1, protobuf>=6.30.0), so those two travel too. tritonclient 2.41 (tests only; no bench
-# script needs it) wants geventhttpclient<=2.0.2, which has no cp312 wheel: 2.0.12 is the nearest that has one.
+# Wheels .whl needs (cp312, manylinux x86_64). The H200 image has pydantic and its family; the H100
+# image (nvidia-h100-x1, seen 2026-12-05) does not, so they travel too (the list below). Both images
+# have anyio, h11, click, httpx, numpy, safetensors, prometheus-client, annotated-doc, urllib3,
+# certifi, six, but not fastapi (which needs opentelemetry-api), starlette, uvicorn, httptools,
+# orjson (service/api/codecs.py imports it), the grpcio health and reflection packages or
+# tritonclient; their grpcio / protobuf / typing-extensions may be older than the generated stubs and
+# pydantic demand (grpcio>=1.72.1, protobuf>=6.30.0), so those travel too. tritonclient 2.41 (tests
+# only; no bench script needs it) wants geventhttpclient<=2.0.2, which has no cp312 wheel: 2.0.12 is
+# the nearest that has one.
 #   echo /.whl/ >> .git/info/exclude   # already there
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
 #     --platform manylinux1_x86_64 -d .whl \
 #     fastapi==0.165.0 starlette==1.10.0 opentelemetry-api==1.45.2 uvicorn==0.54.0 httptools==0.9.0 \
-#     orjson==3.13.0 grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2
-# (about 15 MB in all; bench/gpu_serve.sh also wants py-spy. The tests' own
+#     orjson==3.13.0 grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 \
+#     py-spy==0.4.3 pydantic==2.14.4 pydantic_core==2.50.5 pydantic-settings==2.16.3 annotated-types==0.8.0 \
+#     typing-inspection==0.4.5 python-dotenv==1.2.4 typing_extensions==4.16.0
+# (18 wheels, about 15 MB in all. The tests' own
 # client, tritonclient==2.41.0, needs python-rapidjson==1.25 geventhttpclient==2.0.12 gevent==26.9.0
 # greenlet==3.5.6 zope.event==6.2 zope.interface==8.7 brotli==1.2.1 besides.)
 set -uo pipefail
