@@ -37,7 +37,7 @@ def main() -> None:
     import tritonclient.http as httpclient
 
     from bench.hardening import while_probing
-    from service.api import codecs
+    from service.api import grpc_codec
     from service.api.proto import grpc_predict_v2_pb2 as pb
     from tests.api.common import CFG, inputs
     from tests.api.test_e2e import triton_inputs
@@ -52,7 +52,7 @@ def main() -> None:
         n = 256 << 20
         head = pb.ModelInferRequest(model_name="moe")
         head.inputs.add(name="hidden_states", datatype="FP32", shape=[1, CFG.H])
-        message = head.SerializeToString() + codecs._key_and_length(7, n) + bytes(n)
+        message = head.SerializeToString() + grpc_codec._key_and_length(7, n) + bytes(n)
 
         def http_bomb() -> str:
             r = httpx.post(f"{server.url}/v2/models/moe/infer", content=bomb, headers={"Content-Encoding": "gzip"},

@@ -24,7 +24,7 @@ import torch
 from frontend_costs import median_us
 
 from service.api.batcher import RowSplit, _copy_in, _copy_out
-from service.api.codecs import _bytes_to_fill
+from service.api.grpc_codec import _bytes_to_fill
 
 H = 4096
 

@@ -30,7 +30,8 @@ from collections.abc import Iterator
 
 import torch
 
-from service.api import batcher, codecs, regions
+from service.api import batcher, codecs, grpc_codec, regions
+from service.api.proto import grpc_predict_v2_pb2 as pb
 from service.config import preset
 from service.worker.shm import create_slots, remove_slots
 
@@ -149,7 +150,7 @@ def main() -> None:
                       for n, d, t, b in zip(codecs.INPUT_NAMES, names, (x, ids, w), blobs, strict=True)]
             header = json.dumps({"inputs": inputs, "parameters": {"binary_data_output": True}}).encode()
             body = header + b"".join(blobs)
-            msg = codecs.pb.ModelInferRequest(model_name="moe")
+            msg = pb.ModelInferRequest(model_name="moe")
             for n, d, t, b in zip(codecs.INPUT_NAMES, names, (x, ids, w), blobs, strict=True):
                 msg.inputs.add(name=n, datatype=d, shape=list(t.shape))
                 msg.raw_input_contents.append(b)
@@ -160,7 +161,7 @@ def main() -> None:
                 "decode v2 binary (+ validate)": median_us(
                     lambda: codecs.decode_v2_http(body, str(len(header)), spec), args.reps),
                 "decode gRPC (parse + validate)": median_us(
-                    lambda: codecs.decode_grpc(codecs.parse_grpc_request(wire_msg), spec), args.reps),
+                    lambda: grpc_codec.decode_grpc(grpc_codec.parse_grpc_request(wire_msg), spec), args.reps),
                 "  of which validate (all but x's values)": median_us(
                     lambda: codecs.validate(req.x, req.ids, req.w, spec), args.reps),
                 "copy into the slot (to layer dtype)": median_us(
@@ -182,7 +183,7 @@ def main() -> None:
             t_us.update(step_copies(slot, x, T, args.reps))
             t_us["encode v2 binary (parts)"] = median_us(lambda: codecs.encode_v2_http(answer, req, "moe"), args.reps)
             t_us["gRPC response made before the step (its rows filled by the copy out)"] = median_us(
-                lambda: codecs.serialize_grpc_response(codecs.grpc_response(req, "moe")), args.reps)
+                lambda: grpc_codec.serialize_grpc_response(grpc_codec.grpc_response(req, "moe")), args.reps)
             for k, v in t_us.items():
                 rows.setdefault(k, []).append(f"{v:,.0f}")
         for k, vals in rows.items():

@@ -53,7 +53,7 @@ from frontend_floor import TRANSPORT
 from standin_serve import StandInGroup, StandInServer
 
 from service.api import batcher as batcher_mod
-from service.api import codecs, connections
+from service.api import codecs, connections, grpc_codec
 from service.api import grpc as grpc_mod
 from service.api import http as http_mod
 from service.cli import parse_settings
@@ -122,18 +122,18 @@ def install_timeline() -> None:
     server_mod.bounded_protocol = timed_protocol
     _wrap(http_mod, "read_body", before="headers", after="body_read")
     _wrap(codecs, "decode_v2_http", before="decode_start", after="decoded")
-    _wrap(codecs, "parse_grpc_request", before="grpc_message", new=True)
+    _wrap(grpc_codec, "parse_grpc_request", before="grpc_message", new=True)
     _wrap(grpc_mod.InferenceServicer, "ModelInfer", before="handler")
-    _wrap(codecs, "decode_grpc", before="decode_start", after="decoded")
+    _wrap(grpc_codec, "decode_grpc", before="decode_start", after="decoded")
     _wrap(batcher_mod.Batcher, "submit", before="submitted", after="answered")
     _wrap(batcher_mod.Batcher, "_execute", before="slot_copy")
     _wrap(StandInGroup, "run", before="step_start", after="run_back")
     _wrap(codecs, "encode_v2_http", after="encoded")
-    if hasattr(codecs, "grpc_response"):  # the response made before the step, its rows written by the copy out
-        _wrap(codecs, "grpc_response", after="response_made")
+    if hasattr(grpc_codec, "grpc_response"):  # the response made before the step, its rows written by the copy out
+        _wrap(grpc_codec, "grpc_response", after="response_made")
     else:  # a tree from before issue 11d: the answer encoded after the step
-        _wrap(codecs, "encode_grpc", after="encoded")
-    _wrap(codecs, "serialize_grpc_response", after="serialized")
+        _wrap(grpc_codec, "encode_grpc", after="encoded")
+    _wrap(grpc_codec, "serialize_grpc_response", after="serialized")
     _wrap(http_mod.PartsResponse, "__call__", after="written")
 
 

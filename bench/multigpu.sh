@@ -24,7 +24,7 @@
 # image (nvidia-h100-x1, seen 2026-12-05) does not, so they travel too (the list below). Both images
 # have anyio, h11, click, httpx, numpy, safetensors, prometheus-client, annotated-doc, urllib3,
 # certifi, six, but not fastapi (which needs opentelemetry-api), starlette, uvicorn, httptools,
-# orjson (service/api/codecs.py imports it), the grpcio health and reflection packages or
+# orjson (service/api/json_codec.py imports it), the grpcio health and reflection packages or
 # tritonclient; their grpcio / protobuf / typing-extensions may be older than the generated stubs and
 # pydantic demand (grpcio>=1.72.1, protobuf>=6.30.0), so those travel too. tritonclient 2.41 (tests
 # only; no bench script needs it) wants geventhttpclient<=2.0.2, which has no cp312 wheel: 2.0.12 is

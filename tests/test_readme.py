@@ -28,7 +28,7 @@ def test_deadline_units_are_the_ones_the_code_uses():
     assert re.search(r"`parameters\.timeout` integer, in \*\*microseconds\*\*", text), text
     example = re.search(r'"timeout": (\d+)\}` is ([\d.]+) s', text)
     assert example, text
-    assert codecs._v2_timeout(int(example.group(1))) == pytest.approx(float(example.group(2)))
+    assert codecs.v2_timeout(int(example.group(1))) == pytest.approx(float(example.group(2)))
     assert codecs.parse_timeout_s("0.25", "X-Request-Timeout") == 0.25
 
 

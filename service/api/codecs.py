@@ -3,8 +3,9 @@
 T tokens, H hidden, K top-k, E experts (see service.config).
 
 Formats: `/moe/forward` JSON and safetensors, Open Inference Protocol v2 over HTTP (JSON
-tensors and the binary tensor data extension) and over gRPC (raw contents or typed
-contents). Every decoder ends in `validate`: shapes, T agreement, dtypes, expert ids in [0, E), finite
+tensors and the binary tensor data extension) and over gRPC (raw contents or typed contents:
+service.api.grpc_codec, which builds on the v2 pieces here); JSON text is read and written by
+service.api.json_codec. Every decoder ends in `validate`: shapes, T agreement, dtypes, expert ids in [0, E), finite
 weights and the token limit are checked there, and hidden_states' values (finite, within the
 layer's dtype) by `rows_error` on the rows the batcher copies into the step's slot, before the
 step runs; each error names the problem, so nothing reaches a rank that could make it fail.
@@ -12,23 +13,17 @@ step runs; each error names the problem, so nothing reaches a rank that could ma
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import itertools
-import json
 import math
-import time
 import typing
 import warnings
 
 import numpy as np
-import orjson
 import safetensors.torch
 import torch
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from service.api.error_map import ModelNotFound, PayloadTooLarge
-from service.api.proto import grpc_predict_v2_pb2 as pb
+from service.api.json_codec import json_array, json_bytes, json_object
 from service.api.regions import RegionRows, Regions, Rows, enabled, sent_row
 from service.config import DTYPE_NAMES, LayerConfig
 from service.errors import InvalidInput
@@ -200,17 +195,17 @@ def join_chunks(body: Body) -> bytes | memoryview:
 
 def decode_forward_json(body: Body, spec: ModelSpec) -> Decoded:
     doc = json_object(join_chunks(body))
-    _require_keys(doc, INPUT_NAMES, "the JSON body")
-    x = _json_array(doc["hidden_states"], "hidden_states", np.float32)
-    ids = _json_array(doc["topk_ids"], "topk_ids", None)
-    w = _json_array(doc["topk_weights"], "topk_weights", np.float32)
+    require_keys(doc, INPUT_NAMES, "the JSON body")
+    x = json_array(doc["hidden_states"], "hidden_states", np.float32)
+    ids = json_array(doc["topk_ids"], "topk_ids", None)
+    w = json_array(doc["topk_weights"], "topk_weights", np.float32)
     x, ids, w = validate(x, ids, w, spec)
     return Decoded(x, ids, w, out_dtype=torch.float32)
 
 
 def encode_forward_json(out: torch.Tensor) -> bytes:
     _json_finite(out)
-    return _json_bytes({OUTPUT_NAME: out.float().tolist()})
+    return json_bytes({OUTPUT_NAME: out.float().tolist()})
 
 
 def decode_safetensors(body: Body, spec: ModelSpec) -> Decoded:
@@ -218,7 +213,7 @@ def decode_safetensors(body: Body, spec: ModelSpec) -> Decoded:
         tensors = safetensors.torch.load(bytes(join_chunks(body)))
     except Exception as e:  # the Rust parser raises its own SafetensorError and others
         raise InvalidInput(f"malformed safetensors body: {e}") from None
-    _require_keys(tensors, INPUT_NAMES, "the safetensors body")
+    require_keys(tensors, INPUT_NAMES, "the safetensors body")
     x, ids, w = (tensors[n] for n in INPUT_NAMES)
     out_dtype = x.dtype
     x, ids, w = validate(x, ids, w, spec)
@@ -257,17 +252,17 @@ def decode_v2_http(body: Body, header_length: str | None, spec: ModelSpec, regio
     for item in inputs:
         if not isinstance(item, dict):
             raise InvalidInput("each entry of 'inputs' must be an object")
-        name, dtype, shape = _v2_tensor_header(item.get("name"), item.get("datatype"), item.get("shape"), tensors)
+        name, dtype, shape = v2_tensor_header(item.get("name"), item.get("datatype"), item.get("shape"), tensors)
         params = item.get("parameters") or {}
         if not isinstance(params, dict):
             raise InvalidInput(f"input '{name}': 'parameters' must be an object")
         size = params.get("binary_data_size")
-        shm = _shm_params(params, f"input '{name}'")
+        shm = shm_params(params, f"input '{name}'")
         if shm is not None:
             if size is not None or "data" in item:
                 raise InvalidInput(f"input '{name}' is in a shared-memory region: it must have neither 'data' "
                                    f"nor binary_data_size")
-            tensors[name] = _shm_input(regions, shm, dtype, shape, name)
+            tensors[name] = shm_input(regions, shm, dtype, shape, name)
         elif size is not None:
             if "data" in item:
                 raise InvalidInput(f"input '{name}' has both 'data' and binary_data_size: send its values one way")
@@ -275,7 +270,7 @@ def decode_v2_http(body: Body, header_length: str | None, spec: ModelSpec, regio
                 raise InvalidInput(f"input '{name}': binary_data_size must be a non-negative integer")
             if offset + size > len(blobs):
                 raise InvalidInput(f"input '{name}': binary_data_size = {size} runs past the end of the body")
-            tensors[name] = _from_bytes(blobs[offset:offset + size], dtype, shape, name)
+            tensors[name] = from_bytes(blobs[offset:offset + size], dtype, shape, name)
             offset += size
         elif "data" in item:
             tensors[name] = _v2_json_data(item["data"], dtype, shape, name)
@@ -284,7 +279,7 @@ def decode_v2_http(body: Body, header_length: str | None, spec: ModelSpec, regio
                                f"shared_memory_region parameter")
     if offset != len(blobs):
         raise InvalidInput(f"the body has {len(blobs) - offset} bytes of binary data that no input claims")
-    _require_keys(tensors, INPUT_NAMES, "the request's inputs")
+    require_keys(tensors, INPUT_NAMES, "the request's inputs")
 
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
@@ -293,7 +288,7 @@ def decode_v2_http(body: Body, header_length: str | None, spec: ModelSpec, regio
     request_id = doc.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidInput("'id' must be a string")
-    decoded = _decoded_v2(tensors, spec, request_id, _v2_timeout(params.get("timeout")), regions, out_shm)
+    decoded = decoded_v2(tensors, spec, request_id, v2_timeout(params.get("timeout")), regions, out_shm)
     decoded.binary_output = binary
     return decoded
 
@@ -340,225 +335,15 @@ def encode_v2_http(out: Rows, req: Decoded, model_name: str) -> tuple[list, int 
     if req.request_id is not None:
         doc["id"] = req.request_id
     if isinstance(out, RegionRows):
-        return [_json_bytes(doc)], None
+        return [json_bytes(doc)], None
     if not req.binary_output:
         _json_finite(out)
         tensor["data"] = out.float().reshape(-1).tolist()
-        return [_json_bytes(doc)], None
+        return [json_bytes(doc)], None
     raw = tensor_bytes(out)
     tensor["parameters"] = {"binary_data_size": len(raw)}
-    header = _json_bytes(doc)
+    header = json_bytes(doc)
     return [header, raw], len(header)
-
-
-# --------------------------------------------------------------------------------------------
-# Open Inference Protocol v2 over gRPC
-
-
-_RAW_INPUTS = 7   # ModelInferRequest.raw_input_contents (grpc_predict_v2.proto)
-_RAW_OUTPUTS = 6  # ModelInferResponse.raw_output_contents
-_LEN = 2          # protobuf wire type of a length-delimited field
-
-
-@dataclasses.dataclass
-class GrpcInferRequest:
-    """A received ModelInferRequest: every field but raw_input_contents, parsed by protobuf (its
-    int_contents as int64: `_wide_int_request`), and raw_input_contents as views of the received
-    bytes (upb would copy each blob on every access)."""
-
-    message: pb.ModelInferRequest
-    raw: list[memoryview]
-    received: float = 0.0  # time.perf_counter() when the deserializer got the message: where its books start
-
-
-def _wide_int_request() -> typing.Any:
-    """ModelInferRequest with InferTensorContents.int_contents read as int64: the wire encoding is
-    the same varint, but protobuf truncates a value past int32 to its low 32 bits (4294967299 would
-    be id 3), so the parser keeps all 64 and `_grpc_contents` refuses what INT32 cannot hold."""
-    file = descriptor_pb2.FileDescriptorProto.FromString(pb.DESCRIPTOR.serialized_pb)
-    contents = next(m for m in file.message_type if m.name == "InferTensorContents")
-    next(f for f in contents.field if f.name == "int_contents").type = descriptor_pb2.FieldDescriptorProto.TYPE_INT64
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(file)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{file.package}.ModelInferRequest"))
-
-
-_ModelInferRequest = _wide_int_request()  # what the server's deserializer parses into
-
-
-def _varint(data: memoryview, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = data[i]
-        i += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, i
-        shift += 7
-        if shift > 63:
-            raise ValueError("varint too long")
-
-
-def parse_grpc_request(data: bytes) -> GrpcInferRequest:
-    """The gRPC deserializer of ModelInfer. Top-level fields are walked once: raw_input_contents
-    become memoryviews, the rest (small) is handed to protobuf. Anything this walk does not
-    understand goes to protobuf whole, which then parses it or raises its own DecodeError."""
-    received = time.perf_counter()
-    view = memoryview(data)
-    raw: list[memoryview] = []
-    rest: list[memoryview] = []
-    i = 0
-    try:
-        while i < len(view):
-            start = i
-            tag, i = _varint(view, i)
-            kind = tag & 7
-            if kind == 0:
-                _, i = _varint(view, i)
-            elif kind == 1:
-                i += 8
-            elif kind == 5:
-                i += 4
-            elif kind == _LEN:
-                n, i = _varint(view, i)
-                if tag >> 3 == _RAW_INPUTS:
-                    raw.append(view[i:i + n])
-                    i += n
-                    if i > len(view):
-                        raise ValueError("truncated")
-                    continue
-                i += n
-            else:
-                raise ValueError(f"wire type {kind}")
-            if i > len(view):
-                raise ValueError("truncated")
-            rest.append(view[start:i])
-    except (ValueError, IndexError):
-        return GrpcInferRequest(_ModelInferRequest.FromString(data), [], received)
-    return GrpcInferRequest(_ModelInferRequest.FromString(b"".join(rest)), raw, received)
-
-
-def decode_grpc(request: pb.ModelInferRequest | GrpcInferRequest, spec: ModelSpec,
-                regions: Regions | None = None) -> Decoded:
-    """A ModelInferRequest; an input in a shared-memory region has no raw_input_contents entry
-    (raw_input_contents holds the other inputs', in order), as tritonclient sends it."""
-    if isinstance(request, GrpcInferRequest):
-        request, raw = request.message, request.raw or request.message.raw_input_contents
-    else:
-        raw = request.raw_input_contents
-    shms = [_shm_params(_grpc_params(item.parameters), f"input '{item.name}'") for item in request.inputs]
-    on_wire = sum(shm is None for shm in shms)
-    if raw and len(raw) != on_wire:
-        raise InvalidInput(f"raw_input_contents has {len(raw)} entries for {on_wire} inputs")
-    tensors: dict[str, Rows] = {}
-    blobs = iter(raw)
-    for item, shm in zip(request.inputs, shms, strict=True):
-        name, dtype, shape = _v2_tensor_header(item.name, item.datatype, list(item.shape), tensors)
-        if shm is not None:
-            if item.HasField("contents"):
-                raise InvalidInput(f"input '{name}' is in a shared-memory region: it must have no contents")
-            tensors[name] = _shm_input(regions, shm, dtype, shape, name)
-        elif raw:
-            if item.HasField("contents"):
-                raise InvalidInput(f"input '{name}' has contents although raw_input_contents is used")
-            tensors[name] = _from_bytes(memoryview(next(blobs)), dtype, shape, name)
-        else:
-            tensors[name] = _grpc_contents(item.contents, dtype, shape, name)
-    _require_keys(tensors, INPUT_NAMES, "the request's inputs")
-    out_shm = None
-    for out in request.outputs:
-        if out.name != OUTPUT_NAME:
-            raise InvalidInput(f"unknown output '{out.name}'; the model has one output, '{OUTPUT_NAME}'")
-        out_shm = _shm_params(_grpc_params(out.parameters), f"output '{OUTPUT_NAME}'")
-    timeout = None
-    if "timeout" in request.parameters:
-        param = request.parameters["timeout"]
-        timeout = _v2_timeout(getattr(param, param.WhichOneof("parameter_choice") or "int64_param"))
-    return _decoded_v2(tensors, spec, request.id or None, timeout, regions, out_shm)
-
-
-def grpc_decode_work(request: GrpcInferRequest | pb.ModelInferRequest) -> int:
-    """The elements decode_grpc converts from protobuf's typed contents: what decides whether
-    decoding leaves the event loop. Raw contents are viewed, not converted (0: decoded on the loop;
-    hidden_states' values are checked later, in the slot), and so are inputs in a shared-memory
-    region (not counted: a grpc_shm request of T=512 was sent to a thread for nothing, a hop v2_shm
-    does not take; bench/NOTES.md, issue 11, helper G); typed ones count their declared shapes
-    (measuring the contents instead would copy them: upb hands out copies, ByteSize() encodes the
-    whole message)."""
-    if isinstance(request, GrpcInferRequest):
-        if request.raw:
-            return 0
-        request = request.message
-    return sum(math.prod(item.shape) for item in request.inputs if SHM_REGION not in item.parameters)
-
-
-@dataclasses.dataclass
-class GrpcInferResponse:
-    """A ModelInferResponse made before the step, as its serialized bytes: protobuf's bytes of every
-    field but raw_output_contents, then that field's key and length, then the answer's rows, which
-    `out` [T, H] views: the batcher's copy out of the slot writes them in place (the answer's one
-    copy), and the serializer returns `data` as it is (grpc takes `bytes` only: a bytearray or a
-    memoryview is refused, so there was a join of the answer on the event loop before)."""
-
-    data: bytes
-    out: Rows  # or the answer's rows in the client's output region (then `data` holds no rows)
-
-    def to_message(self) -> pb.ModelInferResponse:
-        """The whole message (tests and in-process callers)."""
-        return pb.ModelInferResponse.FromString(self.data)
-
-
-def grpc_response(req: Decoded, model_name: str) -> GrpcInferResponse:
-    """The response to `req`, its answer's rows still to be written into `.out`."""
-    T, H = req.x.shape
-    response = pb.ModelInferResponse(model_name=model_name, model_version=MODEL_VERSION, id=req.request_id or "")
-    response.outputs.add(name=OUTPUT_NAME, datatype=V2_NAMES[req.out_dtype], shape=[T, H])
-    if req.out_region is not None:
-        # The answer goes into the client's region: its metadata and an empty raw_output_contents
-        # entry, as Triton answers (clients index raw_output_contents by output: perf_analyzer's
-        # gRPC client crashes without it).
-        response.raw_output_contents.append(b"")
-        return GrpcInferResponse(response.SerializeToString(), req.out_region)
-    size = T * H * req.out_dtype.itemsize
-    head = response.SerializeToString() + _key_and_length(_RAW_OUTPUTS, size)
-    data = _bytes_to_fill(len(head) + size)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # bytes are read-only to Python: see _bytes_to_fill
-        torch.frombuffer(data, dtype=torch.uint8, count=len(head)).copy_(torch.frombuffer(bytearray(head),
-                                                                                          dtype=torch.uint8))
-        out = torch.frombuffer(data, dtype=req.out_dtype, count=T * H, offset=len(head)).view(T, H)
-    return GrpcInferResponse(data, out)
-
-
-_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
-_new_bytes.restype, _new_bytes.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t)
-
-
-def _bytes_to_fill(n: int) -> bytes:
-    """A new bytes object of `n` uninitialized bytes, to be written once before anyone reads it:
-    CPython's PyBytes_FromStringAndSize(NULL, n), whose contents its C API lets the creator fill
-    (torch.frombuffer of it is then writable memory: it holds a reference, so the bytes outlive
-    every write). bytes(n) would zero them first (calloc: +140 us for 4 MiB), and a bytearray is
-    refused by grpc."""
-    assert n > 1, n  # CPython shares its empty bytes object; a message is never that short
-    return _new_bytes(None, n)
-
-
-def serialize_grpc_response(response: GrpcInferResponse | pb.ModelInferResponse) -> bytes:
-    """The gRPC serializer of ModelInfer: a GrpcInferResponse is already its bytes."""
-    if isinstance(response, pb.ModelInferResponse):
-        return response.SerializeToString()
-    return response.data
-
-
-def _key_and_length(field: int, n: int) -> bytes:
-    out = bytearray()
-    for value in ((field << 3) | _LEN, n):
-        while value >= 0x80:
-            out.append((value & 0x7F) | 0x80)
-            value >>= 7
-        out.append(value)
-    return bytes(out)
 
 
 # --------------------------------------------------------------------------------------------
@@ -594,37 +379,7 @@ def _json_finite(out: torch.Tensor) -> None:
                            "format")
 
 
-def _json_bytes(doc: dict) -> bytes:
-    """An answer's JSON (finite numbers only: `_json_finite`), written by orjson; a request id that
-    json read but orjson cannot write (a lone surrogate, "\\ud800") is echoed by json, escaped, as before."""
-    try:
-        return orjson.dumps(doc)
-    except orjson.JSONEncodeError:
-        return json.dumps(doc).encode()
-
-
-def json_object(body: bytes | memoryview) -> dict:
-    """A request's JSON body (an object), parsed by orjson (~5x faster than json, which holds the
-    GIL and so every other client of the front end). What orjson refuses but json reads (NaN and
-    Infinity literals, numbers past a double, UTF-16/32 or a BOM, lone surrogates) or names better
-    (nesting too deep) is parsed again by json, so such a body gets the answer it got before:
-    accepted or refused with the same message (a NaN as "contains NaN or infinity (row r)", a
-    value, not a parse error)."""
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        try:
-            doc = json.loads(bytes(body))
-        except (UnicodeDecodeError, ValueError) as e:
-            raise InvalidInput(f"malformed JSON: {e}") from None
-        except RecursionError:
-            raise InvalidInput("malformed JSON: arrays or objects nested too deeply") from None
-    if not isinstance(doc, dict):
-        raise InvalidInput("the JSON body must be an object")
-    return doc
-
-
-def _require_keys(found, names: tuple[str, ...], where: str) -> None:
+def require_keys(found, names: tuple[str, ...], where: str) -> None:
     missing = [n for n in names if n not in found]
     if missing:
         raise InvalidInput(f"{where} lacks {', '.join(repr(n) for n in missing)}; "
@@ -635,74 +390,7 @@ def _require_keys(found, names: tuple[str, ...], where: str) -> None:
                            f"expected {', '.join(names)}")
 
 
-def _json_array(data, name: str, np_dtype, range_name: str | None = None) -> torch.Tensor:
-    """Nested JSON lists of numbers -> a tensor; np_dtype None means integers are required. A finite
-    value past np_dtype's range is refused naming `range_name` (default: np_dtype's numpy name).
-
-    Parsed without a dtype: np.asarray(["1.5", true], dtype=float32) would accept both. One
-    C-level pass over the leaves' types then catches strings, null and booleans (which numpy
-    would fold into a numeric array when mixed with numbers).
-    """
-    try:
-        arr = np.asarray(data)
-        types = _leaf_types(data, arr.ndim)
-    except (ValueError, TypeError, OverflowError, RecursionError):
-        raise InvalidInput(f"{name} must be a rectangular array of numbers") from None
-    odd = types - _NUMBER_TYPES
-    if odd:
-        what = ", ".join(sorted(_JSON_NAMES.get(t, t.__name__) for t in odd))
-        raise InvalidInput(f"{name} must be a rectangular array of numbers; it holds {what}")
-    if arr.dtype == object:  # integers past 64 bits
-        if np_dtype is None:
-            raise InvalidInput(f"{name} has values outside the int64 range")
-        try:
-            arr = np.asarray(data, dtype=np.float64)
-        except OverflowError:
-            raise InvalidInput(f"{name} has integers too large for a float") from None
-    if np_dtype is None:
-        if arr.size == 0:
-            arr = arr.astype(np.int64)
-        if arr.dtype.kind not in "iu":
-            if arr.dtype.kind == "f" and _past_int64(arr):  # orjson reads an integer past 64 bits as a float
-                raise InvalidInput(f"{name} has values outside the int64 range")
-            raise InvalidInput(f"{name} must hold integers")
-        if arr.dtype != np.int64:
-            try:
-                arr = arr.astype(np.int64, casting="safe")
-            except TypeError:
-                raise InvalidInput(f"{name} has values outside the int64 range") from None
-    else:
-        try:  # a finite value past np_dtype's range (an infinity or NaN as sent is the later check's)
-            with np.errstate(over="raise"):
-                arr = arr.astype(np_dtype)
-        except FloatingPointError:
-            raise InvalidInput(f"{name} has values outside the range of {range_name or np.dtype(np_dtype).name}") \
-                from None
-    return torch.from_numpy(np.ascontiguousarray(arr))
-
-
-def _past_int64(arr: np.ndarray) -> bool:
-    """Whether the float array holds a finite value outside the int64 range (a double that large is
-    a whole number)."""
-    with np.errstate(invalid="ignore"):
-        return bool(np.any(np.isfinite(arr) & (np.abs(arr) >= 2.0**63)))
-
-
-_NUMBER_TYPES = frozenset((int, float))  # what json.loads (and orjson) makes of a JSON number
-_JSON_NAMES = {bool: "true/false", str: "strings", type(None): "null", dict: "objects", list: "nested lists"}
-
-
-def _leaf_types(data, ndim: int) -> set[type]:
-    """The Python types of the leaves of a rectangular nested list `ndim` deep (one C-level pass)."""
-    if ndim == 0:
-        return {type(data)}
-    leaves = data
-    for _ in range(ndim - 1):
-        leaves = itertools.chain.from_iterable(leaves)
-    return set(map(type, leaves))
-
-
-def _v2_tensor_header(name, datatype, shape, seen) -> tuple[str, torch.dtype, list[int]]:
+def v2_tensor_header(name, datatype, shape, seen) -> tuple[str, torch.dtype, list[int]]:
     if name not in INPUT_NAMES:
         raise InvalidInput(f"unknown input {name!r}; the model takes {', '.join(INPUT_NAMES)}")
     if name in seen:
@@ -717,7 +405,7 @@ def _v2_tensor_header(name, datatype, shape, seen) -> tuple[str, torch.dtype, li
     return name, V2_DTYPES[datatype], shape
 
 
-def _from_bytes(buf: memoryview, dtype: torch.dtype, shape: list[int], name: str) -> torch.Tensor:
+def from_bytes(buf: memoryview, dtype: torch.dtype, shape: list[int], name: str) -> torch.Tensor:
     count = shape[0] * shape[1]
     need = count * dtype.itemsize
     if len(buf) != need:
@@ -735,9 +423,9 @@ def _v2_json_data(data, dtype: torch.dtype, shape: list[int], name: str) -> torc
     cannot hold is refused (a cast would wrap an integer: 2**32 + 3 as INT32 is 3, a valid id; and
     turn a float beyond FP16's range into an infinity the error would misname)."""
     if dtype in INT_DTYPES:
-        t = _within(_json_array(data, name, None), dtype, name)
+        t = within(json_array(data, name, None), dtype, name)
     else:  # numpy rounds the parsed float64 to FP16 once (through float32, 65519.999 became 65520: inf)
-        t = _json_array(data, name, np.float16 if dtype == torch.float16 else np.float32, V2_NAMES[dtype])
+        t = json_array(data, name, np.float16 if dtype == torch.float16 else np.float32, V2_NAMES[dtype])
     if t.numel() != shape[0] * shape[1]:
         raise InvalidInput(f"input '{name}' has {t.numel()} values; shape {shape} needs {shape[0] * shape[1]}")
     out = t.reshape(shape).to(dtype)
@@ -746,7 +434,7 @@ def _v2_json_data(data, dtype: torch.dtype, shape: list[int], name: str) -> torc
     return out
 
 
-def _within(t: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+def within(t: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
     """`t` (int64 values of an input declared `dtype`), refused when a value is outside dtype's range."""
     info = torch.iinfo(dtype)
     if t.numel() and (info.min, info.max) != (-2**63, 2**63 - 1):
@@ -757,27 +445,7 @@ def _within(t: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
     return t
 
 
-def _grpc_contents(contents: pb.InferTensorContents, dtype: torch.dtype, shape: list[int], name: str
-                   ) -> torch.Tensor:
-    fields = {torch.float32: ("fp32_contents", np.float32), torch.int32: ("int_contents", np.int64),
-              torch.int64: ("int64_contents", np.int64)}  # int_contents: 64 bits as parsed (_wide_int_request)
-    if dtype not in fields:
-        raise InvalidInput(f"input '{name}' is {V2_NAMES[dtype]}: it must travel in raw_input_contents")
-    field, np_dtype = fields[dtype]
-    others = sorted(f.name for f, _ in contents.ListFields() if f.name != field)
-    if others:
-        raise InvalidInput(f"input '{name}' is {V2_NAMES[dtype]}: its values belong in {field}, "
-                           f"not {', '.join(others)}")
-    values = getattr(contents, field)
-    # Count first (len() of a repeated field is O(1)): a request that declares [1, H] but carries
-    # millions of values is refused before they are converted, which holds the event loop.
-    if len(values) != shape[0] * shape[1]:
-        raise InvalidInput(f"input '{name}' has {len(values)} values; shape {shape} needs {shape[0] * shape[1]}")
-    t = torch.from_numpy(np.asarray(values, dtype=np_dtype))
-    return (_within(t, dtype, name) if dtype in INT_DTYPES else t).reshape(shape)
-
-
-def _v2_timeout(value) -> float | None:
+def v2_timeout(value) -> float | None:
     """The v2 `timeout` parameter (microseconds; 0 means the server default) in seconds."""
     if value is None or value == 0:
         return None
@@ -812,14 +480,14 @@ def _requested_binary(outputs, default) -> tuple[bool, tuple | None]:
         flag = params.get("binary_data", default)
         if not isinstance(flag, bool):
             raise InvalidInput("output parameter 'binary_data' must be a boolean")
-        shm = _shm_params(params, f"output '{OUTPUT_NAME}'")
+        shm = shm_params(params, f"output '{OUTPUT_NAME}'")
         if shm is not None and params.get("binary_data") is True:
             raise InvalidInput(f"output '{OUTPUT_NAME}' cannot set both 'shared_memory_region' and 'binary_data'")
         binary = flag and shm is None
     return binary, shm
 
 
-def _decoded_v2(tensors: dict[str, Rows], spec: ModelSpec, request_id, timeout,
+def decoded_v2(tensors: dict[str, Rows], spec: ModelSpec, request_id, timeout,
                 regions: Regions | None = None, out_shm: tuple | None = None) -> Decoded:
     x, ids, w = (tensors[n] for n in INPUT_NAMES)
     if isinstance(ids, RegionRows) or isinstance(w, RegionRows):  # read only once their shapes fit
@@ -838,7 +506,7 @@ def _decoded_v2(tensors: dict[str, Rows], spec: ModelSpec, request_id, timeout,
 SHM_REGION, SHM_OFFSET, SHM_SIZE = "shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"
 
 
-def _shm_params(params: dict, what: str) -> tuple[str, int, int] | None:
+def shm_params(params: dict, what: str) -> tuple[str, int, int] | None:
     """A tensor's shared-memory parameters (region, offset, byte size), or None when it names no
     region. Region and byte size go together (Triton's rule); the offset defaults to 0."""
     if SHM_REGION not in params and SHM_SIZE not in params:
@@ -856,18 +524,12 @@ def _shm_params(params: dict, what: str) -> tuple[str, int, int] | None:
     return region, offset, size
 
 
-def _shm_input(regions: Regions | None, shm: tuple, dtype: torch.dtype, shape: list[int], name: str) -> RegionRows:
+def shm_input(regions: Regions | None, shm: tuple, dtype: torch.dtype, shape: list[int], name: str) -> RegionRows:
     """An input in a region: hidden_states stays there until its step copies it into the slot;
-    the routing ([T, K], whose values `validate` checks) is read by `_decoded_v2` once every
+    the routing ([T, K], whose values `validate` checks) is read by `decoded_v2` once every
     input's shape is known and checked."""
     region, offset, size = shm
     return enabled(regions).rows(region, offset, size, dtype, shape, f"input '{name}'")
-
-
-def _grpc_params(params) -> dict:
-    """A protobuf map of InferParameter as plain values."""
-    return {key: getattr(p, p.WhichOneof("parameter_choice")) for key, p in params.items()
-            if p.WhichOneof("parameter_choice") is not None}
 
 
 MODEL_VERSION = "1"  # the one version of the model (Triton's tools need a numeric one to key statistics)

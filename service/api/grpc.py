@@ -1,11 +1,11 @@
 """The gRPC front end: inference.GRPCInferenceService (Open Inference Protocol), grpc.health.v1
 and server reflection, on grpc.aio in the same event loop as HTTP.
 
-ModelInfer answers in `raw_output_contents`. It has its own (de)serializers (codecs.parse_grpc_request,
-codecs.serialize_grpc_response): the tensors' bytes are viewed in the received message, and the
-response's bytes are made before the step with room for the answer, which the batcher copies
-out of the slot straight into them (codecs.grpc_response), instead of protobuf copying every blob
-on the way in and on the way out.
+ModelInfer answers in `raw_output_contents`. It has its own (de)serializers
+(grpc_codec.parse_grpc_request, grpc_codec.serialize_grpc_response): the tensors' bytes are viewed
+in the received message, and the response's bytes are made before the step with room for the
+answer, which the batcher copies out of the slot straight into them (grpc_codec.grpc_response),
+instead of protobuf copying every blob on the way in and on the way out.
 The deadline is the smallest of the client's gRPC deadline, the request's `timeout` parameter
 (microseconds) and the server default. Every error is mapped by `_failure`, which asks
 `service.api.error_map` for the code, and the call fails through `_reject`: set code and
@@ -25,7 +25,7 @@ from google.protobuf import descriptor_pool, json_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from service.api import codecs
+from service.api import codecs, grpc_codec
 from service.api.address import bind_error, grpc_port_taken, host_port
 from service.api.error_map import classify, message
 from service.api.frontend import Frontend
@@ -138,14 +138,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         fe = self.fe
         started = time.perf_counter()
-        if isinstance(request, codecs.GrpcInferRequest):  # timed from the deserializer's start
+        if isinstance(request, grpc_codec.GrpcInferRequest):  # timed from the deserializer's start
             fe.metrics.request_receive.labels("grpc").observe(started - request.received)
             started = request.received
         try:
-            message = request.message if isinstance(request, codecs.GrpcInferRequest) else request
+            message = request.message if isinstance(request, grpc_codec.GrpcInferRequest) else request
             codecs.check_model(message.model_name, message.model_version, fe.model_name)
-            req = await fe.offload(codecs.grpc_decode_work(request), codecs.decode_grpc, request, fe.spec, fe.regions)
-            response = codecs.grpc_response(req, fe.model_name)  # the answer's rows are written into it
+            req = await fe.offload(grpc_codec.grpc_decode_work(request), grpc_codec.decode_grpc, request, fe.spec,
+                                   fe.regions)
+            response = grpc_codec.grpc_response(req, fe.model_name)  # the answer's rows are written into it
             await fe.infer(req, transport_timeout_s=context.time_remaining(), out=response.out)
         except Exception as exc:  # noqa: BLE001  mapped to a code in one place
             status, code, text = _failure(exc)
@@ -233,8 +234,8 @@ def _add_inference_service(servicer: InferenceServicer, server) -> None:
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, recorded)
     handlers = dict(recorded.handlers)
     handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(
-        servicer.ModelInfer, request_deserializer=codecs.parse_grpc_request,
-        response_serializer=codecs.serialize_grpc_response)
+        servicer.ModelInfer, request_deserializer=grpc_codec.parse_grpc_request,
+        response_serializer=grpc_codec.serialize_grpc_response)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(recorded.service, handlers),))
     server.add_registered_method_handlers(recorded.service, handlers)
 

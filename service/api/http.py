@@ -23,7 +23,7 @@ from prometheus_client.exposition import choose_encoder
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from service.api import codecs
+from service.api import codecs, json_codec
 from service.api.connections import FIRST_BYTE, HEADER_LENGTH, WRITER
 from service.api.error_map import (
     RETRY_AFTER_S,
@@ -348,7 +348,7 @@ def create_app(fe: Frontend) -> FastAPI:
         try:
             regions = fe.shared_memory()
             body = await read_body(request, REGISTER_BODY_LIMIT, fe.settings.request_timeout_s)
-            doc = codecs.json_object(codecs.join_chunks(body))
+            doc = json_codec.json_object(codecs.join_chunks(body))
             unknown = sorted(set(doc) - {"key", "offset", "byte_size"})
             if unknown or "key" not in doc or "byte_size" not in doc:
                 raise InvalidInput(f"a register request is {{\"key\", \"offset\", \"byte_size\"}}; got the keys "
@@ -396,7 +396,7 @@ def create_app(fe: Frontend) -> FastAPI:
         try:
             chunks = await read_body(request, REGISTER_BODY_LIMIT, fe.settings.request_timeout_s)
             body = bytes(codecs.join_chunks(chunks))
-            doc = codecs.json_object(body) if body.strip() else {}  # tritonclient sends no body
+            doc = json_codec.json_object(body) if body.strip() else {}  # tritonclient sends no body
             unknown = sorted(set(doc) - {"ready"})
             if unknown or not isinstance(doc.get("ready", False), bool):
                 raise InvalidInput(f'an index request is {{"ready": true|false}} or empty; got {doc!r}')

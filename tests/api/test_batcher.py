@@ -639,7 +639,7 @@ def test_copies_split_over_threads_answer_bit_for_bit_and_name_the_first_bad_row
 
 @pytest.mark.parametrize("copy_threads", [1, 3])
 def test_grpc_answers_stay_right_when_the_next_steps_reuse_the_slot(copy_threads, split_every_piece):
-    """The answer grpc sends is the response's own bytes (codecs.grpc_response), never memory the
+    """The answer grpc sends is the response's own bytes (grpc_codec.grpc_response), never memory the
     slot shares: with ONE slot, reused by every step, answers of one step (T=1, 3, 4 together) and of
     a request split over two steps (T=11) are right, and still bit for bit the same when serialized
     after later steps have overwritten that slot with other requests' rows of the same sizes (what a
@@ -647,13 +647,13 @@ def test_grpc_answers_stay_right_when_the_next_steps_reuse_the_slot(copy_threads
     ran; and so does a response buffer reused for a later request)."""
     import numpy as np
 
-    from service.api import codecs
+    from service.api import grpc_codec
 
     group = FakeGroup(CFG, slots=1)
 
     def response(x):
         req = types.SimpleNamespace(x=x, out_dtype=x.dtype, request_id="r", out_region=None)
-        return codecs.grpc_response(req, "moe")
+        return grpc_codec.grpc_response(req, "moe")
 
     async def wave(b, sizes, seed):
         reqs = [batch(T, seed + i) for i, T in enumerate(sizes)]
@@ -678,7 +678,7 @@ def test_grpc_answers_stay_right_when_the_next_steps_reuse_the_slot(copy_threads
     slot = group.free.get_nowait()
     slot_memory = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in (slot.x, slot.out)]
     for (x, ids, w), answer, before in zip(reqs, answers, sent, strict=True):
-        wire = codecs.serialize_grpc_response(answer)
+        wire = grpc_codec.serialize_grpc_response(answer)
         at = np.frombuffer(wire, dtype=np.uint8).ctypes.data
         assert all(at + len(wire) <= lo or at >= hi for lo, hi in slot_memory), "grpc would send the slot"
         assert wire == before, "the answer changed after its slot was reused"

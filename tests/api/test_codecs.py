@@ -10,7 +10,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from service.api import codecs
+from service.api import codecs, grpc_codec
 from service.api.error_map import ModelNotFound, PayloadTooLarge, UnsupportedMediaType, classify
 from service.api.proto import grpc_predict_v2_pb2 as pb
 from service.errors import DeadlineExceeded, GroupUnavailable, InvalidInput, Overloaded, WorkerError
@@ -230,12 +230,12 @@ def test_grpc_decode(raw):
     r = grpc_request(x, ids, w, raw)
     r.parameters["timeout"].int64_param = 1000
     # as protobuf hands it over, and as the server's own deserializer does (views of the bytes)
-    for received in (r, codecs.parse_grpc_request(r.SerializeToString())):
-        req = codecs.decode_grpc(received, SPEC)
+    for received in (r, grpc_codec.parse_grpc_request(r.SerializeToString())):
+        req = grpc_codec.decode_grpc(received, SPEC)
         assert torch.equal(req.x, x) and torch.equal(req.ids, ids.int()) and req.timeout_s == 1e-3
-    answer = codecs.grpc_response(req, "moe")
+    answer = grpc_codec.grpc_response(req, "moe")
     answer.out.copy_(req.x)  # as the batcher's copy out of the slot does
-    response = pb.ModelInferResponse.FromString(codecs.serialize_grpc_response(answer))
+    response = pb.ModelInferResponse.FromString(grpc_codec.serialize_grpc_response(answer))
     assert response.id == "g" and list(response.outputs[0].shape) == [3, 5]
     assert list(response.raw_output_contents) == [codecs.to_bytes(x)]
 
@@ -247,11 +247,11 @@ def test_grpc_response_is_made_before_the_answer_and_filled_in_place(dtype, T, r
     the head leaves: ids of odd lengths) is what the client parses, bit for bit, in its dtype."""
     x, ids, w = tensors(T=T, x_dtype=dtype, seed=T)
     req = codecs.Decoded(x, ids.int(), w, out_dtype=dtype, request_id=request_id or None)
-    answer = codecs.grpc_response(req, "moe")
+    answer = grpc_codec.grpc_response(req, "moe")
     assert answer.out.shape == (T, SPEC.H) and answer.out.dtype == dtype
     expected = torch.randn(T, SPEC.H, generator=torch.Generator().manual_seed(T + 1)).to(dtype)
     answer.out.copy_(expected)
-    wire = codecs.serialize_grpc_response(answer)
+    wire = grpc_codec.serialize_grpc_response(answer)
     assert type(wire) is bytes and wire is answer.data  # no copy, no join
     response = pb.ModelInferResponse.FromString(wire)
     assert response.model_name == "moe" and response.id == request_id
@@ -265,7 +265,7 @@ def test_grpc_parser_views_raw_contents_and_keeps_the_rest():
     r = grpc_request(x, ids, w)
     r.parameters["timeout"].int64_param = 7
     r.outputs.add(name="output")
-    parsed = codecs.parse_grpc_request(r.SerializeToString())
+    parsed = grpc_codec.parse_grpc_request(r.SerializeToString())
     assert [bytes(b) for b in parsed.raw] == list(r.raw_input_contents)
     assert all(isinstance(b, memoryview) for b in parsed.raw) and not parsed.message.raw_input_contents
     expect = pb.ModelInferRequest()
@@ -274,7 +274,7 @@ def test_grpc_parser_views_raw_contents_and_keeps_the_rest():
     assert pb.ModelInferRequest.FromString(parsed.message.SerializeToString()) == expect  # (its own class)
     # what the walk cannot read goes to protobuf whole, which raises its own error
     with pytest.raises(Exception, match="(?i)pars|decod|truncat"):
-        codecs.parse_grpc_request(r.SerializeToString()[:-5])
+        grpc_codec.parse_grpc_request(r.SerializeToString()[:-5])
 
 
 def test_grpc_decode_errors():
@@ -282,15 +282,15 @@ def test_grpc_decode_errors():
     r = grpc_request(x, ids, w)
     del r.raw_input_contents[2]
     with pytest.raises(InvalidInput, match="2 entries for 3 inputs"):
-        codecs.decode_grpc(r, SPEC)
+        grpc_codec.decode_grpc(r, SPEC)
     r = grpc_request(x, ids, w)
     r.raw_input_contents[0] = r.raw_input_contents[0][:-4]
     with pytest.raises(InvalidInput, match="needs 60"):
-        codecs.decode_grpc(r, SPEC)
+        grpc_codec.decode_grpc(r, SPEC)
     r = grpc_request(x, ids, w, raw=False)
     r.inputs[0].datatype = "FP16"
     with pytest.raises(InvalidInput, match="raw_input_contents"):
-        codecs.decode_grpc(r, SPEC)
+        grpc_codec.decode_grpc(r, SPEC)
     with pytest.raises(ModelNotFound):
         codecs.check_model("other", "", "moe")
     with pytest.raises(ModelNotFound, match="version"):
@@ -535,7 +535,7 @@ def test_grpc_int_contents_beyond_int32_are_refused(bad):
     """A varint past 32 bits in int_contents (what a client that does not use protobuf's setters can
     send) was truncated by protobuf to a valid id; the server's parser reads 64 bits and refuses it."""
     x, ids, w = tensors(T=1)
-    wide = codecs._ModelInferRequest(model_name="moe")
+    wide = grpc_codec._ModelInferRequest(model_name="moe")
     for name, dt, t in zip(codecs.INPUT_NAMES, ("FP32", "INT32", "FP32"), (x, ids, w), strict=True):
         item = wide.inputs.add(name=name, datatype=dt, shape=list(t.shape))
         if dt == "INT32":
@@ -546,10 +546,10 @@ def test_grpc_int_contents_beyond_int32_are_refused(bad):
     assert list(pb.ModelInferRequest.FromString(data).inputs[1].contents.int_contents) == [1, bad % 2 ** 32], \
         "protobuf's own parse wraps the value (what this test guards against)"
     with pytest.raises(InvalidInput, match=f"input 'topk_ids' has values outside the range of INT32 \\({bad}\\)"):
-        codecs.decode_grpc(codecs.parse_grpc_request(data), SPEC)
+        grpc_codec.decode_grpc(grpc_codec.parse_grpc_request(data), SPEC)
     del wide.inputs[1].contents.int_contents[:]
     wide.inputs[1].contents.int_contents.extend(ids.flatten().tolist())
-    req = codecs.decode_grpc(codecs.parse_grpc_request(wide.SerializeToString()), SPEC)
+    req = grpc_codec.decode_grpc(grpc_codec.parse_grpc_request(wide.SerializeToString()), SPEC)
     assert torch.equal(req.ids, ids.int()) and torch.equal(req.x, x)
 
 

@@ -16,10 +16,11 @@ from fastapi.testclient import TestClient
 from safetensors.torch import save
 from tritonclient.utils import InferenceServerException
 
-from service.api import codecs, frontend
+from service.api import codecs, frontend, grpc_codec
 from service.api.batcher import Batcher
 from service.api.grpc import GrpcServer, InferenceServicer
 from service.api.http import create_app
+from service.api.proto import grpc_predict_v2_pb2 as pb
 from service.config import Settings
 from service.errors import GroupUnavailable
 from service.metrics import PROTOCOLS, Metrics
@@ -49,7 +50,7 @@ def test_grpc_decodes_large_typed_contents_off_the_event_loop(monkeypatch):
     thread. The answer lands in the response's own buffer either way."""
     fe = make_frontend()
     decoded_on: list[tuple[int, bool, threading.Thread]] = []
-    decode = codecs.decode_grpc
+    decode = grpc_codec.decode_grpc
 
     def recording(request, spec, regions=None):
         decoded_on.append((request.message.inputs[0].shape[0], bool(request.raw), threading.current_thread()))
@@ -58,13 +59,13 @@ def test_grpc_decodes_large_typed_contents_off_the_event_loop(monkeypatch):
     async def echo(req, transport_timeout_s=None, out=None):
         return out.copy_(req.x)
 
-    monkeypatch.setattr(codecs, "decode_grpc", recording)
+    monkeypatch.setattr(grpc_codec, "decode_grpc", recording)
     monkeypatch.setattr(fe, "infer", echo)
     big = frontend.OFFLOAD_ELEMENTS // CFG.H + 1  # hidden_states alone is over the threshold
     for T in (3, big):
         for raw in (True, False):
             x, ids, w = inputs(T, seed=T)
-            request = codecs.pb.ModelInferRequest(model_name=fe.model_name)
+            request = pb.ModelInferRequest(model_name=fe.model_name)
             for name, dt, t in zip(codecs.INPUT_NAMES, ("FP32", "INT64", "FP32"), (x, ids, w), strict=True):
                 item = request.inputs.add(name=name, datatype=dt, shape=list(t.shape))
                 if raw:
@@ -72,7 +73,7 @@ def test_grpc_decodes_large_typed_contents_off_the_event_loop(monkeypatch):
                 else:
                     getattr(item.contents, "int64_contents" if dt == "INT64" else "fp32_contents").extend(
                         t.reshape(-1).tolist())
-            received = codecs.parse_grpc_request(request.SerializeToString())  # as the server's deserializer
+            received = grpc_codec.parse_grpc_request(request.SerializeToString())  # as the server's deserializer
             response = asyncio.run(InferenceServicer(fe).ModelInfer(received, Context())).to_message()
             out = torch.frombuffer(bytearray(response.raw_output_contents[0]), dtype=torch.float32)
             assert torch.equal(out.reshape(T, CFG.H), x)

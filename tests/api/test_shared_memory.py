@@ -36,10 +36,11 @@ import tritonclient.utils.shared_memory as shm
 from fastapi.testclient import TestClient
 from tritonclient.utils import InferenceServerException
 
-from service.api import codecs, regions
+from service.api import codecs, grpc_codec, regions
 from service.api.error_map import classify
 from service.api.grpc import InferenceServicer
 from service.api.http import create_app
+from service.api.proto import grpc_predict_v2_pb2 as pb
 from service.config import Settings
 from service.errors import DeadlineExceeded, InvalidInput, WorkerError
 from tests.api.common import CFG, check, inputs
@@ -1042,7 +1043,7 @@ def test_off_by_default():
             r = http.request(method, path, json=body)
             assert r.status_code == 400 and "--shared-memory system" in r.json()["error"], (path, r.text)
     x, ids, w = inputs(2, seed=1)
-    request = codecs.pb.ModelInferRequest(model_name=MODEL)
+    request = pb.ModelInferRequest(model_name=MODEL)
     for name, dt, t in zip(codecs.INPUT_NAMES, ("FP32", "INT64", "FP32"), (x, ids, w), strict=True):
         item = request.inputs.add(name=name, datatype=dt, shape=list(t.shape))
         if name == "hidden_states":
@@ -1051,7 +1052,7 @@ def test_off_by_default():
         else:
             request.raw_input_contents.append(codecs.to_bytes(t))
     with pytest.raises(regions.SharedMemoryOff) as info:
-        codecs.decode_grpc(codecs.parse_grpc_request(request.SerializeToString()), fe.spec, fe.regions)
+        grpc_codec.decode_grpc(grpc_codec.parse_grpc_request(request.SerializeToString()), fe.spec, fe.regions)
     assert classify(info.value) == (400, grpc.StatusCode.FAILED_PRECONDITION)
 
     class Context:
@@ -1064,10 +1065,10 @@ def test_off_by_default():
             self.details = text
 
     servicer = InferenceServicer(fe)
-    for call, message in ((servicer.SystemSharedMemoryStatus, codecs.pb.SystemSharedMemoryStatusRequest()),
-                          (servicer.SystemSharedMemoryRegister, codecs.pb.SystemSharedMemoryRegisterRequest(
+    for call, message in ((servicer.SystemSharedMemoryStatus, pb.SystemSharedMemoryStatusRequest()),
+                          (servicer.SystemSharedMemoryRegister, pb.SystemSharedMemoryRegisterRequest(
                               name="a", key="/a", byte_size=8)),
-                          (servicer.SystemSharedMemoryUnregister, codecs.pb.SystemSharedMemoryUnregisterRequest())):
+                          (servicer.SystemSharedMemoryUnregister, pb.SystemSharedMemoryUnregisterRequest())):
         context = Context()
         assert asyncio.run(call(message, context)) is None
         assert context.code == grpc.StatusCode.FAILED_PRECONDITION and "--shared-memory system" in context.details
@@ -1169,11 +1170,10 @@ def test_grpc_inputs_in_regions_are_no_decode_work():
     """An input in a region is viewed, not converted: a grpc_shm request of many rows is decoded on
     the event loop (as v2_shm's), not sent to a thread; typed contents still count their shape."""
     from service.api.frontend import OFFLOAD_ELEMENTS
-    from service.api.proto import grpc_predict_v2_pb2 as pb
 
     T, H, K = 512, 4096, 8
 
-    def request(routing_in_region: bool) -> codecs.GrpcInferRequest:
+    def request(routing_in_region: bool) -> grpc_codec.GrpcInferRequest:
         r = pb.ModelInferRequest(model_name="moe")
         x = r.inputs.add(name="hidden_states", datatype="BF16", shape=[T, H])
         x.parameters["shared_memory_region"].string_param = "in"
@@ -1187,8 +1187,8 @@ def test_grpc_inputs_in_regions_are_no_decode_work():
                 item.parameters["shared_memory_byte_size"].int64_param = T * K * 4
             else:
                 getattr(item.contents, "int_contents" if at == 0 else "fp32_contents").extend([0] * (T * K))
-        return codecs.parse_grpc_request(r.SerializeToString())
+        return grpc_codec.parse_grpc_request(r.SerializeToString())
 
     assert T * H > OFFLOAD_ELEMENTS  # a wire request of these rows would leave the loop
-    assert codecs.grpc_decode_work(request(routing_in_region=True)) == 0
-    assert codecs.grpc_decode_work(request(routing_in_region=False)) == 2 * T * K
+    assert grpc_codec.grpc_decode_work(request(routing_in_region=True)) == 0
+    assert grpc_codec.grpc_decode_work(request(routing_in_region=False)) == 2 * T * K

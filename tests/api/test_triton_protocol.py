@@ -17,7 +17,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from service.api import codecs, http
+from service.api import grpc_codec, http
 from service.api.error_map import PayloadTooLarge
 from service.api.http import INFLATE_FLOOR
 from service.api.proto import grpc_predict_v2_pb2 as pb
@@ -216,7 +216,7 @@ def test_a_grpc_zip_bomb_is_refused_by_grpc_within_the_limit(server):
     head = pb.ModelInferRequest(model_name=MODEL)
     head.inputs.add(name="hidden_states", datatype="FP32", shape=[1, CFG.H])
     n = 256 << 20
-    message = head.SerializeToString() + codecs._key_and_length(7, n) + bytes(n)  # raw_input_contents
+    message = head.SerializeToString() + grpc_codec._key_and_length(7, n) + bytes(n)  # raw_input_contents
     peak = rss_bytes(server.pid, "VmHWM")
     with grpc.insecure_channel(server.grpc_url) as channel:
         call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
