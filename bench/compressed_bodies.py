@@ -52,7 +52,7 @@ def main() -> None:
         n = 256 << 20
         head = pb.ModelInferRequest(model_name="moe")
         head.inputs.add(name="hidden_states", datatype="FP32", shape=[1, CFG.H])
-        message = head.SerializeToString() + grpc_codec._key_and_length(7, n) + bytes(n)
+        message = head.SerializeToString() + grpc_codec.key_and_length(7, n) + bytes(n)
 
         def http_bomb() -> str:
             r = httpx.post(f"{server.url}/v2/models/moe/infer", content=bomb, headers={"Content-Encoding": "gzip"},

@@ -24,7 +24,7 @@ import torch
 from frontend_costs import median_us
 
 from service.api.batcher import RowSplit, _copy_in, _copy_out
-from service.api.grpc_codec import _bytes_to_fill
+from service.api.grpc_codec import bytes_to_fill
 
 H = 4096
 
@@ -38,9 +38,9 @@ def floors(reps: int) -> None:
     src = torch.randint(0, 255, (4 << 20,), dtype=torch.uint8)
 
     def fresh():
-        data = _bytes_to_fill(4 << 20)
+        data = bytes_to_fill(4 << 20)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # bytes are read-only to Python: see _bytes_to_fill
+            warnings.simplefilter("ignore", UserWarning)  # bytes are read-only to Python: see bytes_to_fill
             torch.frombuffer(data, dtype=torch.uint8).copy_(src)
 
     print(f"| 4 MiB into a fresh bytes object | {median_us(fresh, reps):,.0f} | |")

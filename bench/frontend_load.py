@@ -129,10 +129,7 @@ def install_timeline() -> None:
     _wrap(batcher_mod.Batcher, "_execute", before="slot_copy")
     _wrap(StandInGroup, "run", before="step_start", after="run_back")
     _wrap(codecs, "encode_v2_http", after="encoded")
-    if hasattr(grpc_codec, "grpc_response"):  # the response made before the step, its rows written by the copy out
-        _wrap(grpc_codec, "grpc_response", after="response_made")
-    else:  # a tree from before issue 11d: the answer encoded after the step
-        _wrap(grpc_codec, "encode_grpc", after="encoded")
+    _wrap(grpc_codec, "grpc_response", after="response_made")  # made before the step; the copy out writes its rows
     _wrap(grpc_codec, "serialize_grpc_response", after="serialized")
     _wrap(http_mod.PartsResponse, "__call__", after="written")
 
@@ -182,7 +179,7 @@ HTTP_EVENTS = ["send_start", "first_byte", "headers", "body_read", "decode_start
                "slot_copy", "step_start", "run_back", "answered", "encoded", "written", "response_complete",
                "first_answer_byte", "answer_read"]
 GRPC_EVENTS = ["send_start", "grpc_message", "handler", "decode_start", "decoded", "response_made", "submitted",
-               "slot_copy", "step_start", "run_back", "answered", "encoded", "serialized", "answer_read"]
+               "slot_copy", "step_start", "run_back", "answered", "serialized", "answer_read"]
 CLIENT_EVENTS = ("send_start", "sent", "first_answer_byte", "answer_read")
 
 

@@ -213,10 +213,10 @@ def grpc_response(req: Decoded, model_name: str) -> GrpcInferResponse:
         response.raw_output_contents.append(b"")
         return GrpcInferResponse(response.SerializeToString(), req.out_region)
     size = T * H * req.out_dtype.itemsize
-    head = response.SerializeToString() + _key_and_length(_RAW_OUTPUTS, size)
-    data = _bytes_to_fill(len(head) + size)
+    head = response.SerializeToString() + key_and_length(_RAW_OUTPUTS, size)
+    data = bytes_to_fill(len(head) + size)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # bytes are read-only to Python: see _bytes_to_fill
+        warnings.simplefilter("ignore", UserWarning)  # bytes are read-only to Python: see bytes_to_fill
         torch.frombuffer(data, dtype=torch.uint8, count=len(head)).copy_(torch.frombuffer(bytearray(head),
                                                                                           dtype=torch.uint8))
         out = torch.frombuffer(data, dtype=req.out_dtype, count=T * H, offset=len(head)).view(T, H)
@@ -227,7 +227,7 @@ _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
 _new_bytes.restype, _new_bytes.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t)
 
 
-def _bytes_to_fill(n: int) -> bytes:
+def bytes_to_fill(n: int) -> bytes:
     """A new bytes object of `n` uninitialized bytes, to be written once before anyone reads it:
     CPython's PyBytes_FromStringAndSize(NULL, n), whose contents its C API lets the creator fill
     (torch.frombuffer of it is then writable memory: it holds a reference, so the bytes outlive
@@ -244,7 +244,7 @@ def serialize_grpc_response(response: GrpcInferResponse | pb.ModelInferResponse)
     return response.data
 
 
-def _key_and_length(field: int, n: int) -> bytes:
+def key_and_length(field: int, n: int) -> bytes:
     out = bytearray()
     for value in ((field << 3) | _LEN, n):
         while value >= 0x80:

@@ -216,7 +216,7 @@ def test_a_grpc_zip_bomb_is_refused_by_grpc_within_the_limit(server):
     head = pb.ModelInferRequest(model_name=MODEL)
     head.inputs.add(name="hidden_states", datatype="FP32", shape=[1, CFG.H])
     n = 256 << 20
-    message = head.SerializeToString() + grpc_codec._key_and_length(7, n) + bytes(n)  # raw_input_contents
+    message = head.SerializeToString() + grpc_codec.key_and_length(7, n) + bytes(n)  # raw_input_contents
     peak = rss_bytes(server.pid, "VmHWM")
     with grpc.insecure_channel(server.grpc_url) as channel:
         call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
