@@ -7,6 +7,11 @@
 # by PYSPY_TREE is also profiled once: py-spy of every process and `top` under a load of PYSPY_CONC
 # (default 16) clients (PYSPY_PROTOCOL, default v2_binary; e.g. 4 and grpc: is the owner's GIL the limit?).
 # Read the profile with `python bench/pyspy_summary.py pyspy_<tree>.txt`.
+# The root named by PA_TREE is also loaded, after serve_load in every round, by NVIDIA's perf_analyzer (a C++
+# client: how much of a cell is the Python client's?): PA_PROTOCOLS (grpc,http) x PA_SIZES (512, its -b) x
+# PA_CONC (1,4), 3 windows of 2 s each, rows from bench/pa_rows.py (distinct tokens, in the layer's dtype); PA_BIN is the binary
+# (default .whl/pa/perf_analyzer, carried with libb64.so.0d and libcudart.so.12 beside it; .ci/install-tools
+# says where they come from). Its lines: `| pa_<protocol> | T | c | tokens/s | p50 ms | p99 ms |`.
 # Usage (device machine, repository root, web wheels installed under /tmp/site):
 #   TREES=". .base" ROUNDS=2 CELL_S=3 CONCURRENCY=4,16 [PYSPY_TREE=.] OUT=$OUT bash bench/gpu_serve_ab.sh
 # Knobs: BUDGET (s, default 400), PROTOCOLS (v2_binary,grpc; the shm ones need MOE_SHARED_MEMORY=system
@@ -44,6 +49,24 @@ for entry in "${TREE_LIST[@]}"; do
   echo "built $tree: rc=$?"
 done
 
+PA_BIN=${PA_BIN:-$ROOT/.whl/pa/perf_analyzer} PA_PROTOCOLS=${PA_PROTOCOLS:-grpc,http} PA_CONC=${PA_CONC:-1,4}
+PA_ROWS=$(mktemp -d)/rows.json  # not in LOG: tens of MB that need not come back
+if [[ -n "${PA_TREE:-}" ]]; then
+  IFS=, read -ra pa_sizes <<< "${PA_SIZES:-512}"
+  PYTHONPATH="$ROOT:$SITE" "$PY" bench/pa_rows.py --rows "$(printf "%s\n" "${pa_sizes[@]}" | sort -n | tail -n 1)" \
+    --out "$PA_ROWS" 2>&1 | tail -n 1
+fi
+# perf_analyzer PROTOCOL T C: one cell against the server on 18000/18001, its table line printed
+perf_analyzer_cell() {
+  local url=127.0.0.1:18000 out="$LOG/paraw_${name}_${round}_$1_$2_$3.txt"
+  [[ $1 == grpc ]] && url=127.0.0.1:18001
+  LD_LIBRARY_PATH="$(dirname "$PA_BIN"):${LD_LIBRARY_PATH:-}" timeout -k 5 "$(cap 40)" "$PA_BIN" -m moe -u "$url" \
+    -i "$1" -b "$2" --input-data "$PA_ROWS" --concurrency-range "$3:$3" --measurement-interval 2000 \
+    --stability-percentage 1000 --max-trials 3 > "$out" 2>&1
+  awk -v p="$1" -v t="$2" -v c="$3" '/Throughput:/ && !tp {tp=$2} /p50 latency:/ && !p50 {p50=$3} /p99 latency:/ && !p99 {p99=$3}
+    END {printf "| pa_%s | %s | %s | %.0f | %.1f | %.1f |\n", p, t, c, tp, p50/1e3, p99/1e3}' "$out"
+}
+
 SERVER=
 pack() { tar -czf "$DEST/serve_ab.tgz.tmp" -C "$LOG" . && mv "$DEST/serve_ab.tgz.tmp" "$DEST/serve_ab.tgz"; }
 trap 'stop_server; pack' EXIT
@@ -74,6 +97,15 @@ for round in $(seq "${ROUNDS:-1}"); do
         timeout 20 "$PY" bench/latency_split.py --url http://127.0.0.1:18000 \
           --before "$LOG/split_before_${name}_$round.json" > "$LOG/split_${name}_$round.txt" 2>&1
         grep -iE "receive|send|arrival|compute_(input|output)" "$LOG/split_${name}_$round.txt" | head -n 12
+      fi
+      if [[ "${PA_TREE:-}" == "$entry" ]]; then
+        for pa_proto in ${PA_PROTOCOLS//,/ }; do
+          for T in "${pa_sizes[@]}"; do
+            for c in ${PA_CONC//,/ }; do
+              (( $(left) > 45 )) && perf_analyzer_cell "$pa_proto" "$T" "$c" | tee -a "$LOG/pa_${name}_$round.txt"
+            done
+          done
+        done
       fi
       if [[ "${PYSPY_TREE:-}" == "$entry" ]] && (( ! profiled )) && (( $(left) > 30 )); then
         profiled=1
@@ -107,4 +139,4 @@ for n, d in direct_tokens_per_s(cfg, s.backend, s.seed, device, [cfg.tokens_per_
 fi
 trap pack EXIT
 echo "== summary: $(( $(date +%s) - START )) s"
-for f in "$LOG"/load_*.txt; do echo "${f##*/}:"; grep -E "^\| (v2|grpc)" "$f"; done
+for f in "$LOG"/load_*.txt "$LOG"/pa_*.txt; do [[ -f $f ]] && { echo "${f##*/}:"; grep -E "^\| (v2|grpc|pa_)" "$f"; }; done
