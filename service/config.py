@@ -272,10 +272,21 @@ class Settings(BaseSettings):
                     "(the wire arena): the ranks read hidden_states' rows from there and write the answer there, "
                     "and the response is sent from it, so the front end copies neither way for a request whose "
                     "hidden_states are in the compute dtype and whose answer goes in the binary part (others, and "
-                    "bodies that find no room, take the front end's copies: moe_wire_arena_full_total); a CUDA "
+                    "bodies that find no room, take the front end's copies: moe_wire_arena_full_total); with "
+                    "wire_arena_grpc (default) its second half holds gRPC messages instead; a CUDA "
                     "rank page-locks each front end's arena once, when its group starts; unset (default): 256 "
                     "where the ranks are CUDA (2048 / front ends when that is less), 0 (off) on CPU ranks (there "
                     "each rank would read every row itself); front ends x this at most 2048")
+    wire_arena_grpc: bool = Field(True,
+        description="with a wire arena, its second half holds the front end's large Python objects (64 KiB or "
+                    "more), gRPC messages among them: CPython's object allocator is wrapped (a C library built "
+                    "on first use with the host's C compiler and Python headers) so that the bytes grpc "
+                    "receives a request into, and the response made before the step, lie where the ranks read "
+                    "the rows and write the answer, and the front end copies neither way for a gRPC request "
+                    "whose hidden_states are in the compute dtype in raw_input_contents (objects that find no "
+                    "room stay in the process's heap); false: the whole arena serves v2 binary bodies and gRPC "
+                    "requests take the front end's copies; where the library cannot be built that is logged "
+                    "and the same holds")
     malloc_keep_mib: int = Field(256, ge=0, le=2047,
         description="MiB of freed memory each front-end and rank process keeps for reuse (glibc malloc: "
                     "allocations up to 32 MiB come from its heaps, each heap trimmed only past this much free; a "

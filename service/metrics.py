@@ -156,6 +156,10 @@ class Metrics:
             "moe_wire_arena_full_total",
             "v2 binary request bodies, and their answers, that found no room in the front end's wire arena "
             "(--wire-arena-mib) and took the front end's copies instead.", registry=r)
+        self.arena_rows = Counter(
+            "moe_wire_arena_rows_total",
+            "Request rows the ranks read from the front end's wire arena and answered into it (the front end "
+            "copied them neither way): v2 binary bodies and, with --wire-arena-grpc, gRPC messages.", registry=r)
         # Per answered request, the time of the steps its rows ran in, by phase: rows copied into
         # the slot, the layer, answers copied out (for the model statistics, not exported here).
         self.request_compute = {phase: Duration() for phase in COMPUTE_PHASES}

@@ -42,7 +42,7 @@ import uvicorn
 
 from service import logfilter
 from service.api.address import bind_error, grpc_port_taken, host_port, listen_socket
-from service.api.arena import make_arena
+from service.api.arena import adopt_objects, make_arena
 from service.api.batcher import Batcher
 from service.api.connections import bounded_protocol, ensure_file_limit
 from service.api.frontend import Frontend
@@ -123,6 +123,8 @@ class Endpoint:
         if self.fe.regions is not None:  # (set before start: by the owner, or from its ("regions",))
             self._prune_task = loop.create_task(self.fe.regions.keep_pruned(), name="moe-regions")
         arena = self.fe.arena = self.batcher.arena = make_arena(s.wire_arena_mib or 0)
+        if arena is not None and s.wire_arena_grpc:
+            adopt_objects(arena)
         if arena is not None and self.fe.regions is not None:  # no client may register it under another name
             self.fe.regions.table.reserve([arena.fd])
         if arena is not None and self.fe.ready:  # (a front end i >= 1 may be attached before it starts)

@@ -55,6 +55,7 @@ import weakref
 
 import torch
 
+from service.api import arena_objects
 from service.config import round_up
 from service.worker.direct import SHM_ROOT
 from service.worker.shm import ALIGN, ARENA_PREFIX, create_locked
@@ -63,6 +64,7 @@ log = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE  # blocks are whole pages (a block's `lead` byte is placed on an ALIGN boundary)
 MIB = 1 << 20
+OBJECTS_SHARE = 0.5  # of an arena, for its front end's large Python objects with --wire-arena-grpc
 
 # Where a tensor's rows lie for a rank: the arena's key, its identity, the rows' first byte, and the
 # region a rank maps (the whole arena) -- service.worker.direct.Source's fields for one side.
@@ -92,7 +94,9 @@ class WireArena:
             for at in range(0, size, MIB):
                 n = min(MIB, size - at)
                 self._mm[at:at + n] = zeros[:n]
-            self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
+            # Where the arena's bytes lie in this process: (address, file offset, length) windows, this
+            # mapping's first; adopt_objects adds the objects' window (mapped by its C library).
+            self._windows = [(ctypes.addressof(ctypes.c_char.from_buffer(self._mm)), 0, size)]
         except BaseException:
             self.close()
             raise
@@ -136,10 +140,26 @@ class WireArena:
         """Where the contiguous CPU tensor `t` lies for a rank, if its memory is in the arena."""
         if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
             return None
-        at = t.data_ptr() - self._base
-        if not 0 <= at <= self.size - t.numel() * t.element_size():
-            return None
-        return self.key, self.identity, at, (0, self.size)
+        first, nbytes = t.data_ptr(), t.numel() * t.element_size()
+        for address, offset, length in self._windows:
+            if address <= first and first + nbytes <= address + length:
+                return self.key, self.identity, offset + first - address, (0, self.size)
+        return None
+
+    def adopt_objects(self, share: float = OBJECTS_SHARE, min_bytes: int = arena_objects.MIN_BYTES) -> None:
+        """Give the arena's last `share` (whole pages) to this process's large Python objects (the gRPC
+        messages among them: service.api.arena_objects), the blocks keeping the rest. Before any block
+        is handed out and before any rank maps the arena (its C library writes each page of its window
+        once); once per process. OSError, logged by the caller, when it cannot be (the arena is then
+        unchanged)."""
+        length = int(self.size * share) // PAGE * PAGE
+        with self._lock:
+            if self._used or self._free != [(0, self.size)] or len(self._windows) > 1:
+                raise RuntimeError("adopt_objects is for a fresh arena")
+            start = self.size - length
+            address = arena_objects.install(self.fd, start, length, min_bytes)
+            self._windows.append((address, start, length))
+            self._free = [(0, start)]
 
     def _take_freed(self) -> None:
         """Return the blocks finalizers freed to the free extents, merging neighbours (under the lock)."""
@@ -173,6 +193,21 @@ class WireArena:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def adopt_objects(arena: WireArena) -> bool:
+    """The arena's second half for this process's large Python objects (gRPC messages: `--wire-arena-grpc`,
+    service.api.arena_objects); False, logged, when that cannot be (the whole arena then serves v2 binary
+    bodies, and gRPC requests take the front end's copies)."""
+    try:
+        arena.adopt_objects()
+    except OSError as err:
+        log.warning("gRPC messages cannot be placed in the wire arena (%s): gRPC requests take the front end's "
+                    "copies", err)
+        return False
+    log.info("wire arena: its last %d MiB hold gRPC messages and their responses (objects of %d KiB or more)",
+             round(arena.size * OBJECTS_SHARE) // MIB, arena_objects.MIN_BYTES >> 10)
+    return True
 
 
 def make_arena(mib: int) -> WireArena | None:

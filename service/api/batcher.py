@@ -510,6 +510,8 @@ class Batcher:
                     if source is not None and _hold(job):
                         held.append(p)
                         sources.append(source)
+                        if not isinstance(job.x, RegionRows):
+                            self.metrics.arena_rows.inc(p.rows)
                         continue
                     bad = _piece_error(self._split.run(functools.partial(_copy_in, slot.x[at], job.x[rows], p.start),
                                                        p.rows, p.rows * row_bytes), p.start)

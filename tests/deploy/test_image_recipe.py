@@ -162,6 +162,9 @@ def test_image_recipe_installs_starts_and_gets_ready():
         assert "torch-2.13.0+cpu.dist-info" in installed, "the CPU torch must be installed here, never a CUDA build"
         assert "service" in installed and any(n.startswith("moe_serve-") for n in installed), \
             "the wheel is not in the image's environment"
+        site = next(venv_dir.glob("lib/python3*/site-packages"))
+        assert (site / "service" / "api" / "arena_alloc.c").is_file(), \
+            "the wheel lacks the arena's object allocator (--wire-arena-grpc compiles it on first use)"
 
         _, check = healthcheck(runtime)
         check = runtime_fs.map_words(" ".join(check)).split()
