@@ -13,7 +13,8 @@
  * whose mark is not there aborts: it would otherwise corrupt the free list). The array can never
  * overflow: a block is at least THRESHOLD bytes, so there are at most window / THRESHOLD blocks and
  * one more free extent than blocks. The OBJ domain is only ever called with the GIL held, and so
- * is everything here (the module loads this library with ctypes.PyDLL, which keeps the GIL). */
+ * is everything here (the module loads this library with ctypes.PyDLL, which keeps the GIL; it
+ * refuses a build of Python without one). A child forked after the install detaches (above). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -38,6 +39,7 @@ static size_t window, threshold, page;
 static extent *free_list;
 static size_t n_free, capacity;
 static size_t used, blocks, placed_total, refused_total;
+static int detached; /* a forked child: the window is its parent's (moe_arena_objects_detach) */
 
 static int inside(const void *p) { return base != NULL && (const char *)p >= base && (const char *)p < base + window; }
 
@@ -99,7 +101,7 @@ static void give(void *p) {
 
 static void *hook_malloc(void *ctx, size_t n) {
     (void)ctx;
-    if (n >= threshold) {
+    if (n >= threshold && !detached) {
         void *p = take(n);
         if (p != NULL) return p;
     }
@@ -119,15 +121,15 @@ static void *hook_realloc(void *ctx, void *p, size_t n) {
     void *q = wrapped.malloc(wrapped.ctx, n ? n : 1);
     if (q == NULL) return NULL;
     memcpy(q, p, n < have ? n : have);
-    give(p);
+    if (!detached) give(p);
     return q;
 }
 
 static void hook_free(void *ctx, void *p) {
     (void)ctx;
-    if (inside(p))
-        give(p);
-    else
+    if (inside(p)) {
+        if (!detached) give(p); /* (a forked child leaves its parent's blocks alone) */
+    } else
         wrapped.free(wrapped.ctx, p);
 }
 
@@ -166,6 +168,11 @@ uintptr_t moe_arena_objects_install(int fd, size_t offset, size_t length, size_t
     PyMem_SetAllocator(PYMEM_DOMAIN_OBJ, &hook);
     return (uintptr_t)at;
 }
+
+/* In a child forked from a process with a window (os.register_at_fork): the window is shared with the
+ * parent, whose blocks and headers these are, so the child places nothing there any more and frees
+ * nothing of it (its copies of the parent's objects leak, in the child only). */
+void moe_arena_objects_detach(void) { detached = 1; }
 
 /* What the window holds now and has done: [bytes in blocks, blocks, free extents, objects placed,
  * objects of min_bytes or more that found no room]. */

@@ -25,7 +25,9 @@ itself and never unmapped, since a placed object may be freed at any time, inter
 included. Lifetimes are Python's: an object's block is free when the object is, and whatever holds
 its rows for a step (the request's tensors, the batcher's job, a failed step's retired tensors)
 holds the object. The hook is per process and for the process's life: installed once, by a front
-end's server, before any rank maps the arena.
+end's server, before any rank maps the arena. A child forked from the process afterwards (the ranks
+and front ends are spawned, not forked; this is for anything else) places nothing in the window and
+frees nothing of it: the window, its blocks and their headers stay the parent's.
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ def library() -> ctypes.PyDLL:
     lib = ctypes.PyDLL(str(path), use_errno=True)
     lib.moe_arena_objects_install.restype = ctypes.c_size_t
     lib.moe_arena_objects_install.argtypes = (ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t)
+    lib.moe_arena_objects_detach.restype = None
+    lib.moe_arena_objects_detach.argtypes = ()
     lib.moe_arena_objects_stats.restype = None
     lib.moe_arena_objects_stats.argtypes = (ctypes.POINTER(ctypes.c_size_t),)
     _library = lib
@@ -106,6 +110,8 @@ def install(fd: int, offset: int, length: int, min_bytes: int = MIN_BYTES) -> in
     global _installed
     if _installed:
         raise OSError("this process has its objects' window already (one per process, for its life)")
+    if not getattr(sys, "_is_gil_enabled", lambda: True)():
+        raise OSError("this Python runs without the GIL, which the allocator's state relies on")
     lib = library()
     ctypes.set_errno(0)
     at = lib.moe_arena_objects_install(fd, offset, length, min_bytes)
@@ -113,6 +119,7 @@ def install(fd: int, offset: int, length: int, min_bytes: int = MIN_BYTES) -> in
         err = ctypes.get_errno()
         raise OSError(err, f"the objects' window could not be installed: {os.strerror(err) if err else 'refused'}")
     _installed = True
+    os.register_at_fork(after_in_child=lib.moe_arena_objects_detach)  # the window stays the parent's
     return at
 
 

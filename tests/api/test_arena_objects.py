@@ -284,3 +284,29 @@ def test_the_library_is_built_once_per_source_and_python(cache):
     built = list(cache.glob("arena_alloc-*"))
     assert len(built) == 1, built
     assert arena_objects.SOURCE.exists()
+
+
+def test_a_forked_child_leaves_its_parents_window_alone(cache):
+    """A child forked after the install neither places objects in the window nor frees the parent's
+    blocks (their headers are in shared memory): the parent's objects and books are unchanged."""
+    isolated(PRELUDE + """
+    mine = bytes_to_fill(2 * MIN)
+    torch.frombuffer(mine, dtype=torch.uint8).fill_(9)
+    before = stats()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            del mine  # the child's free of the parent's block
+            gc.collect()
+            child = bytes_to_fill(2 * MIN)
+            code = 3 if placed(child) else 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child placed an object in its parent's window"
+    assert stats() == before and mine == bytes([9]) * len(mine)
+    del mine
+    assert stats()["blocks"] == 0  # the parent's own free still works: the child left its header
+    print("ok")
+    """, cache)
