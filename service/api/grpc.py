@@ -5,7 +5,9 @@ ModelInfer answers in `raw_output_contents`. It has its own (de)serializers
 (grpc_codec.parse_grpc_request, grpc_codec.serialize_grpc_response): the tensors' bytes are viewed
 in the received message, and the response's bytes are made before the step with room for the
 answer, which the batcher copies out of the slot straight into them (grpc_codec.grpc_response),
-instead of protobuf copying every blob on the way in and on the way out.
+instead of protobuf copying every blob on the way in and on the way out. With a wire arena both the
+received message and the response lie in it (service.api.arena_objects), and the ranks read the
+rows and write the answer there themselves.
 The deadline is the smallest of the client's gRPC deadline, the request's `timeout` parameter
 (microseconds) and the server default. Every error is mapped by `_failure`, which asks
 `service.api.error_map` for the code, and the call fails through `_reject`: set code and

@@ -9,8 +9,10 @@ server's deserializer, walks the message's top-level fields once: raw_input_cont
 of the received bytes, the rest (small) is parsed by protobuf. `decode_grpc` decodes it with the v2
 pieces of service.api.codecs and ends, as every decoder there, in `validate`. The response is made
 before the step (`grpc_response`): its bytes have room for the answer, which the batcher copies
-out of the slot straight into them, and `serialize_grpc_response` returns them as they are; so
-protobuf copies no blob on the way in or on the way out. service.api.grpc serves them.
+out of the slot straight into them (or the ranks write there themselves, where the message and the
+response lie in the wire arena: service.api.arena_objects), and `serialize_grpc_response` returns
+them as they are; so protobuf copies no blob on the way in or on the way out. service.api.grpc
+serves them.
 """
 
 from __future__ import annotations
