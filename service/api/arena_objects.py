@@ -112,6 +112,10 @@ def install(fd: int, offset: int, length: int, min_bytes: int = MIN_BYTES) -> in
         raise OSError("this process has its objects' window already (one per process, for its life)")
     if not getattr(sys, "_is_gil_enabled", lambda: True)():
         raise OSError("this Python runs without the GIL, which the allocator's state relies on")
+    import tracemalloc
+
+    if tracemalloc.is_tracing():  # its stop() would restore the allocator it saved, dropping the hook
+        raise OSError("tracemalloc is tracing: its stop() would unhook the window's frees")
     lib = library()
     ctypes.set_errno(0)
     at = lib.moe_arena_objects_install(fd, offset, length, min_bytes)

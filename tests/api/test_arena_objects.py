@@ -54,7 +54,7 @@ def isolated(code: str, cache_dir, check_rc: bool = True) -> subprocess.Complete
     run = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "MOE_CACHE_DIR": str(cache_dir)})
     if check_rc:
-        assert run.returncode == 0, run.stdout + run.stderr
+        assert run.returncode == 0 and run.stdout.rstrip().endswith("ok"), run.stdout + run.stderr
     return run
 
 
@@ -77,7 +77,7 @@ def placed(b):
 
 
 def test_large_objects_land_in_the_window_and_come_back_when_gone(cache):
-    isolated(PRELUDE + """
+    isolated(PRELUDE + textwrap.dedent("""
     big, small = bytes_to_fill(MIN), bytes_to_fill(MIN - 64)
     assert placed(big) and not placed(small)
     at = arena.place(torch.frombuffer(big, dtype=torch.uint8))[2]
@@ -89,12 +89,12 @@ def test_large_objects_land_in_the_window_and_come_back_when_gone(cache):
     s = stats()
     assert s["blocks"] == 0 and s["used_bytes"] == 0 and s["free_extents"] == 1, s
     print("ok")
-    """, cache)
+    """), cache)
 
 
 def test_blocks_never_overlap_a_live_object_and_merge_back(cache):
     """Random sizes (half below MIN), random frees, every live object's pattern intact throughout."""
-    isolated(PRELUDE + """
+    isolated(PRELUDE + textwrap.dedent("""
     rng = random.Random(7)
     live = {}
     for step in range(3000):
@@ -102,6 +102,7 @@ def test_blocks_never_overlap_a_live_object_and_merge_back(cache):
             key = rng.choice(list(live))
             b, fill = live.pop(key)
             assert b == bytes([fill]) * len(b), key
+            del b
             continue
         n = rng.choice([rng.randrange(1, MIN), rng.randrange(MIN, 5 * MIN)])
         b = bytes_to_fill(n)
@@ -118,21 +119,21 @@ def test_blocks_never_overlap_a_live_object_and_merge_back(cache):
     s = stats()
     assert s["blocks"] == 0 and s["used_bytes"] == 0 and s["free_extents"] == 1, s
     print("ok")
-    """, cache)
+    """), cache)
 
 
 def test_a_full_window_sends_objects_to_the_heap(cache):
-    isolated(PRELUDE + """
+    isolated(PRELUDE + textwrap.dedent("""
     held = [bytes_to_fill(4 * MIN) for _ in range(12)]  # the window: 32 x MIN, blocks a page more each
     where = [placed(b) for b in held]
     assert where[:7] == [True] * 7 and not any(where[8:]), where
     assert stats()["no_room_total"] >= 4
     print("ok")
-    """, cache)
+    """), cache)
 
 
 def test_realloc_moves_a_block_out_only_when_it_must_and_keeps_its_bytes(cache):
-    isolated(PRELUDE + """
+    isolated(PRELUDE + textwrap.dedent("""
     api = ctypes.pythonapi
     api.PyObject_Malloc.restype = api.PyObject_Realloc.restype = ctypes.c_void_p
     api.PyObject_Malloc.argtypes = (ctypes.c_size_t,)
@@ -161,11 +162,11 @@ def test_realloc_moves_a_block_out_only_when_it_must_and_keeps_its_bytes(cache):
     assert not inside(q) and same(q, 1024) and stats()["blocks"] == 0
     api.PyObject_Free(q)
     print("ok")
-    """, cache)
+    """), cache)
 
 
 def test_writes_through_the_window_leave_the_files_ctime(cache):
-    isolated(PRELUDE + """
+    isolated(PRELUDE + textwrap.dedent("""
     import time
     before = os.fstat(arena.fd)
     time.sleep(0.05)
@@ -175,11 +176,11 @@ def test_writes_through_the_window_leave_the_files_ctime(cache):
     after = os.fstat(arena.fd)
     assert (after.st_ctime_ns, after.st_size) == (before.st_ctime_ns, before.st_size)
     print("ok")
-    """, cache)
+    """), cache)
 
 
 def test_a_second_window_in_one_process_is_refused(cache):
-    isolated(PRELUDE + """
+    isolated(PRELUDE + textwrap.dedent("""
     other = WireArena(64 * MIN)
     try:
         other.adopt_objects()
@@ -190,7 +191,7 @@ def test_a_second_window_in_one_process_is_refused(cache):
     assert len(other._windows) == 1 and other._free == [(0, other.size)]  # unchanged: all for the blocks
     other.close()
     print("ok")
-    """, cache)
+    """), cache)
 
 
 # ---- a real server --------------------------------------------------------------------------------
@@ -289,7 +290,7 @@ def test_the_library_is_built_once_per_source_and_python(cache):
 def test_a_forked_child_leaves_its_parents_window_alone(cache):
     """A child forked after the install neither places objects in the window nor frees the parent's
     blocks (their headers are in shared memory): the parent's objects and books are unchanged."""
-    isolated(PRELUDE + """
+    isolated(PRELUDE + textwrap.dedent("""
     mine = bytes_to_fill(2 * MIN)
     torch.frombuffer(mine, dtype=torch.uint8).fill_(9)
     before = stats()
@@ -309,4 +310,4 @@ def test_a_forked_child_leaves_its_parents_window_alone(cache):
     del mine
     assert stats()["blocks"] == 0  # the parent's own free still works: the child left its header
     print("ok")
-    """, cache)
+    """), cache)
