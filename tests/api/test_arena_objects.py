@@ -31,7 +31,7 @@ from tritonclient.utils import InferenceServerException
 from service.api import arena_objects
 from tests.api.common import check, inputs
 from tests.api.test_e2e import triton_inputs
-from tests.api.test_wire_arena import full_count, v2_binary
+from tests.api.test_wire_arena import full_count, metric_value, v2_binary
 from tests.serverproc import ServerProcess
 
 NAN = float("nan")
@@ -198,10 +198,7 @@ def test_a_second_window_in_one_process_is_refused(cache):
 
 
 def rows_count(url: str) -> float:
-    import httpx
-
-    text = httpx.get(f"{url}/metrics").text
-    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("moe_wire_arena_rows_total")))
+    return metric_value(url, "moe_wire_arena_rows_total")
 
 
 def grpc_answer(url: str, x, ids, w, dtype_name: str = "FP32") -> torch.Tensor:

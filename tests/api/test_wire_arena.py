@@ -559,11 +559,16 @@ def v2_binary(url: str, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> 
     return 200, torch.frombuffer(bytearray(r.content[n:]), dtype=torch.float32).view(x.shape)
 
 
-def full_count(url: str) -> float:
+def metric_value(url: str, name: str) -> float:
+    """The server's unlabelled metric `name` from /metrics."""
     import httpx
 
     text = httpx.get(f"{url}/metrics").text
-    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("moe_wire_arena_full_total")))
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name)))
+
+
+def full_count(url: str) -> float:
+    return metric_value(url, "moe_wire_arena_full_total")
 
 
 def test_a_server_with_a_small_arena_answers_every_client_right(server):
