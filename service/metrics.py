@@ -33,7 +33,10 @@ from prometheus_client import (
     disable_created_metrics,
     make_wsgi_app,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
+
+from service.api import arena_objects
 
 # 50 microseconds to 60 seconds, roughly 1-2.5-5 per decade, with a bound at 30 s (the default
 # request deadline, request_timeout_s) and one past it, so that requests that ran into their
@@ -81,6 +84,31 @@ class Duration:
     def add(self, seconds: float) -> None:
         self.count += 1
         self.ns += round(seconds * 1e9)
+
+
+class ObjectsWindow:
+    """The wire arena's window for gRPC messages (--wire-arena-grpc: service.api.arena_objects), read
+    from its allocator at each scrape: all zero where the process has none. A window full of long-lived
+    objects shows as used bytes that do not fall back between loads and a no-room count that grows."""
+
+    def collect(self):
+        now = arena_objects.stats()
+        yield GaugeMetricFamily("moe_wire_arena_objects_bytes",
+                                "Bytes of the wire arena's gRPC window in blocks held by live objects now.",
+                                value=now["used_bytes"])
+        yield GaugeMetricFamily("moe_wire_arena_objects_blocks",
+                                "Live objects in the wire arena's gRPC window now.", value=now["blocks"])
+        yield GaugeMetricFamily("moe_wire_arena_objects_free_extents",
+                                "Free extents of the wire arena's gRPC window now (1 when nothing is held; "
+                                "many with little free space: fragmented).", value=now["free_extents"])
+        yield CounterMetricFamily("moe_wire_arena_objects_placed",
+                                  "Objects (gRPC messages and responses, and any other object of 64 KiB or more "
+                                  "made on the event loop) placed in the wire arena's gRPC window.",
+                                  value=now["placed_total"])
+        yield CounterMetricFamily("moe_wire_arena_objects_no_room",
+                                  "Objects of 64 KiB or more made on the event loop that found no room in the "
+                                  "wire arena's gRPC window and went to the heap (their rows then take the copies).",
+                                  value=now["no_room_total"])
 
 
 class Metrics:
@@ -160,6 +188,7 @@ class Metrics:
             "moe_wire_arena_rows_total",
             "Request rows the ranks read from the front end's wire arena and answered into it (the front end "
             "copied them neither way): v2 binary bodies and, with --wire-arena-grpc, gRPC messages.", registry=r)
+        r.register(ObjectsWindow())
         # Per answered request, the time of the steps its rows ran in, by phase: rows copied into
         # the slot, the layer, answers copied out (for the model statistics, not exported here).
         self.request_compute = {phase: Duration() for phase in COMPUTE_PHASES}

@@ -1,7 +1,10 @@
 /* The wire arena's share for Python objects: CPython's object allocator (PYMEM_DOMAIN_OBJ) hooked
- * so that a new object of THRESHOLD bytes or more is placed in a window of the wire arena's shared
- * memory, everything else going to the allocator it wraps. See service/api/arena_objects.py for
- * why (a gRPC message's bytes, which grpc allocates, then lie where the ranks read and write).
+ * so that a new object of THRESHOLD bytes or more made by an armed thread (the one that installed
+ * the window: a front end's event loop, where grpc receives its messages and the handlers make their
+ * responses) is placed in a window of the wire arena's shared memory, everything else going to the
+ * allocator it wraps. See service/api/arena_objects.py for why (a gRPC message's bytes, which grpc
+ * allocates, then lie where the ranks read and write). Other threads' large objects (a rank
+ * thread's, a copy thread's) stay in the heap: the window is for messages, not interpreter state.
  *
  * One window per process, mapped here from the arena's file (MAP_SHARED) and never unmapped: an
  * object placed in it may be freed at any time, interpreter shutdown included. Every page of the
@@ -14,12 +17,24 @@
  * overflow: a block is at least THRESHOLD bytes, so there are at most window / THRESHOLD blocks and
  * one more free extent than blocks. The OBJ domain is only ever called with the GIL held, and so
  * is everything here (the module loads this library with ctypes.PyDLL, which keeps the GIL; it
- * refuses a build of Python without one). A child forked after the install detaches (above). */
+ * refuses a build of Python without one).
+ *
+ * fork(): the window is MAP_SHARED and every placed object's header (its refcount, a GC object's
+ * links) lies in it, so a child forked after the install would write its parent's objects. A
+ * pthread_atfork child handler, which runs inside fork() before any Python in the child, makes the
+ * child's window a private copy of the parent's blocks at the same address (the child then owns
+ * its copies as it owns the rest of its heap) and stops placing new objects there. If it cannot
+ * (no memory for the copy) the child's window becomes inaccessible instead: a child that touches a
+ * placed object then crashes, rather than corrupting its parent. */
 
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* mremap */
+#endif
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,12 +54,16 @@ static size_t window, threshold, page;
 static extent *free_list;
 static size_t n_free, capacity;
 static size_t used, blocks, placed_total, refused_total;
-static int detached; /* a forked child: the window is its parent's (moe_arena_objects_detach) */
+static int detached;          /* a forked child: its window is a private copy; nothing new goes there */
+static _Thread_local int armed; /* this thread's large objects are placed (moe_arena_objects_arm) */
 
 static int inside(const void *p) { return base != NULL && (const char *)p >= base && (const char *)p < base + window; }
 
 static void *take(size_t n) {
-    if (n > window) return NULL;
+    if (n > window) {
+        refused_total++;
+        return NULL;
+    }
     size_t length = (n + HEADER + page - 1) / page * page;
     for (size_t i = 0; i < n_free; i++) {
         if (free_list[i].length < length) continue;
@@ -101,7 +120,7 @@ static void give(void *p) {
 
 static void *hook_malloc(void *ctx, size_t n) {
     (void)ctx;
-    if (n >= threshold && !detached) {
+    if (n >= threshold && armed && !detached) {
         void *p = take(n);
         if (p != NULL) return p;
     }
@@ -121,16 +140,35 @@ static void *hook_realloc(void *ctx, void *p, size_t n) {
     void *q = wrapped.malloc(wrapped.ctx, n ? n : 1);
     if (q == NULL) return NULL;
     memcpy(q, p, n < have ? n : have);
-    if (!detached) give(p);
+    give(p);
     return q;
 }
 
 static void hook_free(void *ctx, void *p) {
     (void)ctx;
-    if (inside(p)) {
-        if (!detached) give(p); /* (a forked child leaves its parent's blocks alone) */
-    } else
+    if (inside(p))
+        give(p);
+    else
         wrapped.free(wrapped.ctx, p);
+}
+
+/* In the child, inside fork() (pthread_atfork): the window made private (above). Only the parent's
+ * blocks are copied, extent by extent between the free ones; the free space is fresh zero pages. */
+static void after_fork_in_child(void) {
+    if (base == NULL) return;
+    detached = 1;
+    char *copy = mmap(NULL, window, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (copy != MAP_FAILED) {
+        size_t at = 0;
+        for (size_t i = 0; i <= n_free; i++) {
+            size_t end = i < n_free ? free_list[i].start : window;
+            if (end > at) memcpy(copy + at, base + at, end - at);
+            if (i < n_free) at = free_list[i].start + free_list[i].length;
+        }
+        if (mremap(copy, window, window, MREMAP_MAYMOVE | MREMAP_FIXED, base) != MAP_FAILED) return;
+        munmap(copy, window);
+    }
+    if (mmap(base, window, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == MAP_FAILED) _exit(70);
 }
 
 /* Map `length` bytes of the file `fd` from `offset` (both whole pages), write each page once and
@@ -163,19 +201,27 @@ uintptr_t moe_arena_objects_install(int fd, size_t offset, size_t length, size_t
     free_list[0].length = length;
     n_free = 1;
     base = (char *)at;
+    if (pthread_atfork(NULL, NULL, after_fork_in_child)) {
+        munmap(at, length);
+        base = NULL;
+        PyMem_RawFree(free_list);
+        free_list = NULL;
+        errno = ENOMEM;
+        return 0;
+    }
+    armed = 1;
     PyMemAllocatorEx hook = {NULL, hook_malloc, hook_calloc, hook_realloc, hook_free};
     PyMem_GetAllocator(PYMEM_DOMAIN_OBJ, &wrapped);
     PyMem_SetAllocator(PYMEM_DOMAIN_OBJ, &hook);
     return (uintptr_t)at;
 }
 
-/* In a child forked from a process with a window (os.register_at_fork): the window is shared with the
- * parent, whose blocks and headers these are, so the child places nothing there any more and frees
- * nothing of it (its copies of the parent's objects leak, in the child only). */
-void moe_arena_objects_detach(void) { detached = 1; }
+/* Place the large objects the calling thread makes from now on (on != 0), or stop. The installing
+ * thread is armed by the install. */
+void moe_arena_objects_arm(int on) { armed = on != 0; }
 
 /* What the window holds now and has done: [bytes in blocks, blocks, free extents, objects placed,
- * objects of min_bytes or more that found no room]. */
+ * objects of min_bytes or more made by an armed thread that found no room]. */
 void moe_arena_objects_stats(size_t out[5]) {
     out[0] = used;
     out[1] = blocks;

@@ -25,9 +25,23 @@ itself and never unmapped, since a placed object may be freed at any time, inter
 included. Lifetimes are Python's: an object's block is free when the object is, and whatever holds
 its rows for a step (the request's tensors, the batcher's job, a failed step's retired tensors)
 holds the object. The hook is per process and for the process's life: installed once, by a front
-end's server, before any rank maps the arena. A child forked from the process afterwards (the ranks
-and front ends are spawned, not forked; this is for anything else) places nothing in the window and
-frees nothing of it: the window, its blocks and their headers stay the parent's.
+end's server, before any rank maps the arena.
+
+Only the objects of the thread that installed the window are placed: the front end's event loop, on
+which grpc.aio receives its messages (cygrpc's receive ends with `bytes(bytearray)` in the coroutine
+that awaited the batch) and the handlers make their responses. Large objects of other threads (the
+step thread's, a copy thread's) stay in the heap, and so do the loop's small ones; what else of 64 KiB
+or more the loop makes (an HTTP JSON body's str, a large dict's table) may land there too, lives for
+a request, and is counted like the rest (the window's figures are exported: `moe_wire_arena_objects_*`).
+
+A child forked from the process afterwards (the ranks and front ends are spawned, not forked; this is
+for anything else, a multiprocessing pool among them) gets a private copy of the window's blocks at
+the same address inside fork() (arena_alloc.c's pthread_atfork handler), so neither its refcounts nor
+its frees reach the parent's objects, and places nothing new there.
+
+The process's memory debug hooks (PYTHONMALLOC=debug) sit under this one and see every allocation;
+tracemalloc started before the install is refused (its stop() would put back the allocator it saved,
+and a placed object's free would then reach the heap's free()).
 """
 
 from __future__ import annotations
@@ -36,6 +50,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import shlex
 import subprocess
 import sys
 import sysconfig
@@ -73,11 +88,16 @@ def library() -> ctypes.PyDLL:
     path = cache_dir() / f"arena_alloc-{key}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
     if not path.exists():
         _compile(path, include)
-    lib = ctypes.PyDLL(str(path), use_errno=True)
+    try:
+        lib = ctypes.PyDLL(str(path), use_errno=True)
+    except OSError as err:  # a cached build that does not load (truncated, another libc): built again, once
+        log.warning("rebuilding %s, which does not load: %s", path, err)
+        _compile(path, include)
+        lib = ctypes.PyDLL(str(path), use_errno=True)
     lib.moe_arena_objects_install.restype = ctypes.c_size_t
     lib.moe_arena_objects_install.argtypes = (ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t)
-    lib.moe_arena_objects_detach.restype = None
-    lib.moe_arena_objects_detach.argtypes = ()
+    lib.moe_arena_objects_arm.restype = None
+    lib.moe_arena_objects_arm.argtypes = (ctypes.c_int,)
     lib.moe_arena_objects_stats.restype = None
     lib.moe_arena_objects_stats.argtypes = (ctypes.POINTER(ctypes.c_size_t),)
     _library = lib
@@ -87,26 +107,27 @@ def library() -> ctypes.PyDLL:
 def _compile(path: Path, include: str) -> None:
     if not os.path.exists(os.path.join(include, "Python.h")):
         raise OSError(f"no Python headers in {include} (install python3-dev) to build {SOURCE.name}")
-    cc = os.environ.get("CC") or "cc"
+    cc = shlex.split(os.environ.get("CC") or "cc")  # (CC may carry a wrapper or flags: "ccache gcc")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so")  # renamed into place: front ends build at once
     os.close(fd)
     try:
-        run = subprocess.run([cc, "-O2", "-shared", "-fPIC", f"-I{include}", str(SOURCE), "-o", tmp],
+        run = subprocess.run([*cc, "-O2", "-shared", "-fPIC", f"-I{include}", str(SOURCE), "-o", tmp],
                              capture_output=True, text=True, timeout=120)
         if run.returncode:
-            raise OSError(f"{cc} could not build {SOURCE.name}: {run.stderr.strip()[-500:]}")
+            raise OSError(f"{shlex.join(cc)} could not build {SOURCE.name}: {run.stderr.strip()[-500:]}")
         os.replace(tmp, path)
     except FileNotFoundError:
-        raise OSError(f"no C compiler ({cc}) to build {SOURCE.name}") from None
+        raise OSError(f"no C compiler ({shlex.join(cc)}) to build {SOURCE.name}") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
 def install(fd: int, offset: int, length: int, min_bytes: int = MIN_BYTES) -> int:
-    """Place this process's objects of `min_bytes` or more in bytes offset..offset+length of the file
-    `fd` from now on: the window's address (OSError when it cannot be, or is already, installed)."""
+    """Place the objects of `min_bytes` or more that the calling thread makes (`arm` for another) in
+    bytes offset..offset+length of the file `fd` from now on: the window's address (OSError when it
+    cannot be, or is already, installed)."""
     global _installed
     if _installed:
         raise OSError("this process has its objects' window already (one per process, for its life)")
@@ -123,8 +144,14 @@ def install(fd: int, offset: int, length: int, min_bytes: int = MIN_BYTES) -> in
         err = ctypes.get_errno()
         raise OSError(err, f"the objects' window could not be installed: {os.strerror(err) if err else 'refused'}")
     _installed = True
-    os.register_at_fork(after_in_child=lib.moe_arena_objects_detach)  # the window stays the parent's
     return at
+
+
+def arm(on: bool = True) -> None:
+    """Place the large objects the calling thread makes from now on (or stop: `on` False). The
+    installing thread is armed already; a no-op where no window is installed."""
+    if _installed and _library is not None:
+        _library.moe_arena_objects_arm(int(on))
 
 
 def stats() -> dict[str, int]:

@@ -7,20 +7,25 @@ more land in the arena's second half and smaller ones do not; a block is reused 
 is gone, and the free space merges back into one extent; objects that find no room go to the heap and
 are counted; realloc moves a block out when it grows or shrinks far, and keeps its bytes; the
 object's file keeps its ctime under writes through the window (a rank would register it again);
-a second window in one process is refused. A real server (CPU ranks, fp32) with a small arena over
-gRPC: concurrent answers right and equal to solo ones, a solo request's rows counted as the ranks'
-(moe_wire_arena_rows_total grows by T), a small request, another dtype and a NaN row as before (the
-copies; its 400); with --wire-arena-grpc false gRPC takes the copies while v2 binary bodies keep the
-arena.
+a second window in one process is refused; only the armed thread's objects are placed; a forked
+child works on a private copy (the parent's refcounts, bytes, books and ctime unchanged); tracemalloc
+tracing refuses the install; CC with arguments, and a cached build that does not load is rebuilt. A
+real server (CPU ranks, fp32) with a small arena over gRPC: concurrent answers right and equal to solo
+ones, a solo request's rows counted as the ranks' (moe_wire_arena_rows_total grows by T), a small
+request, another dtype and a NaN row as before (the copies; its 400); the window's figures exported
+and back to empty once answered; under PYTHONMALLOC=debug no block freed through another domain; with
+--wire-arena-grpc false gRPC takes the copies while v2 binary bodies keep the arena.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import grpc
 import pytest
@@ -278,33 +283,147 @@ def test_with_the_flag_off_grpc_takes_the_copies_and_v2_keeps_the_arena(tmp_path
         assert full_count(proc.url) == 0
 
 
+def test_under_the_debug_allocator_no_placed_block_is_freed_through_another_domain(tmp_path, cache):
+    """PYTHONMALLOC=debug: CPython's hooks check that each block is freed through the domain it came
+    from, so a placed message freed with PyMem_Free by grpc's Cython layer, protobuf or torch would stop
+    the front end (the hook sits above them: a placed block carries none of their marks). Concurrent
+    gRPC requests through the window, answered right, and the server still up."""
+    env = {**os.environ, "MOE_CACHE_DIR": str(cache), "PYTHONMALLOC": "debug"}
+    with ServerProcess.serving(tmp_path / "server.log", "--wire-arena-mib", "4", env=env) as proc:
+        assert "hold gRPC messages" in proc.log()
+        work = [inputs(100, 980 + i) for i in range(6)]
+        before = rows_count(proc.url)
+        with concurrent.futures.ThreadPoolExecutor(len(work)) as pool:
+            answers = list(pool.map(lambda job: grpc_answer(proc.grpc_url, *job), work))
+        for out, job in zip(answers, work, strict=True):
+            check(out, *job)
+        assert rows_count(proc.url) > before  # some went through the window
+        x, ids, w = inputs(100, 986)
+        check(grpc_answer(proc.grpc_url, x, ids, w), x, ids, w)  # and it is still up
+    assert "Fatal Python error" not in proc.log(), proc.log()[-3000:]
+
+
 def test_the_library_is_built_once_per_source_and_python(cache):
     built = list(cache.glob("arena_alloc-*"))
     assert len(built) == 1, built
     assert arena_objects.SOURCE.exists()
 
 
-def test_a_forked_child_leaves_its_parents_window_alone(cache):
-    """A child forked after the install neither places objects in the window nor frees the parent's
-    blocks (their headers are in shared memory): the parent's objects and books are unchanged."""
+def test_a_forked_child_gets_a_private_copy_of_the_window(cache):
+    """A child forked after the install: its refcounts, writes and frees of the parent's placed objects
+    stay in the child (a private copy of the blocks, made inside fork()), it places nothing new, and the
+    file's ctime is not moved by its writes. The parent's objects, refcounts and books are unchanged
+    after the child freed its copy and after a child exited holding references."""
     isolated(PRELUDE + textwrap.dedent("""
+    import sys, time
     mine = bytes_to_fill(2 * MIN)
-    torch.frombuffer(mine, dtype=torch.uint8).fill_(9)
-    before = stats()
+    view = torch.frombuffer(mine, dtype=torch.uint8)
+    view.fill_(9)
+    address = view.data_ptr()  # (the child writes with ctypes: torch's thread pool does not survive a fork)
+    refs, before, ctime = sys.getrefcount(mine), stats(), os.fstat(arena.fd).st_ctime_ns
+    time.sleep(0.05)
     pid = os.fork()
     if pid == 0:
         code = 0
         try:
-            del mine  # the child's free of the parent's block
+            held = [mine] * 5  # refcount writes to the child's copy only
+            ctypes.memset(address, 7, len(mine))  # the child's writes to the block
+            assert mine[0] == 7
+            code = 3 if placed(bytes_to_fill(2 * MIN)) else 0
+            del held, view, mine  # the child's free of its copy
             gc.collect()
-            child = bytes_to_fill(2 * MIN)
-            code = 3 if placed(child) else 0
+        except BaseException:
+            code = 4
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, "the child placed an object in its parent's window"
-    assert stats() == before and mine == bytes([9]) * len(mine)
-    del mine
-    assert stats()["blocks"] == 0  # the parent's own free still works: the child left its header
+    assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
+    pid = os.fork()
+    if pid == 0:
+        held = [mine] * 7
+        os._exit(0)  # exits holding references
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert sys.getrefcount(mine) == refs, (sys.getrefcount(mine), refs)
+    assert stats() == before, (stats(), before)
+    assert mine == bytes([9]) * len(mine)
+    assert os.fstat(arena.fd).st_ctime_ns == ctime
+    other = bytes_to_fill(2 * MIN)  # a new object does not take the live object's block
+    assert placed(other) and not (id(mine) <= id(other) < id(mine) + len(mine))
+    del view, mine, other
+    gc.collect()
+    assert stats()["blocks"] == 0  # the parent's frees still work: the children left the headers alone
     print("ok")
     """), cache)
+
+
+def test_only_the_armed_threads_objects_are_placed(cache):
+    """The installing thread (a front end's event loop) is armed; another thread's large objects stay
+    in the heap until it arms itself, and after it disarms."""
+    isolated(PRELUDE + textwrap.dedent("""
+    import threading
+    found = {}
+
+    def other():
+        found["plain"] = placed(bytes_to_fill(2 * MIN))
+        found["tuple"] = stats()["blocks"]
+        t = tuple(range(MIN // 8 + 1))  # a large tuple (a GC object) of this thread: the heap
+        found["tuple"] = stats()["blocks"] - found["tuple"]
+        arena_objects.arm()
+        found["armed"] = placed(bytes_to_fill(2 * MIN))
+        arena_objects.arm(False)
+        found["disarmed"] = placed(bytes_to_fill(2 * MIN))
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert found == {"plain": False, "tuple": 0, "armed": True, "disarmed": False}, found
+    assert placed(bytes_to_fill(2 * MIN))  # the installing thread still is
+    print("ok")
+    """), cache)
+
+
+def test_tracemalloc_tracing_refuses_the_install(cache):
+    isolated("""
+    import tracemalloc
+    from service.api.arena import WireArena
+    tracemalloc.start()
+    arena = WireArena(64 << 20)
+    try:
+        arena.adopt_objects()
+    except OSError as err:
+        assert "tracemalloc" in str(err), err
+    else:
+        raise AssertionError("installed under tracemalloc")
+    assert len(arena._windows) == 1
+    print("ok")
+    """, cache)
+
+
+def test_a_compiler_with_arguments_and_an_unloadable_cached_build(tmp_path, cache):
+    """CC may name a wrapper with arguments; a cached library that does not load is built again."""
+    bad = tmp_path / "cache"
+    bad.mkdir()
+    key = next(cache.glob("arena_alloc-*")).name
+    (bad / key).write_bytes(b"not a library")
+    run = subprocess.run([sys.executable, "-c", "from service.api import arena_objects as a; a.library(); print('ok')"],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "MOE_CACHE_DIR": str(bad), "CC": "env cc"})
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+    assert "does not load" in run.stderr
+    assert (bad / key).read_bytes()[:4] == b"\x7fELF"
+
+
+def test_the_windows_figures_are_exported(server):
+    """The window's gauges and counters: placed grows with a placed request, and nothing is left held
+    once its answer is sent."""
+    placed_before = metric_value(server.url, "moe_wire_arena_objects_placed_total")
+    x, ids, w = inputs(100, 990)
+    check(grpc_answer(server.grpc_url, x, ids, w), x, ids, w)
+    assert metric_value(server.url, "moe_wire_arena_objects_placed_total") >= placed_before + 2  # message, response
+    names = ("moe_wire_arena_objects_bytes", "moe_wire_arena_objects_blocks", "moe_wire_arena_objects_free_extents")
+    deadline = time.monotonic() + 10
+    while (now := [metric_value(server.url, name) for name in names]) != [0, 0, 1] and time.monotonic() < deadline:
+        time.sleep(0.05)  # (grpc lets the response go once it is sent, after the client has it)
+    assert now == [0, 0, 1], now
+    assert metric_value(server.url, "moe_wire_arena_objects_no_room_total") >= 0  # exported
