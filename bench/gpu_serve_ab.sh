@@ -16,6 +16,8 @@
 #   TREES=". .base" ROUNDS=2 CELL_S=3 CONCURRENCY=4,16 [PYSPY_TREE=.] OUT=$OUT bash bench/gpu_serve_ab.sh
 # Knobs: BUDGET (s, default 400), PROTOCOLS (v2_binary,grpc; the shm ones need MOE_SHARED_MEMORY=system
 # in the environment, which every server inherits, as any MOE_ setting), SIZES (512), CONCURRENCY (4,16), CELL_S (3), ROUNDS (1),
+# CHECK (0; 1: bench/served_check.py against each tree's server in round 1, before its load: every answer against
+# the fp32 reference, the NaN row, the arena's share of the rows; its last two lines printed),
 # SPLIT (0; 1: bench/latency_split.py around each server's load, its receive/send lines printed), DIRECT (0;
 # 1: the layer alone at the served step after the rounds, this checkout's code: the ratio's denominator), SITE (the
 # wheels' target, /tmp/site), PYTHON, OUT (else build/gpu_serve_ab). Everything it writes is packed
@@ -87,6 +89,11 @@ for round in $(seq "${ROUNDS:-1}"); do
     grep -E "front-end process|Traceback|ERROR" "$LOG/server_${name}_$round.txt" | head -n 4
     if (( ready )); then
       sleep 2  # the other front ends confirm the group (older trees bind before they know it)
+      if (( ${CHECK:-0} )) && (( round == 1 )); then
+        PYTHONPATH="$ROOT:$SITE" timeout -k 5 "$(cap 120)" "$PY" bench/served_check.py --url http://127.0.0.1:18000 \
+          --grpc 127.0.0.1:18001 > "$LOG/check_${name}.txt" 2>&1
+        echo "served_check rc=$?"; grep -E "^FAIL" "$LOG/check_${name}.txt" | head -n 5; tail -n 2 "$LOG/check_${name}.txt"
+      fi
       (( ${SPLIT:-0} )) && timeout 20 "$PY" bench/latency_split.py --url http://127.0.0.1:18000 \
         --save "$LOG/split_before_${name}_$round.json" > /dev/null 2>&1
       timeout -k 10 "$(cap 120)" "$PY" bench/serve_load.py --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
