@@ -161,6 +161,10 @@ class WireArena:
             self._windows.append((address, start, length))
             self._free = [(0, start)]
 
+    def objects_bytes(self) -> int:
+        """Bytes of the arena given to large Python objects (adopt_objects; 0 before or without it)."""
+        return sum(length for _, _, length in self._windows[1:])
+
     def _take_freed(self) -> None:
         """Return the blocks finalizers freed to the free extents, merging neighbours (under the lock)."""
         while self._freed:
@@ -205,8 +209,8 @@ def adopt_objects(arena: WireArena) -> bool:
         log.warning("gRPC messages cannot be placed in the wire arena (%s): gRPC requests take the front end's "
                     "copies", err)
         return False
-    log.info("wire arena: its last %d MiB hold gRPC messages and their responses (objects of %d KiB or more)",
-             round(arena.size * OBJECTS_SHARE) // MIB, arena_objects.MIN_BYTES >> 10)
+    log.info("wire arena: its last %d MiB hold gRPC messages and their responses (objects of %d KiB or more "
+             "made on the event loop)", arena.objects_bytes() // MIB, arena_objects.MIN_BYTES >> 10)
     return True
 
 
