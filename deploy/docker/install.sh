@@ -35,3 +35,7 @@ if [ -f "$dist/moe_csrc.so" ]; then
 else
   echo "install.sh: no moe_csrc.so in $dist; the torch schedule builder will be used"
 fi
+
+# The wire arena's object allocator (--wire-arena-grpc), built here beside its source so that no
+# front end compiles it at its start (the runtime stage has gcc and the Python headers).
+(cd / && python -c 'from service.api import arena_objects; print("install.sh: built", arena_objects.prebuild())')

@@ -75,17 +75,33 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe-serve"
 
 
+def _library_name() -> str:
+    """The compiled library's file name: one per source, Python headers and Python build."""
+    include = sysconfig.get_paths()["include"]
+    key = hashlib.sha256(SOURCE.read_bytes() + include.encode() + sys.version.encode()).hexdigest()[:16]
+    return f"arena_alloc-{key}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+
+
+def prebuild() -> Path:
+    """Build the library beside its source, where `library` looks first (the image's install step:
+    no compile at a front end's start, no writable cache needed). OSError when it cannot be built."""
+    path = SOURCE.with_name(_library_name())
+    if not path.exists():
+        _compile(path, sysconfig.get_paths()["include"])
+    return path
+
+
 def library() -> ctypes.PyDLL:
-    """The compiled arena_alloc.c, built on first use (OSError saying why when it cannot be: no C
-    compiler, no Python headers). Loaded with PyDLL: its calls keep the GIL, which the allocator's
-    state relies on."""
+    """The compiled arena_alloc.c: prebuilt beside its source (`prebuild`), else built on first use
+    into cache_dir() (OSError saying why when it cannot be: no C compiler, no Python headers). Loaded
+    with PyDLL: its calls keep the GIL, which the allocator's state relies on."""
     global _library
     if _library is not None:
         return _library
-    source = SOURCE.read_bytes()
     include = sysconfig.get_paths()["include"]
-    key = hashlib.sha256(source + include.encode() + sys.version.encode()).hexdigest()[:16]
-    path = cache_dir() / f"arena_alloc-{key}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+    path = SOURCE.with_name(_library_name())
+    if not path.exists():
+        path = cache_dir() / path.name
     if not path.exists():
         _compile(path, include)
     try:

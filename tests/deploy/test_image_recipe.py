@@ -164,7 +164,9 @@ def test_image_recipe_installs_starts_and_gets_ready():
             "the wheel is not in the image's environment"
         site = next(venv_dir.glob("lib/python3*/site-packages"))
         assert (site / "service" / "api" / "arena_alloc.c").is_file(), \
-            "the wheel lacks the arena's object allocator (--wire-arena-grpc compiles it on first use)"
+            "the wheel lacks the arena's object allocator (--wire-arena-grpc)"
+        assert list((site / "service" / "api").glob("arena_alloc-*.so")), \
+            "install.sh did not prebuild the arena's object allocator"
 
         _, check = healthcheck(runtime)
         check = runtime_fs.map_words(" ".join(check)).split()
