@@ -135,6 +135,7 @@ class _Job:
     deadline: float
     sent: int = 0      # rows handed to a step so far
     done: int = 0      # rows answered so far
+    in_steps: int = 0  # its pieces in steps that have not returned (the loop's count)
     # seconds of the steps its rows ran in, by phase: copy in, layer, copy out
     compute: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0, 0.0])
     dropped: bool = False
@@ -412,6 +413,7 @@ class Batcher:
             rows = min(job.T - job.sent, self.budget - T)
             pieces.append(_Piece(job, job.sent, rows, T))
             job.sent += rows
+            job.in_steps += 1
             self._queued -= rows
             T += rows
         self._gauges()
@@ -434,11 +436,14 @@ class Batcher:
             return
         finally:
             self._slots.release()
+            for p in pieces:
+                p.job.in_steps -= 1
         for job in {p.job for p in pieces}:
             job.compute = [a + b for a, b in zip(job.compute, phases, strict=True)]
             if job.invalid is not None:
                 self._drop(job)
-                job.fail(job.invalid)
+                if job.in_steps == 0:  # a step still holding another piece may find an earlier bad row
+                    job.fail(job.invalid)
         answered = []
         for p in pieces:
             if p.job.invalid is not None:
@@ -503,6 +508,10 @@ class Batcher:
                 rows = slice(p.start, p.start + p.rows)
                 at = slice(p.at, p.at + p.rows)
                 job = p.job
+                # Checked unless the request already has a bad row before this piece: another step's
+                # thread may have found one after it (the later piece of a request split over steps,
+                # copied first), and the 400 must name the request's first bad row.
+                check = job.invalid is None or job.invalid_row >= p.start
                 if job.invalid is None:
                     slot.ids[at].copy_(job.ids[rows])
                     slot.w[at].copy_(job.w[rows])
@@ -513,6 +522,7 @@ class Batcher:
                         if not isinstance(job.x, RegionRows):
                             self.metrics.arena_rows.inc(p.rows)
                         continue
+                if check:
                     bad = _piece_error(self._split.run(functools.partial(_copy_in, slot.x[at], job.x[rows], p.start),
                                                        p.rows, p.rows * row_bytes), p.start)
                     if bad is not None:

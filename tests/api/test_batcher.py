@@ -634,6 +634,40 @@ def test_copies_split_over_threads_answer_bit_for_bit_and_name_the_first_bad_row
         assert rel_err(out.float(), group.ref(x.float(), ids, w)) < TOL[torch.bfloat16], i
 
 
+def test_a_later_pieces_bad_row_found_first_still_names_the_first():
+    """A request of 2 x BUDGET rows runs in two steps; the first step's thread is held back after it
+    takes its slot, so the second step's thread checks the later piece (NaN at row BUDGET + 3) first.
+    The 400 still names the request's first bad row (row 2, in the first piece): the earlier piece is
+    checked although the request is already marked, and the 400 waits for the step that holds it (the
+    first version named row 11 here, and the copy-threads test below did so by chance of threads)."""
+
+    class LateFirstStep(FakeGroup):
+        taken = 0
+
+        def acquire_slot(self, timeout=None):
+            slot = super().acquire_slot(timeout)
+            LateFirstStep.taken += 1
+            if LateFirstStep.taken == 1:
+                time.sleep(0.3)  # the second step's thread copies and checks its piece meanwhile
+            return slot
+
+    group = LateFirstStep(CFG)
+
+    async def main():
+        b = await started(group, delay_s=0.01)
+        x, ids, w = batch(2 * BUDGET, 990)
+        x[2, 0] = float("nan")
+        x[BUDGET + 3, 1] = float("inf")
+        try:
+            await b.submit(x, ids, w, timeout_s=10)
+        finally:
+            await b.close()
+
+    with pytest.raises(InvalidInput, match=r"\(row 2\)"):
+        run(main())
+    assert LateFirstStep.taken == 2
+
+
 # ---- the gRPC answer's bytes and the slot they were copied from -----------------------------------
 
 
