@@ -63,7 +63,18 @@ def isolated(code: str, cache_dir, check_rc: bool = True) -> subprocess.Complete
     return run
 
 
-PRELUDE = """
+EXPECT_REFUSED = """
+def expect_refused(arena, why):
+    try:
+        arena.adopt_objects()
+    except OSError as err:
+        assert why in str(err), err
+    else:
+        raise AssertionError(f"the window was installed ({why})")
+    assert len(arena._windows) == 1 and arena._free == [(0, arena.size)]  # unchanged: all for the blocks
+"""
+
+PRELUDE = EXPECT_REFUSED + """
 import ctypes, gc, os, random, warnings
 import torch
 from service.api import arena_objects
@@ -187,13 +198,7 @@ def test_writes_through_the_window_leave_the_files_ctime(cache):
 def test_a_second_window_in_one_process_is_refused(cache):
     isolated(PRELUDE + textwrap.dedent("""
     other = WireArena(64 * MIN)
-    try:
-        other.adopt_objects()
-    except OSError as err:
-        assert "already" in str(err), err
-    else:
-        raise AssertionError("a second window was installed")
-    assert len(other._windows) == 1 and other._free == [(0, other.size)]  # unchanged: all for the blocks
+    expect_refused(other, "already")
     other.close()
     print("ok")
     """), cache)
@@ -384,20 +389,13 @@ def test_only_the_armed_threads_objects_are_placed(cache):
 
 
 def test_tracemalloc_tracing_refuses_the_install(cache):
-    isolated("""
+    isolated(EXPECT_REFUSED + textwrap.dedent("""
     import tracemalloc
     from service.api.arena import WireArena
     tracemalloc.start()
-    arena = WireArena(64 << 20)
-    try:
-        arena.adopt_objects()
-    except OSError as err:
-        assert "tracemalloc" in str(err), err
-    else:
-        raise AssertionError("installed under tracemalloc")
-    assert len(arena._windows) == 1
+    expect_refused(WireArena(64 << 20), "tracemalloc")
     print("ok")
-    """, cache)
+    """), cache)
 
 
 def test_a_compiler_with_arguments_and_an_unloadable_cached_build(tmp_path, cache):
