@@ -278,9 +278,10 @@ class Settings(BaseSettings):
                     "where the ranks are CUDA (2048 / front ends when that is less), 0 (off) on CPU ranks (there "
                     "each rank would read every row itself); front ends x this at most 2048")
     wire_arena_grpc: bool = Field(True,
-        description="with a wire arena, its second half holds the front end's large Python objects (64 KiB or "
-                    "more), gRPC messages among them: CPython's object allocator is wrapped (a C library built "
-                    "on first use with the host's C compiler and Python headers) so that the bytes grpc "
+        description="with a wire arena, its second half holds the large Python objects (64 KiB or more) the "
+                    "front end's event loop makes, gRPC messages among them: CPython's object allocator is "
+                    "wrapped (a C library built into the image, elsewhere on first use with the host's C "
+                    "compiler and Python headers) so that the bytes grpc "
                     "receives a request into, and the response made before the step, lie where the ranks read "
                     "the rows and write the answer, and the front end copies neither way for a gRPC request "
                     "whose hidden_states are in the compute dtype in raw_input_contents (objects that find no "

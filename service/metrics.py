@@ -99,8 +99,8 @@ class ObjectsWindow:
         yield GaugeMetricFamily("moe_wire_arena_objects_blocks",
                                 "Live objects in the wire arena's gRPC window now.", value=now["blocks"])
         yield GaugeMetricFamily("moe_wire_arena_objects_free_extents",
-                                "Free extents of the wire arena's gRPC window now (1 when nothing is held; "
-                                "many with little free space: fragmented).", value=now["free_extents"])
+                                "Free extents of the wire arena's gRPC window now (1 per front end when nothing "
+                                "is held; many with little free space: fragmented).", value=now["free_extents"])
         yield CounterMetricFamily("moe_wire_arena_objects_placed",
                                   "Objects (gRPC messages and responses, and any other object of 64 KiB or more "
                                   "made on the event loop) placed in the wire arena's gRPC window.",

@@ -11,14 +11,14 @@ check) and the answer out of it into the response: two host copies of T x H per 
 H100 host, T=512 bf16: ~1.4 ms of a request's ~13 ms; bench/NOTES.md, fourteenth session).
 
 CPython lets a process wrap its object allocator (PyMem_SetAllocator on PYMEM_DOMAIN_OBJ: what
-tracemalloc does); every `bytes` object's memory comes from it. service/api/arena_alloc.c, compiled
-on first use with the host's C compiler and the Python headers (as Triton compiles its launcher;
-both are in the image), maps a window of the arena's file and places there each new object of at
-least MIN_BYTES, while it has room; the rest, and what finds no room, goes to CPython's own
-allocator as before. A received message of T=512 rows and the response made before the step
-(service.api.grpc_codec.grpc_response) then lie in the arena, `WireArena.place` finds their rows,
-and the batcher hands them to the ranks as a source like any arena piece: the ranks read the rows
-from the message and write the answer into the response's bytes, which grpc then sends.
+tracemalloc does); every `bytes` object's memory comes from it. service/api/arena_alloc.c (built into
+the image by its install step, `prebuild`; elsewhere compiled on first use with the host's C compiler
+and the Python headers, as Triton compiles its launcher) maps a window of the arena's file and places
+there each new object of at least MIN_BYTES, while it has room; the rest, and what finds no room, goes
+to CPython's own allocator as before. A received message of T=512 rows and the response made before the
+step (service.api.grpc_codec.grpc_response) then lie in the arena, `WireArena.place` finds their rows,
+and the batcher hands them to the ranks as a source like any arena piece: the ranks read the rows from
+the message and write the answer into the response's bytes, which grpc then sends.
 
 The window is the arena's second half (`WireArena.adopt_objects`); it is mapped by the C library
 itself and never unmapped, since a placed object may be freed at any time, interpreter shutdown
@@ -29,20 +29,22 @@ end's server, before any rank maps the arena.
 
 Only the objects of the thread that installed the window are placed: the front end's event loop, on
 which grpc.aio receives its messages (cygrpc's receive ends with `bytes(bytearray)` in the coroutine
-that awaited the batch) and the handlers make their responses. Large objects of other threads (the
-step thread's, a copy thread's) stay in the heap, and so do the loop's small ones; what else of 64 KiB
-or more the loop makes (an HTTP JSON body's str, a large dict's table) may land there too, lives for
-a request, and is counted like the rest (the window's figures are exported: `moe_wire_arena_objects_*`).
+that awaited the batch) and the handlers make their responses. Large objects of other threads (the step
+thread's, a copy thread's) stay in the heap, and so do the loop's small ones; what else of 64 KiB or
+more the loop makes (an HTTP JSON body's str, a large dict's table) lands there too: most of it lives
+for one request, and all of it is counted like the rest (the window's figures are exported:
+`moe_wire_arena_objects_*`).
 
 A child forked from the process afterwards (the ranks and front ends are spawned, not forked; this is
-for anything else, a multiprocessing pool among them) gets a private copy of the window's blocks at
-the same address inside fork() (arena_alloc.c's pthread_atfork handler), so neither its refcounts nor
-its frees reach the parent's objects, and places nothing new there.
+for anything else, a multiprocessing pool among them) gets a private copy of the window's blocks as
+they were at the fork, at the same address (arena_alloc.c's pthread_atfork handlers: the copy is
+taken in the parent, ~0.1 s a fork for ~120 MiB live), so neither its refcounts nor its frees reach
+the parent's objects, and it places nothing new there.
 
-The process's memory debug hooks (PYTHONMALLOC=debug) sit under this one and see every allocation;
-tracemalloc started before the install is refused (its stop() would put back the allocator it saved,
-and a placed object's free would then reach the heap's free()).
-"""
+The process's memory debug hooks (PYTHONMALLOC=debug) sit under this one: they see every allocation but
+the placed ones, and they stop the process if a placed block is ever freed through another domain (a
+server test runs under them); tracemalloc started before the install is refused (its stop() would put
+back the allocator it saved, and a placed object's free would then reach the heap's free())."""
 
 from __future__ import annotations
 
@@ -106,8 +108,10 @@ def library() -> ctypes.PyDLL:
         _compile(path, include)
     try:
         lib = ctypes.PyDLL(str(path), use_errno=True)
-    except OSError as err:  # a cached build that does not load (truncated, another libc): built again, once
+    except OSError as err:  # a build that does not load (truncated, another libc): built again, once, in
+        # the cache (a prebuilt one's directory may not be writable: the image's site-packages)
         log.warning("rebuilding %s, which does not load: %s", path, err)
+        path = cache_dir() / path.name
         _compile(path, include)
         lib = ctypes.PyDLL(str(path), use_errno=True)
     lib.moe_arena_objects_install.restype = ctypes.c_size_t
@@ -123,7 +127,7 @@ def library() -> ctypes.PyDLL:
 def _compile(path: Path, include: str) -> None:
     if not os.path.exists(os.path.join(include, "Python.h")):
         raise OSError(f"no Python headers in {include} (install python3-dev) to build {SOURCE.name}")
-    cc = shlex.split(os.environ.get("CC") or "cc")  # (CC may carry a wrapper or flags: "ccache gcc")
+    cc = shlex.split(os.environ.get("CC", "")) or ["cc"]  # (CC may carry a wrapper or flags: "ccache gcc")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so")  # renamed into place: front ends build at once
     os.close(fd)

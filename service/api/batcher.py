@@ -166,7 +166,8 @@ class _Job:
         """Mark the request invalid (a step thread), naming its first bad row over all its pieces."""
         with _REJECT_LOCK:
             if self.invalid is None or row < self.invalid_row:
-                self.invalid, self.invalid_row = err, row
+                self.invalid_row = row  # (first: a step thread reads `invalid`, then the row, without the lock)
+                self.invalid = err
 
 
 @dataclasses.dataclass(eq=False)

@@ -316,7 +316,7 @@ def test_the_library_is_built_once_per_source_and_python(cache):
 
 def test_a_forked_child_gets_a_private_copy_of_the_window(cache):
     """A child forked after the install: its refcounts, writes and frees of the parent's placed objects
-    stay in the child (a private copy of the blocks, made inside fork()), it places nothing new, and the
+    stay in the child (a private copy of the blocks, made at the fork), it places nothing new, and the
     file's ctime is not moved by its writes. The parent's objects, refcounts and books are unchanged
     after the child freed its copy and after a child exited holding references."""
     isolated(PRELUDE + textwrap.dedent("""
@@ -358,6 +358,70 @@ def test_a_forked_child_gets_a_private_copy_of_the_window(cache):
     del view, mine, other
     gc.collect()
     assert stats()["blocks"] == 0  # the parent's frees still work: the children left the headers alone
+    print("ok")
+    """), cache)
+
+
+def test_a_forked_childs_copy_is_the_window_as_it_was_at_the_fork(cache):
+    """The copy is the parent's window at the fork, whatever the parent does next: right after fork()
+    the parent frees an object and puts a new one in its block; the child, reading afterwards, still
+    sees the old object's bytes and refcount, and a live block after a free hole comes across too."""
+    isolated(PRELUDE + textwrap.dedent("""
+    import sys
+    first = bytes_to_fill(2 * MIN)
+    torch.frombuffer(first, dtype=torch.uint8).fill_(9)
+    spacer = bytes_to_fill(3 * MIN)
+    far = bytes_to_fill(2 * MIN)  # a live block after the hole the spacer leaves
+    torch.frombuffer(far, dtype=torch.uint8).fill_(11)
+    del spacer
+    refs = sys.getrefcount(first)
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            os.read(go_r, 1)  # the parent has reused the block by now
+            code = 5 if first != bytes([9]) * len(first) else 6 if far != bytes([11]) * len(far) else 0
+            code = code or (7 if sys.getrefcount(first) != refs else 0)
+        except BaseException:
+            code = 4
+        finally:
+            os._exit(code)
+    address = id(first)
+    del first
+    reused = [bytes_to_fill(2 * MIN) for _ in range(3)]  # one of them takes the freed block
+    assert any(address <= id(b) < address + 2 * MIN + PAGE for b in reused)
+    for b in reused:
+        torch.frombuffer(b, dtype=torch.uint8).fill_(0x55)
+    os.write(go_w, b"x")
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
+    print("ok")
+    """), cache)
+
+
+def test_a_fork_without_memory_for_the_copy_leaves_the_child_no_window(cache):
+    """When the copy cannot be made (the address space limit here), the child's window is inaccessible:
+    a child that reads a placed object dies of SIGSEGV, and the parent's object and books are intact."""
+    isolated(PRELUDE + textwrap.dedent("""
+    import resource, signal
+    mine = bytes_to_fill(2 * MIN)
+    torch.frombuffer(mine, dtype=torch.uint8).fill_(9)
+    before = stats()
+    size = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (size + (1 << 20), hard))  # no room for the window's copy
+    try:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(3 if mine[0] == 9 else 4)  # the read is the test: it must fault
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == -signal.SIGSEGV, os.waitstatus_to_exitcode(status)
+    assert mine == bytes([9]) * len(mine)
+    now = stats()
+    assert (now["used_bytes"], now["blocks"]) == (before["used_bytes"], before["blocks"]), (now, before)
     print("ok")
     """), cache)
 
