@@ -290,20 +290,23 @@ class Batcher:
             out = torch.empty(T, x.shape[1], dtype=out_dtype or x.dtype)  # [T, H]
         elif out.shape != x.shape or (out_dtype is not None and out.dtype != out_dtype):
             raise ValueError(f"out is {out.dtype} {list(out.shape)}, the request {out_dtype} {list(x.shape)}")
-        job = _Job(x, ids, w, out, asyncio.get_running_loop().create_future(),
-                   arrival=now, deadline=now + timeout_s)
+        loop = asyncio.get_running_loop()
+        job = _Job(x, ids, w, out, loop.create_future(), arrival=now, deadline=now + timeout_s)
         self._queue.append(job)
         self._jobs.add(job)
         self._idle.clear()
         self._queued += T
         self._gauges()
         self._wakeup.set()
+        # This task waits on the job's future itself: the step's set_result wakes it in the loop's next
+        # turn, ahead of the step's books (`_record`), with no shield or wait_for between (a layer each).
+        # Its deadline fails the future; a cancelled caller cancels it, as `_forget` would.
+        expiry = loop.call_later(timeout_s, _expire, job, timeout_s)
         try:
-            await asyncio.wait_for(asyncio.shield(job.future), timeout_s)
+            await job.future
             return job.out
-        except TimeoutError:
-            raise DeadlineExceeded(f"no answer within the request's deadline of {timeout_s:g} s") from None
         finally:
+            expiry.cancel()
             self._forget(job)
             with job.lock:
                 writing = job.direct > 0
@@ -451,12 +454,16 @@ class Batcher:
                 continue
             p.job.done += p.rows
             if p.job.done == p.job.T and not p.job.future.done():
-                answered.append(p.job)
+                answered.append(p.job.compute)
                 p.job.future.set_result(None)
-        try:  # after the answers: a failure to record a step must never hold its requests back
+        # The books in a later turn of the loop: the answered requests' tasks, woken above, run first
+        loop.call_soon(self._record, stats, answered)
+
+    def _record(self, stats, answered: list[list[float]]) -> None:
+        """A step's books: its stats, and the compute phases of the requests it answered."""
+        try:  # a failure to record a step must never hold its requests back
             self.metrics.observe_step(stats)
-            for job in answered:
-                copy_in, layer, copy_out = job.compute
+            for copy_in, layer, copy_out in answered:
                 self.metrics.observe_request_compute((copy_in, layer, copy_out))
         except Exception:  # noqa: BLE001  a bug in the books, not in the answers: say it, keep serving
             log.exception("recording the metrics of step %s failed", stats.seq)
@@ -580,6 +587,11 @@ def _placed(rows: Rows, dtype: torch.dtype, regions: bool, arena: WireArena | No
     if isinstance(rows, RegionRows):
         return rows.place() if regions else None
     return arena.place(rows) if arena is not None else None
+
+
+def _expire(job: _Job, timeout_s: float) -> None:
+    """The request's deadline passed before its answer (the loop's timer of `submit`)."""
+    job.fail(DeadlineExceeded(f"no answer within the request's deadline of {timeout_s:g} s"))
 
 
 def _hold(job: _Job) -> bool:

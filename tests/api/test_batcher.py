@@ -262,6 +262,59 @@ def test_a_failure_to_record_metrics_does_not_hold_answers_back(caplog):
     assert "recording the metrics of step" in caplog.text
 
 
+def test_the_answer_wakes_its_caller_before_the_steps_books():
+    """The step's books (metrics) are recorded after the callers it answered have run: each request
+    sees its answer with the books of its step still unwritten, and they are written right after."""
+    group = FakeGroup(CFG)
+    seen = []
+
+    class Books(Metrics):
+        def observe_step(self, stats):
+            seen.append(("books", stats.seq))
+            super().observe_step(stats)
+
+    async def main():
+        metrics = Books()
+        b = await started(group, metrics=metrics, delay_s=0.0)
+        for i, T in enumerate((3, 8)):
+            x, ids, w = batch(T, 60 + T)
+            out = await b.submit(x, ids, w, timeout_s=5)
+            seen.append(("answer", T))
+            assert rel_err(out, group.ref(x, ids, w)) < TOL[torch.float32]
+            await until(lambda i=i: len(seen) == 2 * (i + 1), f"{seen}: the books of step {i + 1} are missing", 2.0)
+        await b.close()
+        return metrics
+
+    metrics = run(main())
+    assert seen == [("answer", 3), ("books", 1), ("answer", 8), ("books", 2)]
+    assert metrics.steps._value.get() == 2
+
+
+def test_a_deadline_during_the_step_answers_at_the_deadline_and_the_next_request_is_served():
+    """The step holding a request's rows outlives its deadline: DeadlineExceeded at the deadline, not at
+    the step's end; the step still ends cleanly and the next request gets its own answer."""
+    group = FakeGroup(CFG)
+    group.resume.clear()  # the step stays in run() until the test resumes it
+
+    async def main():
+        b = await started(group, delay_s=0.0)
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceeded, match="deadline of 0.2 s"):
+            await b.submit(*batch(5, 70), timeout_s=0.2)
+        waited = time.monotonic() - t0
+        assert group.entered == [5], "the step never reached group.run"
+        group.resume.set()
+        x, ids, w = batch(4, 71)
+        out = await b.submit(x, ids, w, timeout_s=5)
+        await b.close()
+        return waited, out, (x, ids, w)
+
+    waited, out, (x, ids, w) = run(main())
+    assert 0.15 < waited < 2.0, waited
+    assert rel_err(out, group.ref(x, ids, w)) < TOL[torch.float32]
+    assert group.steps == [5, 4]
+
+
 def test_queue_delay_and_full_budget():
     group = FakeGroup(CFG)
     delay_s = 0.5
