@@ -312,7 +312,7 @@ def test_a_deadline_during_the_step_answers_at_the_deadline_and_the_next_request
     waited, out, (x, ids, w) = run(main())
     assert 0.15 < waited < 2.0, waited
     assert rel_err(out, group.ref(x, ids, w)) < TOL[torch.float32]
-    assert group.steps == [5, 4]
+    assert sorted(group.steps) == [4, 5]  # (on two slots: the held step may end after the next)
 
 
 def test_queue_delay_and_full_budget():
