@@ -32,8 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# After PYTHONPATH: bench/timeline_ab.sh serves another checkout's `service` with this script
+sys.path.extend(str(Path(__file__).resolve().parents[i]) for i in (0, 1))
 
 from service.api import batcher, codecs, frontend, grpc_codec  # noqa: E402
 from service.api import http as http_api  # noqa: E402
