@@ -3,11 +3,11 @@
 Dimension letters: C capacity per rank, H hidden, K top-k, n rows of this rank's step (n <= C).
 
     layer = make_layer(cfg, weights, rank=r, device=dev, backend="auto")
-    state = layer.new_state()                     # once per step in flight, reused
+    state = layer.new_state()                     # once per step in flight, reused once its step is done
     x, ids, w = (buf[:n].copy_(rows) ...) for buf in layer.inputs   # or the rows themselves if None
-    out = layer.forward(x, ids, w, seq, state.timer)  # [n, H] fp32 on the device, valid until the next step
-    layer.snapshot(state)                         # the step's small device state -> state.words (async)
-    ... read out; wait for the step (an event recorded after the snapshot) ...
+    out = layer.forward(x, ids, w, seq, state=state)  # [n, H] fp32 on the device, valid until the next
+                                                  # step; the step's small device state -> state.words (async)
+    ... read out; wait for the step (an event recorded after forward) ...
     layer.check_seq(seq, state)                   # raises if the step failed or the ranks disagree
     layer.exposed_comm_s(state)                   # the step's communication not hidden by compute
 
@@ -43,10 +43,13 @@ BACKENDS = ("auto", "serial", "fused")
 @dataclasses.dataclass
 class StepState:
     """What one step leaves to be read after it: its stage timer and the host words its snapshot
-    lands in (their dtype and layout are the backend's; pinned on CUDA). One per step in flight."""
+    lands in (their dtype and layout are the backend's; pinned on CUDA). One per step in flight.
+    `graph`: the backend's own step made for this state (the fused layer's CUDA graph that writes
+    this state's words), or None."""
 
     timer: StageTimer
     words: torch.Tensor
+    graph: object | None = None
 
 
 class HostWords:
@@ -83,17 +86,17 @@ class Layer(Protocol):
         `forward` takes the rows wherever they are."""
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, seq: int,
-                timer: StageTimer | None = None) -> torch.Tensor:
+                timer: StageTimer | None = None, state: StepState | None = None) -> torch.Tensor:
         """x [n, H], ids [n, K] int32, w [n, K] fp32 -> this rank's output [n, H] fp32 (a view of a
-        buffer the next step overwrites). Work may still be running on the device on return."""
+        buffer the next step overwrites). Work may still be running on the device on return.
+        With `state` (one of `new_state`'s, per step in flight) the step is timed by state.timer
+        (`timer` is not used) and leaves its small device state (error flag, every rank's seq, the
+        backend's statistics) in state.words, in stream order: valid once the work enqueued so far
+        is done. A state is passed again only once the step that used it is done (its words read).
+        Without it, `timer` times the step and check_seq / exposed_comm_s snapshot it themselves."""
 
     def new_state(self) -> StepState:
         """A fresh StepState for this layer (its timer on the layer's device, its snapshot words)."""
-
-    def snapshot(self, state: StepState) -> None:
-        """Right after `forward`, in stream order: the step's small device state (error flag, every
-        rank's seq, the backend's statistics) into state.words, one non-blocking copy. The words are
-        valid once the work enqueued so far is done."""
 
     def check_seq(self, seq: int, state: StepState | None = None) -> None:
         """After the step (its snapshot done): raise if it failed (a bounded wait expired) or if the

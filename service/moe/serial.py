@@ -322,10 +322,18 @@ class SerialLayer:
 
     # -- one step --------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, seq: int,
-                timer: StageTimer | None = None) -> torch.Tensor:
+                timer: StageTimer | None = None, state: StepState | None = None) -> torch.Tensor:
         """x [n, H], ids [n, K], w [n, K] on any device (ideally views of `inputs`) -> this rank's
         output [n, H] fp32 (a view of a buffer the next step overwrites). With `host`: the whole
-        step's rows x [T, H], ids, w [T, K] (the same on every rank) -> this rank's rows of it."""
+        step's rows x [T, H], ids, w [T, K] (the same on every rank) -> this rank's rows of it.
+        With `state`: timed by its timer, its snapshot into its words (service.moe.layer.Layer)."""
+        out = self._forward(x, ids, w, seq, state.timer if state is not None else timer)
+        if state is not None:
+            self.snapshot(state)
+        return out
+
+    def _forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, seq: int,
+                 timer: StageTimer | None) -> torch.Tensor:
         if self.host is not None:
             return self._host_step(x, ids, w, seq, timer)
         n = x.shape[0]

@@ -367,8 +367,7 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
                                   torch.empty(cfg.C, dtype=torch.bool, pin_memory=True))
                 _check_cuda(x, plan, lane.flags)
             issued = now()
-            result = layer.forward(x, ids, w, seq, lane.state.timer)
-            layer.snapshot(lane.state)
+            result = layer.forward(x, ids, w, seq, state=lane.state)  # (its snapshot: into lane.state)
             out: torch.Tensor | None = result
             if streams is not None and lane.out_dev is not None and lane.layer_done is not None \
                     and lane.done is not None:

@@ -104,6 +104,53 @@ def test_r1_matches_reference(graph, w_desc, order):
         assert layer.exposed_comm_s() >= 0
 
 
+def test_r1_states_own_graphs_two_steps_in_flight_match_the_stateless_steps():
+    """The rank's way (service.worker.rank): two StepStates, each with its own graph (_StateGraph), a
+    step enqueued with one while the other's is still on the device. Every answer equals the stateless
+    forward's of the same rows bit for bit and is within the reference's tolerance; each state's
+    words are its own step's (check_seq from the state); the timer reports the fused stage."""
+    from service.moe.fused import FusedLayer, _StateGraph
+    from service.moe.reference import moe_reference
+    from service.moe.weights import RankWeights
+
+    cfg = _cfg(1)
+    dev = torch.device("cuda")
+    gate, up, down = _weights(cfg)
+    layer = FusedLayer(cfg, RankWeights(*slice_rank(gate, up, down, 0, 1)), rank=0, device=dev)
+    states = [layer.new_state(), layer.new_state()]
+    assert all(isinstance(s.graph, _StateGraph) for s in states)
+    gen = torch.Generator().manual_seed(12)
+    gate, up, down = gate.to(dev), up.to(dev), down.to(dev)
+    batches = [_batch(counts, kind, gen) for counts, kind in _schedule(1)]
+    x_in, ids_in, w_in = layer.inputs
+    answers, pending = {}, []
+    for seq, ((x,), (ids,), (w,)) in enumerate(batches, start=1):
+        n = x.shape[0]
+        state = states[seq % 2]
+        rows = (x_in[:n].copy_(x.to(dev)), ids_in[:n].copy_(ids.to(dev)), w_in[:n].copy_(w.to(dev)))
+        out = layer.forward(*rows, seq, state=state)
+        done = torch.cuda.Event()
+        answers[seq] = torch.empty(n, H, device=dev).copy_(out)  # before the next step overwrites it
+        done.record()
+        pending.append((seq, state, done))
+        if len(pending) == 2:  # the step before this one finishes while this one is in flight
+            old_seq, old_state, old_done = pending.pop(0)
+            old_done.synchronize()
+            layer.check_seq(old_seq, old_state)
+            assert set(old_state.timer.seconds()) == {"fused"}
+    for old_seq, old_state, old_done in pending:
+        old_done.synchronize()
+        layer.check_seq(old_seq, old_state)
+    for seq, ((x,), (ids,), (w,)) in enumerate(batches, start=len(batches) + 1):  # again, no state
+        out = layer.forward(x.to(dev), ids.to(dev), w.to(dev), seq).clone()
+        layer.check_seq(seq)
+        first = answers[seq - len(batches)]
+        assert torch.equal(out, first), seq
+        if x.shape[0]:
+            ref = moe_reference(x.to(dev).float(), ids.to(dev), w.to(dev), gate, up, down)
+            assert rel_err(first, ref) <= TOL[torch.bfloat16], seq
+
+
 # ---------------------------------------------------------------------------------------------
 # R = 2 and 4: processes sharing the GPU.
 # ---------------------------------------------------------------------------------------------

@@ -82,18 +82,18 @@ class FakeLayer:
     def new_state(self) -> StepState:
         return StepState(StageTimer(CPU), torch.zeros(1, dtype=torch.int64))
 
-    def forward(self, x, ids, w, seq, timer=None):
+    def forward(self, x, ids, w, seq, timer=None, state=None):
         assert x.data_ptr() == self.inputs[0].data_ptr(), "the rank copies its rows into layer.inputs"
+        assert state is not None, "the rank passes its lane's state"
+        timer = state.timer
         timer.start()
         self.calls.append(("forward", seq))
         self.device_seq[0] = seq
         n = x.shape[0]
         torch.mul(x.float(), seq, out=self.out[:n])
         timer.mark("fake")
+        state.words.copy_(self.device_seq)  # the step's snapshot
         return self.out[:n]
-
-    def snapshot(self, state: StepState) -> None:
-        state.words.copy_(self.device_seq)
 
     def check_seq(self, seq, state=None):
         self.calls.append(("check", seq))
@@ -225,10 +225,10 @@ def test_a_step_that_fails_to_enqueue_is_named_after_the_step_ahead_is_answered(
     layer = FakeLayer()
     real_forward = layer.forward
 
-    def forward(x, ids, w, seq, timer):
+    def forward(x, ids, w, seq, timer=None, state=None):
         if seq == 2:
             raise ValueError("the device refused")
-        return real_forward(x, ids, w, seq, timer)
+        return real_forward(x, ids, w, seq, timer, state)
 
     layer.forward = forward
     answers, raised = run_loop(monkeypatch, [("step", 1, 0, 5), ("step", 2, 1, 5)], 2, layer, make_slots(gen, 2))
