@@ -86,6 +86,11 @@ def main() -> int:
         t = threading.Thread(target=rk._steps, args=(0, cfg, opts, b, log, layer, slots, layer.inputs,
                                                      Objects(cuda=True)), daemon=True)
         t.start()
+        # One ping first: the loop makes its lanes (the fused layer captures each lane's step graph)
+        # before it reads a message, and a device-wide synchronize in this thread during a capture
+        # in that one is refused (cudaErrorStreamCaptureUnsupported).
+        a.send(("ping", 0))
+        assert a.recv()[0] == "pong"
         seq = 0
         for T in sizes:
             for i in range(args.iters + 20):
