@@ -49,6 +49,7 @@ def main() -> int:
     from service.moe.weights import synthetic_rank_weights
     from service.worker import direct
     from service.worker import rank as rk
+    from service.worker.shm import ARENA_PREFIX
 
     cfg = preset("seed", R=1)
     dev = torch.device("cuda", 0)
@@ -58,7 +59,7 @@ def main() -> int:
     row_bytes = cfg.H * cfg.dtype.itemsize
     C = cfg.C
     size = 2 * C * row_bytes
-    key = f"/moe-probe-{uuid.uuid4().hex[:12]}"
+    key = f"/{ARENA_PREFIX}probe-{uuid.uuid4().hex[:12]}"  # named as a front end's arena is
     path = f"{direct.SHM_ROOT}/{key[1:]}"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     rows: dict[str, dict[int, list[float]]] = {}
@@ -101,6 +102,7 @@ def main() -> int:
                 mark("prune")
                 plan = direct.plan(sources, objects, row_bytes, (0, T), (0, T))
                 mark("plan")
+                assert plan.report == {} and plan.reads, plan.report
                 ev[0].record()
                 mark("copy-in's first event")
                 x = rk._dma_in(inputs[0][:T], slot_x[:T], plan, row_bytes)
@@ -142,7 +144,6 @@ def main() -> int:
                          marks[7][1] - marks[0][1])
                     note("= issued -> enqueued (forward .. done)", T, marks[11][1] - marks[7][1])
                     note("= checks (_note_flags .. events' time)", T, marks[-1][1] - marks[12][1])
-                assert plan.report == {}, plan.report
             got = torch.empty(T, cfg.H, dtype=cfg.dtype)
             os.preadv(fd, [direct.memory(got)], C * row_bytes)
             assert bool(torch.isfinite(got.float()).all()), "the answer in the source's output region"
