@@ -77,6 +77,7 @@ import logging
 import warnings
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -306,17 +307,20 @@ class FusedLayer:
         """The step's stats, error flag and seq words (RankBuffers.state) -> state.words: one copy."""
         state.words.copy_(self.bufs.state, non_blocking=True)
 
-    def _words(self, state: StepState | None) -> tuple[torch.Tensor, int, torch.Tensor]:
+    def _words(self, state: StepState | None) -> tuple[list[int], int, list[int]]:
         """A step's snapshot (the last step's, read now with a sync, without `state`) as stats [4]
-        int64 ns, the error word and the ranks' seq words [R, 2]."""
+        int64 ns, the error word and the step each rank ran. Read through one numpy view of the pinned
+        words: a torch op per word cost ~10 us each on the serving guests, 74 us for check_seq alone
+        at one client (bench/rank_pieces_probe.py, eighteenth session)."""
         from service.moe.fused_buffers import STATE_ERROR, STATE_SEQS
 
         if state is None:
             state = self._own_state = self._own_state or StepState(StageTimer(self.device), self._words_buffer())
             self.snapshot(state)
             torch.cuda.current_stream(self.device).synchronize()
-        w = state.words
-        return w[:STATE_ERROR].view(torch.int64), int(w[STATE_ERROR]), w[STATE_SEQS:].view(self.cfg.R, 2)
+        w = state.words.numpy()  # int32 [STATE_SEQS + 2R]
+        seqs = w[STATE_SEQS:].reshape(self.cfg.R, 2).astype(np.int64)  # routing.seq_words' two words a rank
+        return w[:STATE_ERROR].view(np.int64).tolist(), int(w[STATE_ERROR]), (seqs[:, 0] | (seqs[:, 1] << 31)).tolist()
 
     def _raise_on_error(self, what: str, code: int) -> None:
         from service.kernels.fused_kernels import describe_error
@@ -329,14 +333,14 @@ class FusedLayer:
         (from the step's snapshot: host reads alone)."""
         _, code, seqs = self._words(state)
         self._raise_on_error(f"step seq {seq}", code)
-        routing.check_seq_words(seqs, seq, self.rank)
+        routing.check_seqs(seqs, seq, self.rank)
 
     def exposed_comm_s(self, state: StepState | None = None) -> float:
         """The step's exposed communication in seconds (definition in the module docstring)."""
         return sum(self.exposure_breakdown_s(state).values())
 
     def exposure_breakdown_s(self, state: StepState | None = None) -> dict[str, float]:
-        ns = self._words(state)[0].tolist()
+        ns = self._words(state)[0]
         plan = self.plan
         return {"barrier": ns[0] * 1e-9, "gates": ns[1] * 1e-9 / max(1, plan.num_programs - plan.num_comm1),
                 "tail": ns[2] * 1e-9 / max(1, plan.num_compute2), "reduce_wait": ns[3] * 1e-9}

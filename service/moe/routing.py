@@ -69,8 +69,7 @@ def check_seq(blocks: torch.Tensor, seq: int, rank: int) -> None:
 def check_seq_words(words: torch.Tensor, seq: int, rank: int) -> None:
     """Every rank must have run `seq`: words [R, 2] int32 on the host, each rank's seq words
     (`seq_words`, the blocks' words 1 and 2)."""
-    g = words.long()  # [R, 2]
-    check_seqs((g[:, 0] | (g[:, 1] << 31)).tolist(), seq, rank)
+    check_seqs([lo | hi << 31 for lo, hi in words.tolist()], seq, rank)  # one host read, not a torch op a word
 
 
 def check_seqs(seqs: list[int], seq: int, rank: int) -> None:

@@ -487,7 +487,8 @@ def _row_check() -> Callable[[torch.Tensor, torch.Tensor], None] | None:
 
 def _note_flags(plan: Plan, flags: torch.Tensor, sources, rows_in: tuple[int, int]) -> None:
     """CUDA, after the step's sync: each read's first flagged row into the plan's report."""
+    seen = flags.numpy()  # the pinned flags, read without a torch op per read (~10 us each on the serving guests)
     for m in plan.reads:
-        bad = flags[m.a:m.b].nonzero()
-        if bad.numel():
+        bad = seen[m.a:m.b].nonzero()[0]
+        if bad.size:
             direct.note_bad(plan.report, m, rows_in[0] + m.a - sources[m.source][0], int(bad[0]))
