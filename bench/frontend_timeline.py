@@ -72,6 +72,7 @@ def _wrap(owner, attr: str, name: str) -> None:
 
 
 def instrument(group_cls) -> None:
+    _wrap(codecs, "check_model", "route")  # the handler's first call: uvicorn's parse and the app's dispatch are before it
     _wrap(http_api, "read_body", "read_body")
     _wrap(codecs, "decode_v2_http", "decode")
     _wrap(codecs, "encode_v2_http", "encode")
