@@ -246,3 +246,57 @@ def test_the_grpc_repository_index_follows_readiness_as_http_does():
         assert client.get_model_repository_index(as_json=True) == {"models": http.post("/v2/repository/index").json()}
         status, text = error_of(lambda: client.load_model(fe.model_name))
         assert status == "StatusCode.FAILED_PRECONDITION" and "cannot load or unload" in text, text
+
+
+def test_inference_routes_skip_fastapis_stack_and_every_other_request_keeps_it(monkeypatch):
+    """create_app's ASGI app (http.inference_first): POST /moe/forward and POST /v2/models/{model}[/versions/
+    {version}]/infer reach their handlers without FastAPI's stack; GET on them (405), a trailing slash,
+    a root_path, the health and metadata routes all still go through it, with the answers they had."""
+    from fastapi import FastAPI
+
+    fe = make_frontend()
+    through: list[str] = []
+    real = FastAPI.__call__
+
+    async def counted(self, scope, receive, send):
+        if scope["type"] == "http":
+            through.append(f"{scope['method']} {scope['path']}")
+        await real(self, scope, receive, send)
+
+    monkeypatch.setattr(FastAPI, "__call__", counted)
+
+    async def echo(req, transport_timeout_s=None, out=None):
+        return req.x.float()
+
+    monkeypatch.setattr(fe, "infer", echo)
+    x, ids, w = inputs(8, seed=3)
+    body = json.dumps({"inputs": [{"name": n, "datatype": d, "shape": list(t.shape), "data": t.reshape(-1).tolist()}
+                                  for n, d, t in zip(codecs.INPUT_NAMES, ("FP32", "INT64", "FP32"), (x, ids, w),
+                                                     strict=True)]})
+    with TestClient(create_app(fe)) as http:
+        for path in ("/v2/models/moe/infer", "/v2/models/moe/versions/1/infer"):
+            r = http.post(path, content=body)
+            assert r.status_code == 200, r.text[:200]
+            assert torch.equal(torch.tensor(r.json()["outputs"][0]["data"]).reshape(8, CFG.H), x)
+        r = http.post("/v2/models/other/infer", content=body)
+        assert r.status_code == 404 and "other" in r.json()["error"], r.text
+        r = http.post("/v2/models/moe/versions/7/infer", content=body)
+        assert r.status_code == 404, r.text
+        r = http.post("/moe/forward", json={"hidden_states": x.tolist(), "topk_ids": ids.tolist(),
+                                            "topk_weights": w.tolist()})
+        assert r.status_code == 200 and torch.equal(torch.tensor(r.json()["output"]), x), r.text[:200]
+        r = http.post("/moe/forward", content=b"{", headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert through == [], through  # every one of these answered without FastAPI's stack
+        assert http.get("/v2/models/moe/infer").status_code == 405
+        assert http.get("/moe/forward").status_code == 405
+        assert http.get("/v2/health/live").json() == {"live": True}
+        r = http.post("/v2/models/moe/infer/", content=body, follow_redirects=False)
+        assert r.status_code in (307, 404), r.status_code  # FastAPI's own answer to a trailing slash
+    assert through == ["GET /v2/models/moe/infer", "GET /moe/forward", "GET /v2/health/live",
+                       "POST /v2/models/moe/infer/"], through
+    with TestClient(create_app(fe), root_path="/api") as http:  # a root_path: FastAPI's routing, as before
+        through.clear()
+        r = http.post("/api/v2/models/moe/infer", content=body)
+        assert r.status_code == 200, r.text[:200]
+        assert len(through) == 1, through
