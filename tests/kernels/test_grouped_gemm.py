@@ -172,11 +172,14 @@ def _run_case(name: str) -> dict:
     record["queue_same"] = all(same)
     record["queue_rewound"] = all(rewound)
     # Pair tiles: the same configs with BN >= 32 (a pair tile is BN/2 wide), pair off and on, split_tail
-    # on and off, static walk and queue + pn_major: the pair tiles must give the BM-row tiles' numbers
-    # (bit for bit in the interpreter) on every row, write no row the BM-row tiles leave alone (unused
-    # blocks, split_tail's padding halves: NaN stays NaN) and match the reference.
+    # on and off, static walk and queue + pn_major: the pair tiles must write exactly the rows the BM-row
+    # tiles write (unused blocks, split_tail's padding halves: NaN stays NaN), give their numbers within
+    # the dtype's tolerance on the real rows, and match the reference. Not bit for bit: a pair tile is
+    # BN/2 wide, and the interpreter's tl.dot is numpy's matmul, whose BLAS may sum K in another order
+    # for another N (equal on the Intel VMs, 2.3e-7 apart on an AMD EPYC one with OpenBLAS 0.3.31's Zen
+    # kernels; the GPU tests hold the compiled kernels to the reference).
     c_pair = dataclasses.replace(cfg1, BN=max(cfg1.BN, 32), w_desc=False)
-    pair_same, pair_err = [], []
+    pair_same, pair_err, pair_base = [], [], []
     for on in (True, False):
         base = torch.full((S, Ir), float("nan"), dtype=dtype)
         gemm1_swiglu(x, w13, block_expert, config=dataclasses.replace(c_pair, split_tail=on), out=base,
@@ -185,8 +188,9 @@ def _run_case(name: str) -> dict:
             out = torch.full((S, Ir), float("nan"), dtype=dtype)
             gemm1_swiglu(x, w13, block_expert, config=dataclasses.replace(c_pair, split_tail=on, pair=True, **order),
                          out=out, row_token=rt_layout, num_programs=3, act=act_fn, bias=b13, expert_offsets=offsets)
-            pair_same.append(bool(torch.equal(out.nan_to_num(7.0), base.nan_to_num(7.0))))
+            pair_same.append(bool(torch.equal(out.isnan(), base.isnan())))
             pair_err.append(rel_err(out[real], ref1[real]) if real.any() else 0.0)
+            pair_base.append(rel_err(out[real], base[real]) if real.any() else 0.0)
     c2_pair = dataclasses.replace(cfg2, w_desc=False)
     for on in (True, False):  # GEMM2 the same way, given the layout's row_token for the pairing
         base = torch.full((S, H), float("nan"), dtype=dtype)
@@ -196,9 +200,10 @@ def _run_case(name: str) -> dict:
             out = torch.full((S, H), float("nan"), dtype=dtype)
             gemm2(act_clean, w2, block_expert, config=dataclasses.replace(c2_pair, split_tail=on, pair=True, **order),
                   out=out, num_programs=5, bias=b2, row_token=rt_layout, expert_offsets=offsets)
-            pair_same.append(bool(torch.equal(out.nan_to_num(7.0), base.nan_to_num(7.0))))
+            pair_same.append(bool(torch.equal(out.isnan(), base.isnan())))
             pair_err.append(rel_err(out[real], ref2[real]) if real.any() else 0.0)
-    record.update(pair_same=all(pair_same), err_pair=max(pair_err))
+            pair_base.append(rel_err(out[real], base[real]) if real.any() else 0.0)
+    record.update(pair_same=all(pair_same), err_pair=max(pair_err), err_pair_base=max(pair_base))
     record.update(
         skipped_rows=int(skipped.sum()),
         err1_split=rel_err(act_s[real], ref1[real]) if real.any() else 0.0,
@@ -335,7 +340,9 @@ def test_interpreter_matches_reference(interpreter_results, name):
     assert r["queue_same"], "GEMM1 / GEMM2 through the tile queue or in pn_major order differ from the static walk"
     assert r["queue_rewound"], "a launch with the tile queue left its counter non-zero (queue_counter reused)"
     assert r["unsplit_writes"], "with split_tail off the full tile must write every row of a used block"
-    assert r["pair_same"], "GEMM1 / GEMM2 with pair tiles differ from the BM-row tiles (values, or rows written)"
+    assert r["pair_same"], "GEMM1 / GEMM2 with pair tiles write other rows than the BM-row tiles"
+    assert r["err_pair_base"] <= tol, \
+        f"pair tiles against the BM-row tiles: relative error {r['err_pair_base']:.3g} > {tol}"
     assert r["err_pair"] <= tol, f"pair tiles: relative error {r['err_pair']:.3g} > {tol}"
     if name in EPILOGUES and EPILOGUES[name][1] is not None:
         assert r["clamped_share"] > 0.05, "inputs too small to reach the clamp"
