@@ -1,5 +1,5 @@
 """The HTTP front end (FastAPI): /moe/forward, the Open Inference Protocol v2 routes, /metrics; the
-inference routes are dispatched ahead of FastAPI's stack (`inference_first`).
+inference routes are dispatched ahead of FastAPI's stack (`InferenceFirst`).
 
 Bodies are read raw and decoded by `service.api.codecs` (no pydantic models: a [T, H] tensor
 as a pydantic list of lists would cost far more than the layer). Every error leaves through
@@ -196,7 +196,7 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> list[byte
     return chunks
 
 
-def create_app(fe: Frontend) -> Callable:
+def create_app(fe: Frontend) -> InferenceFirst:
     app = FastAPI(title="moe-serve", description="A Mixture-of-Experts layer as a service",
                   docs_url=None, redoc_url=None)
     limit = fe.settings.max_request_bytes
@@ -422,7 +422,7 @@ def create_app(fe: Frontend) -> Callable:
         encode, media_type = choose_encoder(request.headers.get("accept", ""))
         return Response(encode(await fe.aggregate()), media_type=media_type)
 
-    return inference_first(app, forward, infer)
+    return InferenceFirst(app, forward, infer)
 
 
 # The v2 inference routes' paths ({model} and {version} as Starlette's str convertor matches them: one
@@ -430,28 +430,30 @@ def create_app(fe: Frontend) -> Callable:
 _INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
 
 
-def inference_first(app: FastAPI, forward, infer) -> Callable:
+class InferenceFirst:
     """The ASGI app the server runs: POST /moe/forward and POST /v2/models/{model}[/versions/{version}]/infer
     go straight to their handlers; every other request (and these paths under a root_path) goes
-    through `app`. FastAPI's stack (its middlewares, the route scan, the dependency solver) took ~180
-    us of the event loop per request on a 2-core VM, its own handler's work ~5 (bench/NOTES.md,
-    nineteenth session): time every inference request spent on the loop before its body was read.
-    What the stack gave these routes, they do themselves: `answer` turns any exception of the work
-    into its status (the fallback below covers the two lines outside it), and read_body enforces
-    max_request_bytes. The routes stay declared on `app` (405 for other methods, the same names)."""
+    through `app` (FastAPI; kept as `.app`). FastAPI's stack (its middlewares, the route scan, the
+    dependency solver) took ~0.18 ms of the event loop per request on a 2-core VM, before the handler's
+    first line (bench/http_dispatch.py; bench/NOTES.md, nineteenth session). What the stack gave these
+    routes, they do themselves: `answer` turns any exception of the work into its status (the fallback
+    below covers the two lines outside it), and read_body enforces max_request_bytes. The routes stay
+    declared on `app` (405 for other methods, the same names)."""
 
-    async def asgi(scope, receive, send) -> None:
+    def __init__(self, app: FastAPI, forward, infer):
+        self.app, self._forward, self._infer = app, forward, infer
+
+    async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
             path = scope["path"]
             match = None if path == "/moe/forward" else _INFER_PATH.fullmatch(path)
             if path == "/moe/forward" or match is not None:
                 request = Request(scope, receive, send)
                 try:
-                    response = await (forward(request) if match is None else infer(match[1], request, match[2]))
+                    response = await (self._forward(request) if match is None
+                                      else self._infer(match[1], request, match[2]))
                 except Exception as exc:  # noqa: BLE001  (what FastAPI's exception handlers did)
                     response = error_response(exc)
                 await response(scope, receive, send)
                 return
-        await app(scope, receive, send)
-
-    return asgi
+        await self.app(scope, receive, send)

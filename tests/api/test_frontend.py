@@ -249,7 +249,7 @@ def test_the_grpc_repository_index_follows_readiness_as_http_does():
 
 
 def test_inference_routes_skip_fastapis_stack_and_every_other_request_keeps_it(monkeypatch):
-    """create_app's ASGI app (http.inference_first): POST /moe/forward and POST /v2/models/{model}[/versions/
+    """create_app's ASGI app (http.InferenceFirst): POST /moe/forward and POST /v2/models/{model}[/versions/
     {version}]/infer reach their handlers without FastAPI's stack; GET on them (405), a trailing slash,
     a root_path, the health and metadata routes all still go through it, with the answers they had."""
     from fastapi import FastAPI
