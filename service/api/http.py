@@ -434,11 +434,11 @@ class InferenceFirst:
     """The ASGI app the server runs: POST /moe/forward and POST /v2/models/{model}[/versions/{version}]/infer
     go straight to their handlers; every other request (and these paths under a root_path) goes
     through `app` (FastAPI; kept as `.app`). FastAPI's stack (its middlewares, the route scan, the
-    dependency solver) took ~0.18 ms of the event loop per request on a 2-core VM, before the handler's
-    first line (bench/http_dispatch.py; bench/NOTES.md, nineteenth session). What the stack gave these
-    routes, they do themselves: `answer` turns any exception of the work into its status (the fallback
-    below covers the two lines outside it), and read_body enforces max_request_bytes. The routes stay
-    declared on `app` (405 for other methods, the same names)."""
+    dependency solver) took 106 us of the event loop per v2 request on a 2-core VM before the handler's
+    first line, against 6 us here (bench/http_dispatch.py; bench/NOTES.md, nineteenth session). What
+    the stack gave these routes, they do themselves: `answer` turns any exception of the work into its
+    status (the fallback below covers the two lines outside it), and read_body enforces
+    max_request_bytes. The routes stay declared on `app` (405 for other methods, the same names)."""
 
     def __init__(self, app: FastAPI, forward, infer):
         self.app, self._forward, self._infer = app, forward, infer
