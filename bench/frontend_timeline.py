@@ -72,7 +72,8 @@ def _wrap(owner, attr: str, name: str) -> None:
 
 
 def instrument(group_cls) -> None:
-    _wrap(codecs, "check_model", "route")  # the handler's first call: uvicorn's parse and the app's dispatch are before it
+    # the handler's first call: uvicorn's parse and the app's dispatch come before it
+    _wrap(codecs, "check_model", "route")
     _wrap(http_api, "read_body", "read_body")
     _wrap(codecs, "decode_v2_http", "decode")
     _wrap(codecs, "encode_v2_http", "encode")
