@@ -18,7 +18,7 @@
 # in the environment, which every server inherits, as any MOE_ setting), SIZES (512), CONCURRENCY (4,16), CELL_S (3), ROUNDS (1),
 # CHECK (0; 1: bench/served_check.py against each tree's server in round 1, before its load: every answer against
 # the fp32 reference, the NaN row, the arena's share of the rows; its last two lines printed),
-# SPLIT (0; 1: bench/latency_split.py around each server's load, its receive/send lines printed), DIRECT (0;
+# RAW (0; 1: after each load, v2_binary at concurrency 1 with serve_load's --client raw), SPLIT (0; 1: bench/latency_split.py around each server's load, its receive/send lines printed), DIRECT (0;
 # 1: the layer alone at the served step after the rounds, this checkout's code: the ratio's denominator), SITE (the
 # wheels' target, /tmp/site), PYTHON, OUT (else build/gpu_serve_ab). Everything it writes is packed
 # into ONE file, $OUT/serve_ab.tgz (also when a step fails); the summary is printed.
@@ -100,6 +100,12 @@ for round in $(seq "${ROUNDS:-1}"); do
         --protocols "${PROTOCOLS:-v2_binary,grpc}" --sizes "${SIZES:-512}" --concurrency "${CONCURRENCY:-4,16}" \
         --seconds "$CELL_S" --wire-dtype bf16 --no-direct --json "$LOG/load_${name}_$round.json" > "$LOG/load_${name}_$round.txt" 2>&1
       echo "load rc=$?"; grep -E "^\|" "$LOG/load_${name}_$round.txt"
+      if (( ${RAW:-0} )); then  # v2 binary at one client from a raw socket (one sendall, one recv_into): the server alone
+        timeout -k 10 "$(cap 60)" "$PY" bench/serve_load.py --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
+          --protocols v2_binary --client raw --sizes "${SIZES:-512}" --concurrency 1 --seconds "$CELL_S" \
+          --wire-dtype bf16 --no-direct > "$LOG/raw_${name}_$round.txt" 2>&1
+        grep -E "^\| v2" "$LOG/raw_${name}_$round.txt"
+      fi
       if (( ${SPLIT:-0} )); then  # the server's own books over the whole load (every cell together)
         timeout 20 "$PY" bench/latency_split.py --url http://127.0.0.1:18000 \
           --before "$LOG/split_before_${name}_$round.json" > "$LOG/split_${name}_$round.txt" 2>&1
