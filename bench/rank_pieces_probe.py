@@ -11,8 +11,8 @@ alone and in the rank's order, with the device idle before each (synchronize, 1 
 layer (seed preset, R=1) and real buffers:
 
   copy_in:  objects.prune, direct.plan, the rows' DMA (_dma_in from the source; the slot's DMA for
-            comparison), ids and w, the copy-in events, _check_cuda (the Triton check's launch and the
-            flags' copy; each alone too)
+            comparison), ids and w, the copy-in events, the check (the lane's graph, rank._SpanCheck, as the
+            rank runs it; alone: the eager _check_cuda, the Triton launch and the flags' copy)
   launch:   layer.forward with the lane's state (the step graph's replay), the cast into out_dev,
             layer_done, _dma_out into the source's output region, done
   checks:   (after the step) _note_flags, check_seq, the timer's seconds, exposed_comm_s
@@ -81,6 +81,7 @@ def main() -> int:
         objects = direct.Objects(cuda=True)
         in_region, out_region = (0, C * row_bytes), (C * row_bytes, C * row_bytes)
         check = rk._row_check()
+        span_check = rk._SpanCheck(check, inputs[0], flags)
 
         def note(what: str, T: int, dt: float) -> None:
             rows.setdefault(what, {}).setdefault(T, []).append(dt * 1e6)
@@ -112,8 +113,9 @@ def main() -> int:
                 mark("ids, w")
                 ev[1].record()
                 mark("copy-in's second event")
-                rk._check_cuda(x, plan, flags)
-                mark("_check_cuda")
+                assert span_check.covers(x) and plan.span is not None
+                span_check.run(*plan.span)
+                mark("check (the lane's graph)")
                 out = layer.forward(x, ids, w, seq, state=state)
                 mark("forward (graph replay)")
                 layer_done.record()
@@ -140,7 +142,7 @@ def main() -> int:
                         acc[what] = acc.get(what, 0.0) + (t1 - t0)
                     for what, dt in acc.items():
                         note(what, T, dt)
-                    note("= message -> issued (prune .. _check_cuda)", T,
+                    note("= message -> issued (prune .. check)", T,
                          marks[7][1] - marks[0][1])
                     note("= issued -> enqueued (forward .. done)", T, marks[11][1] - marks[7][1])
                     note("= checks (_note_flags .. events' time)", T, marks[-1][1] - marks[12][1])
@@ -151,7 +153,9 @@ def main() -> int:
             for i in range(args.iters + 20):
                 for what, call in (
                         ("alone: slot rows' DMA", lambda T=T: inputs[0][:T].copy_(slot_x[:T], non_blocking=True)),
+                        ("alone: _check_cuda (eager)", lambda T=T, p=plan: rk._check_cuda(inputs[0][:T], p, flags)),
                         ("alone: zero_bad_rows launch", lambda T=T: check(inputs[0][:T], flags[0][:T])),
+                        ("alone: the check's graph", lambda T=T: span_check.run(0, T)),
                         ("alone: flags' copy", lambda T=T: flags[1][:T].copy_(flags[0][:T], non_blocking=True)),
                         ("alone: an event", lambda: ev[0].record())):
                     torch.cuda.synchronize()

@@ -186,6 +186,7 @@ class _Lane:
     staged: tuple[torch.Tensor, ...] | None = None
     # CUDA, sources: [C] bool rows not all finite, on the device and (pinned) on the host
     flags: tuple[torch.Tensor, torch.Tensor] | None = None
+    check: _SpanCheck | None = None  # CUDA with Triton: the rows' check as one graph replay (else `_check_cuda`)
 
 
 @dataclasses.dataclass
@@ -250,6 +251,9 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
         if zero_bad_rows is not None:
             zero_bad_rows(torch.zeros(1, cfg.H, dtype=cfg.dtype, device=device),
                           torch.empty(1, dtype=torch.bool, device=device))
+            for lane in lanes:  # the rows' check as a graph of each lane's (the check reads the layer's inputs)
+                lane.flags = _new_flags(cfg.C, device)
+                lane.check = _SpanCheck(zero_bad_rows, inputs[0], lane.flags)
     else:
         lanes = [_Lane(layer.new_state())]
     in_flight: collections.deque[_Step] = collections.deque()
@@ -363,9 +367,11 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
                 lane.copied_in[1].record()
             if cuda and plan is not None and plan.span is not None:
                 if lane.flags is None:
-                    lane.flags = (torch.empty(cfg.C, dtype=torch.bool, device=x.device),
-                                  torch.empty(cfg.C, dtype=torch.bool, pin_memory=True))
-                _check_cuda(x, plan, lane.flags)
+                    lane.flags = _new_flags(cfg.C, x.device)
+                if lane.check is not None and lane.check.covers(x):
+                    lane.check.run(*plan.span)
+                else:
+                    _check_cuda(x, plan, lane.flags)
             issued = now()
             result = layer.forward(x, ids, w, seq, state=lane.state)  # (its snapshot: into lane.state)
             out: torch.Tensor | None = result
@@ -459,7 +465,8 @@ def _check_cuda(x: torch.Tensor, plan: Plan, flags: tuple[torch.Tensor, torch.Te
     """CUDA, in the layer's stream before it reads x [n, H]: flag the rows over the sources' span that
     are not all finite, zero them, and copy the flags to the (pinned) host for finish(). Two calls: one
     launch (service.kernels.finite_rows) and the flags' copy; without Triton (or on CPU tensors, as the
-    plan's CPU tests pass) the same result from torch calls."""
+    plan's CPU tests pass) the same result from torch calls. A CUDA rank with Triton runs the same as
+    its lane's graph (`_SpanCheck`) where x starts at the graph's buffer; this is the other way."""
     span = plan.span
     assert span is not None
     lo, hi = span
@@ -471,6 +478,50 @@ def _check_cuda(x: torch.Tensor, plan: Plan, flags: tuple[torch.Tensor, torch.Te
         bad.copy_(torch.isfinite(x[lo:hi]).all(dim=1)).logical_not_()
         x[lo:hi].masked_fill_(bad[:, None], 0)
     flags[1][lo:hi].copy_(bad, non_blocking=True)
+
+
+def _new_flags(C: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A lane's flags: [C] bool on the device, and their (pinned) copy on the host."""
+    return torch.empty(C, dtype=torch.bool, device=device), torch.empty(C, dtype=torch.bool, pin_memory=True)
+
+
+class _SpanCheck:
+    """`_check_cuda` for one lane as a CUDA graph: the span's copy from pinned words (written by `run`
+    just before the replay), the check's launch over every row of the layer's input buffer x [C, H]
+    (each program outside the span returns at once), and all C flags' copy to the host. One replay
+    where the eager way takes the Triton launcher and a copy (~94 us of host time a step on the
+    serving guests, bench/rank_pieces_probe.py). The span's words are rewritten at each replay: safe,
+    since a lane is reused only once its previous step is finished, so the copy that read them ran.
+    Flags outside the span keep older values; `_note_flags` reads the plan's reads alone, inside it."""
+
+    def __init__(self, zero_bad_rows: Callable[..., None], x: torch.Tensor, flags: tuple[torch.Tensor, torch.Tensor]):
+        self._x = x.data_ptr()
+        self._span = torch.zeros(2, dtype=torch.int32, pin_memory=True)
+        self._span_np = self._span.numpy()  # written without a torch op
+        span = torch.zeros(2, dtype=torch.int32, device=x.device)
+        # Every buffer the graph reads or writes stays referenced here as long as the graph: a freed one
+        # would be handed to another tensor, which each replay would then overwrite (the span's 8 bytes)
+        self._buffers = (x, flags, span)
+        zero_bad_rows(x, flags[0], span)  # compiled before the capture (an empty span: nothing read or written)
+        self.graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream(x.device)
+        stream = torch.cuda.Stream(x.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream), torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
+            span.copy_(self._span, non_blocking=True)
+            zero_bad_rows(x, flags[0], span)
+            flags[1].copy_(flags[0], non_blocking=True)
+        current.wait_stream(stream)
+        torch.cuda.synchronize(x.device)
+
+    def covers(self, x: torch.Tensor) -> bool:
+        """x (the step's rows) starts where the graph's buffer does."""
+        return x.data_ptr() == self._x
+
+    def run(self, lo: int, hi: int) -> None:
+        """In the current stream: the rows [lo, hi) checked (bad ones zeroed), the flags on their way to the host."""
+        self._span_np[:] = (lo, hi)
+        self.graph.replay()
 
 
 @functools.cache

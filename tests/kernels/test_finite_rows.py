@@ -33,6 +33,17 @@ CASES = {
     "fp32_r3_h5": ("float32", 3, 5, "bool", 0), # H far below one tile
 }
 
+# The span form (a CUDA graph's launch over a whole buffer, service.worker.rank._SpanCheck): name:
+# (dtype, rows of the buffer, H, lo, hi); rows outside [lo, hi) hold bad and good rows alike and must
+# keep their bits and their flags' poison.
+SPAN_CASES = {
+    "span_bf16_r40_h4104_3_29": ("bfloat16", 40, 4104, 3, 29),
+    "span_fp32_r9_h5_0_9": ("float32", 9, 5, 0, 9),  # the whole buffer
+    "span_fp16_r12_h4096_11_12": ("float16", 12, 4096, 11, 12),  # the last row alone (a good one)
+    "span_fp16_r12_h4096_0_1": ("float16", 12, 4096, 0, 1),  # the first row alone (a bad one)
+    "span_bf16_r12_h4096_5_5": ("bfloat16", 12, 4096, 5, 5),  # empty: nothing read or written
+}
+
 # IEEE 754 layouts: (bits dtype, width, exponent field)
 LAYOUT = {torch.bfloat16: (torch.int16, 16, 0x7F80), torch.float16: (torch.int16, 16, 0x7C00),
           torch.float32: (torch.int32, 32, 0x7F800000)}
@@ -109,6 +120,30 @@ def _run_case(name: str) -> dict:
                 n_bad=int(want.sum()), n_good=int((~want).sum()))
 
 
+def _run_span_case(name: str) -> dict:
+    from service.kernels.finite_rows import zero_bad_rows
+
+    dtype_name, r, H, lo, hi = SPAN_CASES[name]
+    dtype = getattr(torch, dtype_name)
+    bits = LAYOUT[dtype][0]
+    x, want = make_rows(dtype, r, H, seed=r + lo)
+    y = x.clone()
+    flags = torch.full((r,), 7, dtype=torch.uint8)  # poison: inside the span overwritten, outside kept
+    zero_bad_rows(y, flags, torch.tensor([lo, hi], dtype=torch.int32))
+    inside = torch.zeros(r, dtype=torch.bool)
+    inside[lo:hi] = True
+    return dict(flags_inside=torch.equal(flags[inside], want[inside].to(torch.uint8)),
+                flags_outside_kept=bool((flags[~inside] == 7).all()),
+                good_inside_bit_equal=torch.equal(y.view(bits)[inside & ~want], x.view(bits)[inside & ~want]),
+                bad_inside_zero=bool((y.view(bits)[inside & want] == 0).all()),
+                outside_bit_equal=torch.equal(y.view(bits)[~inside], x.view(bits)[~inside]),
+                bad_inside=int((inside & want).sum()), bad_outside=int((~inside & want).sum()))
+
+
+def _run(name: str) -> dict:
+    return _run_span_case(name) if name in SPAN_CASES else _run_case(name)
+
+
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
     return run_cases(__file__)
@@ -129,6 +164,23 @@ def test_interpreter_flags_and_zeroes_exactly_the_bad_rows(interpreter_results, 
         assert r["n_good"] >= 1
     if not name.endswith("_good"):
         assert r["n_bad"] >= 1
+
+
+@pytest.mark.parametrize("name", list(SPAN_CASES))
+def test_interpreter_span_checks_its_rows_alone(interpreter_results, name):
+    r = interpreter_results[name]
+    assert "exception" not in r, r.get("exception")
+    assert r["flags_inside"], "a flag inside the span differs from the rows as built"
+    assert r["flags_outside_kept"], "a flag outside the span was written"
+    assert r["good_inside_bit_equal"], "a good row inside the span changed"
+    assert r["bad_inside_zero"], "a bad row inside the span is not all +0.0"
+    assert r["outside_bit_equal"], "a row outside the span was written"
+    _, rows, _, lo, hi = SPAN_CASES[name]
+    # the case holds what it claims: bad rows inside (but for the good row and the empty span) and outside
+    if name not in ("span_fp16_r12_h4096_11_12", "span_bf16_r12_h4096_5_5"):
+        assert r["bad_inside"] >= 1
+    if hi - lo < rows:
+        assert r["bad_outside"] >= 1
 
 
 def test_cases_hold_what_they_claim():
@@ -162,6 +214,9 @@ def test_launcher_rejects_bad_arguments():
         zero_bad_rows(torch.zeros(8, 4, dtype=torch.bfloat16).t(), flags)
     with pytest.raises(ValueError, match="contiguous"):
         zero_bad_rows(x, torch.zeros(8, dtype=torch.bool)[::2])
+    for span in (torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="span must be int32"):
+            zero_bad_rows(x, flags, span)
 
 
 def test_empty_shapes_need_no_launch():
@@ -188,20 +243,24 @@ interpreting = pytest.mark.skipif(triton.knobs.runtime.interpret, reason="compil
 
 
 @interpreting
+@pytest.mark.parametrize("span", [False, True], ids=["rows", "span"])
 @pytest.mark.parametrize("arch", [90, 120])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_compiles(arch, dtype):
+def test_compiles(arch, dtype, span):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from service.kernels.finite_rows import _BITS, BLOCK_H, NUM_WARPS, _zero_bad_rows_kernel
 
     bits, exp = _BITS[dtype]
-    sig = {"x_ptr": "*i16" if bits == torch.int16 else "*i32", "bad_ptr": "*u8", "H": "i32", "stride_x": "i32",
+    sig = {"x_ptr": "*i16" if bits == torch.int16 else "*i32", "bad_ptr": "*u8",
+           "span_ptr": "*i32" if span else "constexpr", "H": "i32", "stride_x": "i32",
            "EXP": "constexpr", "BLOCK_H": "constexpr"}
     aligned = [["tt.divisibility", 16]]  # what the launcher's specialization sees at H = 4096 (bad_ptr: never)
-    attrs = {(i,): aligned for i, name in enumerate(sig) if name in ("x_ptr", "H", "stride_x")}
-    src = ASTSource(_zero_bad_rows_kernel, sig, {"EXP": exp, "BLOCK_H": BLOCK_H}, attrs)
+    specialized = ("x_ptr", "H", "stride_x", *(("span_ptr",) if span else ()))
+    attrs = {(i,): aligned for i, name in enumerate(sig) if name in specialized}
+    constants = {"EXP": exp, "BLOCK_H": BLOCK_H, **({} if span else {"span_ptr": None})}
+    src = ASTSource(_zero_bad_rows_kernel, sig, constants, attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=NUM_WARPS))
     ptx = kernel.asm["ptx"]
     assert ".v4." in ptx, "row loads not vectorized (16 bytes per thread per load)"
@@ -262,6 +321,36 @@ def test_gpu_kernel_equals_the_torch_calls(shape, dtype):
 
 
 @pytest.mark.gpu
+def test_gpu_span_graph_equals_the_eager_check():
+    """rank._SpanCheck (the check as a lane's CUDA graph over the whole input buffer) against
+    rank._check_cuda on the same rows, over spans and rows that change after the capture."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import types
+
+    from service.worker import rank
+
+    C, H = 64, 4096
+    x = torch.zeros(C, H, dtype=torch.bfloat16, device="cuda")
+    flags = rank._new_flags(C, x.device)
+    check = rank._SpanCheck(rank._row_check(), x, flags)
+    assert check.covers(x[:5]) and not check.covers(x[1:])
+    for lo, hi, seed in ((0, 64, 1), (3, 29, 2), (40, 41, 3), (7, 7, 4), (0, 1, 5)):
+        rows, _ = make_rows(torch.bfloat16, C, H, seed=seed)
+        x.copy_(rows)  # new rows, after the capture
+        flags[1].fill_(True)
+        eager = rows.cuda()
+        eager_flags = (torch.ones(C, dtype=torch.bool, device="cuda"), torch.ones(C, dtype=torch.bool, pin_memory=True))
+        rank._check_cuda(eager, types.SimpleNamespace(span=(lo, hi)), eager_flags)
+        check.run(lo, hi)
+        torch.cuda.synchronize()
+        bits, built = x.view(torch.int16), rows.cuda().view(torch.int16)
+        assert torch.equal(bits, eager.view(torch.int16)), f"span {lo, hi}: rows differ from the eager check"
+        assert torch.equal(flags[1][lo:hi], eager_flags[1][lo:hi]), f"span {lo, hi}: flags differ"
+        assert torch.equal(bits[:lo], built[:lo]) and torch.equal(bits[hi:], built[hi:]), "a row outside it changed"
+
+
+@pytest.mark.gpu
 def test_gpu_kernel_runs_in_the_current_stream():
     """The rank launches it in the layer's stream after the DMA: it must see the copy before it."""
     if not torch.cuda.is_available():
@@ -303,4 +392,4 @@ def test_gpu_spans_at_any_row_share_one_compiled_kernel():
 
 
 if __name__ == "__main__":
-    main(CASES, _run_case)
+    main([*CASES, *SPAN_CASES], _run)
