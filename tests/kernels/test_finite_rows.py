@@ -149,16 +149,20 @@ def interpreter_results() -> dict:
     return run_cases(__file__)
 
 
+def _holds(r: dict, checks: dict[str, str]) -> None:
+    """Every boolean of a case's record that `checks` names is true (its message otherwise)."""
+    assert "exception" not in r, r.get("exception")
+    for key, message in checks.items():
+        assert r[key], message
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_interpreter_flags_and_zeroes_exactly_the_bad_rows(interpreter_results, name):
     r = interpreter_results[name]
-    assert "exception" not in r, r.get("exception")
-    assert r["flags_exact"], "a flag differs from the rows as built"
-    assert r["flags_01"], "a flag byte is neither 0 nor 1"
-    assert r["good_bit_equal"], "a good row changed"
-    assert r["bad_all_zero"], "a bad row is not all +0.0"
-    assert r["neighbours_untouched"], "a row outside the span was written"
-    assert r["ref_agrees"], "the reference disagrees with the rows as built"
+    _holds(r, {"flags_exact": "a flag differs from the rows as built", "flags_01": "a flag byte is neither 0 nor 1",
+               "good_bit_equal": "a good row changed", "bad_all_zero": "a bad row is not all +0.0",
+               "neighbours_untouched": "a row outside the span was written",
+               "ref_agrees": "the reference disagrees with the rows as built"})
     assert r["n_bad"] + r["n_good"] == CASES[name][1]
     if CASES[name][1] > 1 or name.endswith("_good"):  # the case has rows of both kinds, or the one it names
         assert r["n_good"] >= 1
@@ -169,12 +173,11 @@ def test_interpreter_flags_and_zeroes_exactly_the_bad_rows(interpreter_results, 
 @pytest.mark.parametrize("name", list(SPAN_CASES))
 def test_interpreter_span_checks_its_rows_alone(interpreter_results, name):
     r = interpreter_results[name]
-    assert "exception" not in r, r.get("exception")
-    assert r["flags_inside"], "a flag inside the span differs from the rows as built"
-    assert r["flags_outside_kept"], "a flag outside the span was written"
-    assert r["good_inside_bit_equal"], "a good row inside the span changed"
-    assert r["bad_inside_zero"], "a bad row inside the span is not all +0.0"
-    assert r["outside_bit_equal"], "a row outside the span was written"
+    _holds(r, {"flags_inside": "a flag inside the span differs from the rows as built",
+               "flags_outside_kept": "a flag outside the span was written",
+               "good_inside_bit_equal": "a good row inside the span changed",
+               "bad_inside_zero": "a bad row inside the span is not all +0.0",
+               "outside_bit_equal": "a row outside the span was written"})
     _, rows, _, lo, hi = SPAN_CASES[name]
     # the case holds what it claims: bad rows inside (but for the good row and the empty span) and outside
     if name not in ("span_fp16_r12_h4096_11_12", "span_bf16_r12_h4096_5_5"):
