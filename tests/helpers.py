@@ -1,9 +1,12 @@
-"""Shared test helpers: tolerances (defined once), routing generators, error measure, layer shapes."""
+"""Shared test helpers: tolerances (defined once), routing generators, error measure, layer shapes,
+independent commands run side by side."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -116,3 +119,12 @@ def slice_rank(gate: Tensor, up: Tensor, down: Tensor, r: int, R: int) -> tuple[
     w13 = torch.cat([gate[:, rows, :], up[:, rows, :]], dim=1).transpose(1, 2).contiguous()  # [E, H, 2*Ir]
     w2 = down[:, :, rows].transpose(1, 2).contiguous()                                        # [E, Ir, H]
     return w13, w2
+
+
+def run_at_once(commands: list[list[str]], timeout: float) -> list[subprocess.CompletedProcess]:
+    """Independent commands run side by side, output captured as text; their results in order. Most
+    time of a short `python -m service` run is its start (~2 s importing torch), which two cores
+    take side by side."""
+    with concurrent.futures.ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True, timeout=timeout),
+                             commands))

@@ -4,7 +4,9 @@ TRITON_INTERPRET is read when `@triton.jit` decorates, so interpreter cases cann
 with compiled kernels (the compile-only tests, the GPU tests, other packages' kernels). A test
 module's fixture runs the module itself as a script with TRITON_INTERPRET=1 (`run_cases`); its
 `__main__` block runs every case once (`main`) and prints one JSON object, case name -> record, and
-each test asserts on its case's record. By hand:
+each test asserts on its case's record. A module that returns `job(__file__)` from its
+`background_jobs()` has its run started once collection ends, in the background (tests/background.py).
+By hand:
 
     TRITON_INTERPRET=1 PYTHONPATH=. python tests/kernels/test_combine.py [case ...]
 """
@@ -13,22 +15,30 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
+
+from tests import background
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 240  # every case of a module, one after another
 OUTPUT_TAIL = 3000  # characters of the child's stdout and stderr shown when it fails
 
 
-def run_cases(script: str) -> dict:
-    """Run `script` (a test module's __file__) under the interpreter; its records by case name."""
+def job(script: str) -> background.Job:
+    """The run of `script` (a test module's __file__) under the interpreter, every case."""
+    path = Path(script).resolve()
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(Path(script).resolve())], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    return background.Job.of(f"interpreter {path.relative_to(ROOT)}", [sys.executable, str(path)], RUN_TIMEOUT_S,
+                             env=env, cwd=ROOT)
+
+
+def run_cases(script: str) -> dict:
+    """Run `script` (a test module's __file__) under the interpreter, or take the run started in the
+    background; its records by case name."""
+    proc = background.result(job(script))
     assert proc.returncode == 0, \
         f"interpreter run failed:\n{proc.stdout[-OUTPUT_TAIL:]}\n{proc.stderr[-OUTPUT_TAIL:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from service.config import preset
 from service.moe.reference import moe_reference
-from tests.helpers import TOL, rel_err, routing
+from tests.helpers import TOL, rel_err, routing, run_at_once
 
 CLI = [sys.executable, "-m", "service.cli"]
 
@@ -72,11 +72,11 @@ def test_forward_synthetic_weights_small_batch(tmp_path):
 def test_forward_bad_input_names_the_problem(tmp_path):
     inp = str(tmp_path / "in.safetensors")
     save_file({"hidden_states": torch.randn(2, 8)}, inp)
-    r = moe_serve("forward", "--input", inp, "--output", str(tmp_path / "o"), "--device", "cpu")
-    assert r.returncode == 2
-    assert "lacks ['topk_ids', 'topk_weights']" in r.stderr
-    r = moe_serve("forward", "--input", str(tmp_path / "nope"), "--output", str(tmp_path / "o"), "--device", "cpu")
-    assert r.returncode == 2 and "cannot read --input" in r.stderr
+    lacking, missing = run_at_once([[*CLI, "forward", "--input", path, "--output", str(tmp_path / "o"),
+                                     "--device", "cpu"] for path in (inp, str(tmp_path / "nope"))], timeout=240)
+    assert lacking.returncode == 2
+    assert "lacks ['topk_ids', 'topk_weights']" in lacking.stderr
+    assert missing.returncode == 2 and "cannot read --input" in missing.stderr
 
 
 @pytest.mark.parametrize("change, needle", [
@@ -113,12 +113,12 @@ def test_unwritable_output_exits_2_before_any_work(tmp_path):
     cases = [(str(tmp_path / "missing" / "out.safetensors"), "does not exist"), (str(tmp_path), "is a directory")]
     if os.geteuid() != 0:  # root writes anywhere: the permission case needs an ordinary user
         cases.append((str(locked / "out.safetensors"), "not writable"))
-    for out, needle in cases:
-        for argv in (["forward", "--input", inp, "--output", out, "--device", "cpu"], ["write-checkpoint", out]):
-            r = moe_serve(*argv, timeout=60)
-            assert r.returncode == 2, (argv, r.stderr)
-            assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr
-            assert "started" not in r.stderr, "the rank group started before the output was checked"
+    runs = [(argv, needle) for out, needle in cases
+            for argv in (["forward", "--input", inp, "--output", out, "--device", "cpu"], ["write-checkpoint", out])]
+    for (argv, needle), r in zip(runs, run_at_once([[*CLI, *argv] for argv, _ in runs], timeout=60), strict=True):
+        assert r.returncode == 2, (argv, r.stderr)
+        assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert "started" not in r.stderr, "the rank group started before the output was checked"
 
 
 def test_written_files_are_readable_by_other_users(tmp_path):

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from service import server
 from service.cli import build_parser, main, parse_settings
 from service.config import Settings, preset
-from tests.helpers import routing
+from tests.helpers import routing, run_at_once
 
 
 def test_one_flag_per_setting():
@@ -28,11 +28,12 @@ def test_flags_override_the_environment(monkeypatch):
 
 
 def test_bad_values_exit_2_naming_the_flag():
-    for argv, needle in ((["--http-port", "70000"], "--http-port"), (["--device", "tpu"], "--device"),
-                         (["--preset", "huge"], "--preset")):
-        r = subprocess.run([sys.executable, "-m", "service", *argv], capture_output=True, text=True, timeout=60)
+    cases = ((["--http-port", "70000"], "--http-port"), (["--device", "tpu"], "--device"),
+             (["--preset", "huge"], "--preset"))
+    runs = run_at_once([[sys.executable, "-m", "service", *argv] for argv, _ in cases], timeout=60)
+    for (argv, needle), r in zip(cases, runs, strict=True):
         assert r.returncode == 2, (argv, r.stderr)
-        assert needle in r.stderr, r.stderr
+        assert needle in r.stderr, (argv, r.stderr)
 
 
 def test_a_bad_variable_exits_2_naming_the_variable_without_the_usage(monkeypatch, capsys):
@@ -110,22 +111,24 @@ def test_docstring_gives_the_exit_status_of_bad_weights():
 
 def test_backend_fused_where_it_cannot_run_exits_2_saying_why(tmp_path):
     """Before: the ranks fell back to serial with a WARNING and the service ran, contradicting the flag."""
-    r = subprocess.run([sys.executable, "-m", "service", "--device", "cpu", "--backend", "fused", "--host",
-                        "127.0.0.1", "--http-port", "0", "--grpc-port", "0"],
-                       capture_output=True, text=True, timeout=180)
-    assert r.returncode == 2, r.stderr[-3000:]
-    assert "--backend fused cannot run here" in r.stderr and "not CUDA" in r.stderr, r.stderr[-3000:]
-    assert "Traceback" not in r.stderr and " ready (" not in r.stderr, r.stderr[-3000:]
-    # refused before any server listens or any rank starts (before: ~4 s later, after both)
-    assert "serving HTTP" not in r.stderr and "rank group" not in r.stderr, r.stderr[-3000:]
     cfg = preset("cpu")
     gen = torch.Generator().manual_seed(1)
     ids, w = routing(2, cfg.E, cfg.K, "balanced", gen)
     save_file({"hidden_states": torch.randn(2, cfg.H, generator=gen), "topk_ids": ids, "topk_weights": w},
               str(tmp_path / "in.safetensors"))
-    r = subprocess.run([sys.executable, "-m", "service.cli", "forward", "--input", str(tmp_path / "in.safetensors"),
-                        "--output", str(tmp_path / "out.safetensors"), "--device", "cpu", "--backend", "fused"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2, r.stderr[-3000:]
-    assert "--backend fused cannot run here" in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+    serve, forward = run_at_once([
+        [sys.executable, "-m", "service", "--device", "cpu", "--backend", "fused", "--host", "127.0.0.1",
+         "--http-port", "0", "--grpc-port", "0"],
+        [sys.executable, "-m", "service.cli", "forward", "--input", str(tmp_path / "in.safetensors"),
+         "--output", str(tmp_path / "out.safetensors"), "--device", "cpu", "--backend", "fused"],
+    ], timeout=180)
+    err = serve.stderr
+    assert serve.returncode == 2, err[-3000:]
+    assert "--backend fused cannot run here" in err and "not CUDA" in err, err[-3000:]
+    assert "Traceback" not in err and " ready (" not in err, err[-3000:]
+    # refused before any server listens or any rank starts (before: ~4 s later, after both)
+    assert "serving HTTP" not in err and "rank group" not in err, err[-3000:]
+    err = forward.stderr
+    assert forward.returncode == 2, err[-3000:]
+    assert "--backend fused cannot run here" in err and "Traceback" not in err, err[-3000:]
     assert not (tmp_path / "out.safetensors").exists()

@@ -9,15 +9,21 @@ venv; see PLUMBING), so no install step can hide in a line this test skips. Then
 stage's ENTRYPOINT starts the service with the stage's ENV, and its HEALTHCHECK command must say
 not ready before and ready after the warm-up. What stays untested here: the CUDA bases, apt, the
 csrc compile (BUILD_CSRC=0), and the non-root user (the test runs as the CI user).
+
+The stages are replayed in a child process (`build_job`), which the session starts in the background
+once it has collected this module (tests/background.py); the test then checks what it built.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import posixpath
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import venv
 from pathlib import Path
@@ -25,6 +31,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests import background
 from tests.deploy.common import (
     ROOT,
     SCRIPTS,
@@ -135,23 +142,48 @@ def replay(stage: Stage, fs: StageFs, args: dict[str, str | None], base_env: dic
     return env, workdir
 
 
-@pytest.mark.slow
-# the 300 s default would cut a cold-cache install short
-@pytest.mark.timeout(2 * STEP_TIMEOUT_S + START_TIMEOUT_S + 120)
-def test_image_recipe_installs_starts_and_gets_ready():
+def build_image(root: Path) -> dict:
+    """Replay every stage into root/<stage name>: the image's (the last stage's) environment and
+    WORKDIR, as {"env": ..., "workdir": ...}."""
     global_args, stages = dockerfile_stages()
     base_env = {k: v for k, v in os.environ.items()
                 if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME") and not k.startswith("MOE_")}
     base_env["PIP_NO_COMPILE"] = "1"  # speed only: no .pyc for torch's thousands of files
-    with tempfile.TemporaryDirectory(prefix="moe-image-") as tmp:  # ~1 GB: removed even on failure
-        stages_fs = {name: StageFs(Path(tmp) / name) for name in stages}
-        for name, stage in stages.items():
-            image_env, workdir = replay(stage, stages_fs[name], global_args, base_env, stages_fs)
+    stages_fs = {name: StageFs(root / name) for name in stages}
+    for name, stage in stages.items():
+        image_env, workdir = replay(stage, stages_fs[name], global_args, base_env, stages_fs)
+    return {"env": image_env, "workdir": workdir}
+
+
+@functools.cache
+def build_job() -> background.Job:
+    """build_image in a child process (this file run as a module), into a fresh folder of ~1 GB (its
+    scratch: removed by the test, else at the session's end); ~50 s of pip installs."""
+    root = tempfile.mkdtemp(prefix="moe-image-")
+    return background.Job.of("image recipe", [sys.executable, "-m", "tests.deploy.test_image_recipe", root],
+                             2 * STEP_TIMEOUT_S + 60, cwd=ROOT, scratch=root)
+
+
+def background_jobs() -> list[background.Job]:
+    return [build_job()]
+
+
+@pytest.mark.slow
+# the 300 s default would cut a cold-cache install short
+@pytest.mark.timeout(2 * STEP_TIMEOUT_S + START_TIMEOUT_S + 120)
+def test_image_recipe_installs_starts_and_gets_ready():
+    _, stages = dockerfile_stages()
+    job = build_job()
+    root = Path(job.scratch)
+    try:  # ~1 GB: removed even on failure
+        built = background.result(job)
+        assert built.returncode == 0, f"replaying the Dockerfile failed ({built.returncode}):\n{built.stderr[-10000:]}"
+        image = json.loads(built.stdout.strip().splitlines()[-1])
         final = list(stages)[-1]  # the image is the last stage, with its ENV and WORKDIR
-        runtime, runtime_fs = stages[final], stages_fs[final]
+        runtime, runtime_fs = stages[final], StageFs(root / final)
 
         # The environment the container starts with, plus ports on loopback.
-        env = ServerProcess.loopback_env(image_env)
+        env = ServerProcess.loopback_env(image["env"])
         entrypoint = exec_form(runtime.one("ENTRYPOINT").value)
         executable = shutil.which(entrypoint[0], path=env["PATH"])
         assert executable and Path(executable).is_relative_to(runtime_fs.root), \
@@ -175,11 +207,17 @@ def test_image_recipe_installs_starts_and_gets_ready():
             return subprocess.run(check, env=env, capture_output=True, timeout=30).returncode == 0
 
         assert not healthy(), "HEALTHCHECK says ready with nothing listening"
-        server = ServerProcess([executable, *entrypoint[1:]], Path(tmp) / "moe-serve.log", env=env,
-                               cwd=runtime_fs.local(workdir))
+        server = ServerProcess([executable, *entrypoint[1:]], root / "moe-serve.log", env=env,
+                               cwd=runtime_fs.local(image["workdir"]))
         try:
             server.wait_ready(healthy, timeout=START_TIMEOUT_S)
             assert httpx.get(server.url + "/v2/health/live", timeout=5).status_code == 200
         finally:
             code = server.stop()
         assert code == 0, f"SIGTERM did not stop the service cleanly ({code}):\n{server.log()[-3000:]}"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":  # build_job's child: the stages replayed into the folder named, then one JSON line
+    sys.stdout.write(json.dumps(build_image(Path(sys.argv[1]))) + "\n")

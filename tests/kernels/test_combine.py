@@ -12,7 +12,7 @@ import torch
 import triton
 
 from tests.helpers import SIM_TOL, rel_err
-from tests.interp import main, run_cases
+from tests.interp import job, main, run_cases
 
 # Both sides accumulate in fp32, in the same k order, so they agree to rounding.
 TOL = SIM_TOL
@@ -54,6 +54,11 @@ def _run_case(name: str) -> dict:
     return dict(err=rel_err(out[~pad], ref[~pad]) if (~pad).any() else 0.0,
                 finite=bool(torch.isfinite(out).all()),
                 padding_zero=bool((out[pad] == 0).all()))
+
+
+def background_jobs() -> list:
+    """The interpreter run, started as soon as the session has collected this module (tests/background.py)."""
+    return [job(__file__)]
 
 
 @pytest.fixture(scope="module")

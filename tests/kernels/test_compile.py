@@ -7,6 +7,7 @@ Run as a script to print the shared-memory table: `python tests/kernels/test_com
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import re
@@ -14,9 +15,13 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import triton
+
+if TYPE_CHECKING:  # imported where used: run as a script, this file has no tests package on its path yet
+    from tests.background import Job
 
 ROOT = Path(__file__).resolve().parents[2]
 SMEM_LIMIT = {90: 232448, 120: 101376}  # bytes of shared memory per block (opt-in maximum)
@@ -236,6 +241,7 @@ def test_build_skips_the_tile_without_sm90(tmp_path, capsys):
     assert "skipping the sm_90a GEMM1 tile" in capsys.readouterr().out
 
 
+@functools.cache
 def _cuda_include() -> Path | None:
     """The CUDA toolkit's include directory, as nvcc itself reports it (nvcc may be a wrapper script)."""
     if NVCC is None:
@@ -246,31 +252,53 @@ def _cuda_include() -> Path | None:
     return Path(found.group(1).strip()) if found else None
 
 
+CXX = shutil.which("g++") or shutil.which("c++")
+BINDINGS_TIMEOUT_S = 180
 
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="no host C++ compiler")
+
+def _bindings_job(tile: bool, cuda: bool) -> Job | None:
+    """g++ -fsyntax-only over bindings.cpp, the variant's defines and include paths; None where the
+    variant cannot be checked here (no compiler; cuda_path: no CUDA toolkit headers)."""
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    from tests.background import Job
+
+    include = _cuda_include() if cuda else None
+    if CXX is None or (cuda and not (include and (include / "cuda_runtime_api.h").is_file())):
+        return None
+    flags = [f"-I{p}" for p in include_paths()]
+    flags.append(f"-I{sysconfig.get_paths()['include']}")
+    defines = ["-DMOE_SM90_TILE"] if tile else []
+    defines += [f"-I{include}", "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE"] if cuda else ["-DMOE_SYNTAX_ONLY"]
+    cmd = [CXX, "-std=c++20", "-fsyntax-only", *defines, *flags, str(ROOT / "csrc" / "bindings.cpp")]
+    return Job.of(f"bindings tile={tile} cuda={cuda}", cmd, BINDINGS_TIMEOUT_S)
+
+
+def background_jobs() -> list[Job]:
+    """The g++ runs of test_bindings_syntax, started as soon as the session has collected this module
+    (~5 s each; tests/background.py)."""
+    jobs = [_bindings_job(tile, cuda) for cuda in (False, True) for tile in (False, True)]
+    return [j for j in jobs if j is not None]
+
+
+@pytest.mark.skipif(CXX is None, reason="no host C++ compiler")
 @pytest.mark.parametrize("tile", [False, True], ids=["schedule_only", "with_sm90_tile"])
 @pytest.mark.parametrize("cuda", [False, True], ids=["syntax_only", "cuda_path"])
-def test_bindings_syntax(tmp_path, tile, cuda):
+def test_bindings_syntax(tile, cuda):
     """bindings.cpp against the installed torch headers. syntax_only: CPU builds ship no CUDA
     headers, and the file keeps CUDA types behind the launchers' plain C signatures, so this works
     without them. cuda_path: the stream and guard code too, against the CUDA toolkit's headers
     and torch's c10/cuda ones (a CPU wheel lacks their cmake-generated file, which the macro
     C10_CUDA_NO_CMAKE_CONFIGURE_FILE skips)."""
-    from torch.utils.cpp_extension import include_paths
+    from tests import background
 
-    include = _cuda_include() if cuda else None
-    if cuda and not (include and (include / "cuda_runtime_api.h").is_file()):
+    job = _bindings_job(tile, cuda)
+    if job is None:
         pytest.skip("no CUDA toolkit headers here")
-    cxx = shutil.which("g++") or shutil.which("c++")
-    flags = [f"-I{p}" for p in include_paths()]
-    import sysconfig
-
-    flags.append(f"-I{sysconfig.get_paths()['include']}")
-    defines = ["-DMOE_SM90_TILE"] if tile else []
-    defines += [f"-I{include}", "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE"] if cuda else ["-DMOE_SYNTAX_ONLY"]
-    cmd = [cxx, "-std=c++20", "-fsyntax-only", *defines, *flags, str(ROOT / "csrc" / "bindings.cpp")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stderr[-4000:]}"
+    proc = background.result(job)
+    assert proc.returncode == 0, f"{' '.join(job.argv)}\n{proc.stderr[-4000:]}"
 
 
 if __name__ == "__main__":

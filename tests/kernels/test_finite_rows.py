@@ -15,7 +15,7 @@ import pytest
 import torch
 import triton
 
-from tests.interp import main, run_cases
+from tests.interp import job, main, run_cases
 
 # name: (dtype, r, H, flags dtype, seed: with r = 1 an even seed makes the row bad, an odd one good)
 CASES = {
@@ -142,6 +142,11 @@ def _run_span_case(name: str) -> dict:
 
 def _run(name: str) -> dict:
     return _run_span_case(name) if name in SPAN_CASES else _run_case(name)
+
+
+def background_jobs() -> list:
+    """The interpreter run, started as soon as the session has collected this module (tests/background.py)."""
+    return [job(__file__)]
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.helpers import TOL
-from tests.interp import main, run_cases
+from tests.interp import job, main, run_cases
 
 # name: (dtype, E, H, Ir, K, C, counts per batch, routing, programs, comm1, compute2, join, seq0, fault)
 CASES = {
@@ -244,6 +244,11 @@ def _run_case(name: str) -> dict:
             seqs=[int(v) for v in bufs[0].routing_g[:, 1].tolist()],
         ))
     return record
+
+
+def background_jobs() -> list:
+    """The interpreter run, started as soon as the session has collected this module (tests/background.py)."""
+    return [job(__file__)]
 
 
 @pytest.fixture(scope="module")

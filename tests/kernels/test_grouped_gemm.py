@@ -21,7 +21,7 @@ import triton.language as tl
 from service.config import BM, cdiv, round_up
 from service.kernels.grouped_gemm import tile_coords
 from tests.helpers import TOL, rel_err
-from tests.interp import main, run_cases
+from tests.interp import job, main, run_cases
 
 DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -267,6 +267,11 @@ def _tile_map(name: str) -> dict:
 
 def _run_any(name: str) -> dict:
     return _tile_map(name) if name in TILE_MAPS else _run_case(name)
+
+
+def background_jobs() -> list:
+    """The interpreter run, started as soon as the session has collected this module (tests/background.py)."""
+    return [job(__file__)]
 
 
 @pytest.fixture(scope="module")

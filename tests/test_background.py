@@ -1,0 +1,80 @@
+"""The session's background jobs (tests/background.py): a queued child runs at the lowest priority
+and its test waits for it; a child asked for before the queue reaches it runs at once, at the test's
+priority, and only once; a timed-out wait and the session's end leave no child behind."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.background import NICENESS, Job, Queue
+
+# The child prints its niceness, after appending a line to `log` (how many times it ran).
+PRINT_NICENESS = "import os, sys; open(sys.argv[1], 'a').write('ran\\n'); print(os.nice(0))"
+
+needs_nice = pytest.mark.skipif(shutil.which("nice") is None, reason="no nice(1) here: the queue runs children as is")
+
+
+def niceness_job(key: str, log) -> Job:
+    return Job.of(key, [sys.executable, "-c", PRINT_NICENESS, str(log)], timeout_s=60)
+
+
+@needs_nice
+def test_a_queued_child_runs_at_the_lowest_priority_and_its_result_waits_for_it(tmp_path):
+    queue = Queue()
+    job = niceness_job("queued", tmp_path / "log")
+    queue.start([job])
+    done = queue.result(job)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) == min(19, os.nice(0) + NICENESS)
+    assert (tmp_path / "log").read_text() == "ran\n"
+
+
+def test_a_child_asked_for_before_the_queue_reaches_it_runs_at_once_at_the_tests_priority(tmp_path):
+    queue = Queue()
+    ahead = Job.of("ahead", [sys.executable, "-c", "import time; time.sleep(1)"], timeout_s=60)
+    asked = niceness_job("asked", tmp_path / "log")
+    worker = queue.start([ahead, asked])
+    t0 = time.monotonic()
+    done = queue.result(asked)
+    assert time.monotonic() - t0 < 1, "the asked child waited for the one ahead of it in the queue"
+    assert done.returncode == 0 and int(done.stdout) == os.nice(0), (done.stdout, done.stderr)
+    assert queue.result(ahead).returncode == 0
+    worker.join(60)
+    assert not worker.is_alive()
+    assert (tmp_path / "log").read_text() == "ran\n", "the queue ran the child a test had taken"
+
+
+def test_a_wait_past_the_timeout_kills_the_child(tmp_path):
+    pid_file = tmp_path / "pid"
+    code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    job = Job.of("slow", [sys.executable, "-c", code], timeout_s=1)
+    with pytest.raises(subprocess.TimeoutExpired):
+        Queue().result(job)
+    with pytest.raises(ProcessLookupError):  # killed and reaped
+        os.kill(int(pid_file.read_text()), 0)
+
+
+def test_stop_kills_the_running_child_starts_no_more_and_removes_the_scratch(tmp_path):
+    scratch, started = tmp_path / "scratch", tmp_path / "started"
+    scratch.mkdir()
+    running = Job.of("running", [sys.executable, "-c", f"open({str(started)!r}, 'w'); import time; time.sleep(60)"],
+                     timeout_s=60, scratch=scratch)
+    queued = niceness_job("queued", tmp_path / "log")
+    queue = Queue()
+    worker = queue.start([running, queued])
+    deadline = time.monotonic() + 30
+    while not started.exists():
+        assert time.monotonic() < deadline, "the queue did not start its first child"
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    queue.stop()
+    worker.join(30)
+    assert not worker.is_alive() and time.monotonic() - t0 < 10, "stop() waited for the child instead of killing it"
+    assert not (tmp_path / "log").exists(), "the queue started a child after stop()"
+    assert not scratch.exists()
