@@ -9,7 +9,8 @@ children one after another at niceness 19, where they get only the CPU time the 
 test that needs one then finds it done, or waits for it. A child the queue has not reached when its
 test asks is started by the test at normal priority, as before. It is the same command either way.
 At the session's end (pytest_sessionfinish, also after Ctrl-C or -x) the children still running
-are killed and the scratch folders removed; a pytest killed outright leaves them to finish alone.
+are killed with their own children (each leads a process group) and the scratch folders
+removed; a pytest killed outright leaves them to finish alone.
 
 A module lists its children in `background_jobs()`, which returns `Job`s; the test gets the
 result with `result(job)`. Only the key names a job: the child runs as it was queued.
@@ -19,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -60,9 +63,18 @@ class _Run:
 
     def start(self, background: bool) -> None:
         nice = ["nice", "-n", str(NICENESS)] if background and shutil.which("nice") else []
+        # A session of its own: kill() ends the child's own children too (pip under the image recipe's
+        # replay, cc1plus under g++), which outlive a killed child otherwise
         self.proc = subprocess.Popen([*nice, *self.job.argv], stdin=subprocess.DEVNULL, stdout=self.out,
                                      stderr=self.err, env=None if self.job.env is None else dict(self.job.env),
-                                     cwd=self.job.cwd)
+                                     cwd=self.job.cwd, start_new_session=True)
+
+    def kill(self) -> None:
+        """Kill the child's whole process group (it leads one) and reap the child."""
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
     def completed(self) -> subprocess.CompletedProcess:
         outputs = []
@@ -119,8 +131,7 @@ class Queue:
         try:
             run.proc.wait(job.timeout_s)
         except BaseException:  # TimeoutExpired, or the test interrupted (pytest-timeout, Ctrl-C): no child left
-            run.proc.kill()
-            run.proc.wait()
+            run.kill()
             raise
         finally:
             with self._lock:
@@ -133,10 +144,8 @@ class Queue:
             self._stopping = True
             runs = list(self._runs.values())
         for run in runs:
-            if run.proc is not None and run.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    run.proc.kill()
-                run.proc.wait()
+            if run.proc is not None and run.proc.poll() is None:  # (not reaped yet: its group id is still its)
+                run.kill()
         for folder in self._scratch:
             shutil.rmtree(folder, ignore_errors=True)
 

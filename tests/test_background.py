@@ -78,3 +78,26 @@ def test_stop_kills_the_running_child_starts_no_more_and_removes_the_scratch(tmp
     assert not worker.is_alive() and time.monotonic() - t0 < 10, "stop() waited for the child instead of killing it"
     assert not (tmp_path / "log").exists(), "the queue started a child after stop()"
     assert not scratch.exists()
+
+
+def test_a_killed_child_takes_its_own_children_with_it(tmp_path):
+    """The image recipe's replay runs pip, g++ runs cc1plus: a timed-out job must not leave them running."""
+    pid_file = tmp_path / "grandchild"
+    grandchild = "import time; time.sleep(60)"
+    code = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {grandchild!r}]); "
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    job = Job.of("parent", [sys.executable, "-c", code], timeout_s=2)
+    with pytest.raises(subprocess.TimeoutExpired):
+        Queue().result(job)
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while True:  # killed at once; reaped by init once its parent is gone: wait for the pid to vanish
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        with open(f"/proc/{pid}/stat") as stat:  # a zombie awaiting its reaper is dead already
+            if stat.read().split(")")[-1].split()[0] == "Z":
+                break
+        assert time.monotonic() < deadline, "the job's own child outlived the job's kill"
+        time.sleep(0.05)
