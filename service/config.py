@@ -247,6 +247,12 @@ class Settings(BaseSettings):
                     "(one H200, T=512: +5 % group steps/s, served v2 binary +11-21 % tokens/s at c=16, gRPC "
                     "within noise); "
                     "false: every copy in the layer's stream; CPU ranks have no copy streams")
+    rank_idle_spin_ms: float = Field(10.0, ge=0, le=1000,
+        description="a CUDA rank with no step in flight polls for the next step's message this long after its "
+                    "last message or answer before it blocks in a read: a rank idle a few ms wakes ~70-120 us later "
+                    "on some hosts, on every request's path at one client; the price is a core busy while steps "
+                    "keep coming (an idle server spins for this long, then sleeps); 0 = block at once; CPU ranks "
+                    "never spin")
     frontends: int | None = Field(None, ge=1, le=32,
         description="front-end processes serving the HTTP and gRPC ports (SO_REUSEPORT), each with its own batcher and "
                     "slots, all feeding the one rank group; default min(4, CPU cores // 2) on a GPU host, 1 on the CPU")

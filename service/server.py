@@ -260,7 +260,7 @@ class Server:
                            step_timeout_s=s.step_timeout_s, start_timeout_s=s.start_timeout_s,
                            log_level=s.log_level.upper(), lookahead=s.rank_lookahead,
                            copy_streams=s.rank_copy_streams, direct_regions=self.direct,
-                           malloc_keep_mib=s.malloc_keep_mib)
+                           malloc_keep_mib=s.malloc_keep_mib, idle_spin_s=s.rank_idle_spin_ms / 1e3)
 
     # ---- the process -----------------------------------------------------------------------
 

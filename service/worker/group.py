@@ -139,7 +139,7 @@ class WorkerGroup:
                  weights_prefix: str = "", seed: int = 0, backend: str = "serial", slots: int = 2,
                  step_timeout_s: float = 60.0, start_timeout_s: float = 300.0,
                  log_level: str | None = None, lookahead: int = 2, copy_streams: bool = False,
-                 direct_regions: bool = False, malloc_keep_mib: int = 0):
+                 direct_regions: bool = False, malloc_keep_mib: int = 0, idle_spin_s: float = 0.0):
         if backend not in BACKENDS:
             raise InvalidInput(f"backend must be auto, serial or fused, got {backend!r}")
         self.requested_backend = backend  # the ranks decide (and log why); see service.worker.rank
@@ -157,6 +157,9 @@ class WorkerGroup:
         self.copy_streams = False
         self.direct_regions = direct_regions  # the batcher may pass sources (--shm-direct)
         self.malloc_keep_mib = malloc_keep_mib  # each rank's freed memory kept for reuse (service.worker.malloc)
+        if not idle_spin_s >= 0:
+            raise InvalidInput(f"idle_spin_s must be >= 0, got {idle_spin_s!r}")
+        self.idle_spin_s = idle_spin_s  # CUDA ranks: poll for the next step this long before blocking
         self.seq = 0
         self.alive = False
         self.pids: list[int] = []
@@ -214,6 +217,7 @@ class WorkerGroup:
                            backend=self.requested_backend, timeout_s=self.start_timeout_s, threads=threads,
                            log_level=self.log_level, lookahead=self.requested_lookahead,
                            copy_streams=self.requested_copy_streams, malloc_keep_mib=self.malloc_keep_mib,
+                           idle_spin_s=self.idle_spin_s,
                            host=cpu_host_peers(ctx, cfg, self.device, self.start_timeout_s))
         for rank in range(cfg.R):
             parent_end, child_end = ctx.Pipe()

@@ -9,7 +9,11 @@ issued, layer and the answer's copy enqueued, device done, answer in the slot, a
 write fall in the next phase), which the group turns into StepStats.phases.
 
 A CUDA rank holds up to `RankOptions.lookahead` steps in flight (`_steps`): answers still come in
-seq order, and a ping or stop is answered after the steps before it.
+seq order, and a ping or stop is answered after the steps before it. With nothing in flight it polls
+its pipe for `RankOptions.idle_spin_s` after its last message or answer before it blocks in a read: a
+process that has slept a few ms takes ~70-120 us longer to wake on some hosts (bench/wake_probe.py), and
+at one client that wake is on every request's path; the price is a core kept busy while steps keep
+coming (CPU ranks never spin: their cores are the layer's).
 
 `sources` (service.worker.direct; empty but for `--shm-direct`) name rows of the step that are not in
 the slot: a client's shared-memory object holds them, and their answer goes into another. The rank
@@ -33,6 +37,7 @@ import datetime
 import functools
 import logging
 import os
+import select
 import signal
 import time
 import traceback
@@ -73,6 +78,7 @@ class RankOptions:
     lookahead: int = 2          # CUDA ranks: steps in flight at most (1: one at a time; CPU ranks always 1)
     copy_streams: bool = False  # CUDA ranks: rows in and answers out on copy streams beside the layers
     malloc_keep_mib: int = 0    # freed memory kept for reuse (service.worker.malloc; CPU ranks allocate per step)
+    idle_spin_s: float = 0.0    # CUDA ranks: poll the pipe this long after the last message or answer before blocking
 
 
 def pin_slot(slot) -> None:
@@ -258,6 +264,10 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
         lanes = [_Lane(layer.new_state())]
     in_flight: collections.deque[_Step] = collections.deque()
     last_seq = 0
+    spin_s = opts.idle_spin_s if cuda else 0.0  # (a CPU rank's cores are its layer's)
+    active = now()  # the rank's last message or answer: it polls for the next one until active + spin_s
+    pipe = select.poll()  # (~1 us a poll; conn.poll(0) builds a selector each time)
+    pipe.register(conn.fileno(), select.POLLIN)
 
     def finish() -> None:
         step = in_flight.popleft()
@@ -307,9 +317,13 @@ def _steps(rank: int, cfg: LayerConfig, opts: RankOptions, conn, log: logging.Lo
     while True:
         if in_flight and not message_first():
             finish()  # no lane free, or the oldest step's layer done first: its answer first
+            active = now()
             continue
+        if spin_s > 0 and not in_flight:
+            while now() - active < spin_s and not pipe.poll(0):
+                pass
         msg = conn.recv()
-        received = now()
+        received = active = now()
         if msg[0] in ("stop", "ping"):  # their answers keep their place after the steps before them
             while in_flight:
                 finish()

@@ -133,7 +133,7 @@ class FakeStream:
 
 
 def run_loop(monkeypatch, messages, lookahead: int, layer: FakeLayer, slots, event=InstantEvent, pipe=None,
-             copy_streams: bool = False):
+             copy_streams: bool = False, idle_spin_s: float = 0.0):
     """Queue `messages` on the rank's pipe, run the loop to its end; (answers read back, raised)."""
     monkeypatch.setattr(torch.cuda, "Event", event)
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
@@ -143,7 +143,7 @@ def run_loop(monkeypatch, messages, lookahead: int, layer: FakeLayer, slots, eve
     for msg in messages:
         parent.send(msg)
     opts = RankOptions(cfg=CFG, device="cuda", store_host="", store_port=0, slot_paths=(), lookahead=lookahead,
-                       copy_streams=copy_streams)
+                       copy_streams=copy_streams, idle_spin_s=idle_spin_s)
     raised = None
     try:
         rank_mod._steps(0, CFG, opts, child, logging.getLogger("test"), layer, slots, layer.inputs)
@@ -273,6 +273,46 @@ def test_a_step_arriving_while_the_device_computes_is_enqueued_at_once(monkeypat
     assert layer.calls == [("forward", 1), ("forward", 2), ("check", 1), ("check", 2)]
     assert [(a[0], a[2], a[3]["behind"]) for a in answers] == [("done", 1, False), ("done", 2, True)]
     assert [a[3]["overlapped"] for a in answers] == [False, True]  # step 1's layer still ran at step 2's enqueue
+
+
+@pytest.mark.parametrize("idle_spin_s", [0.0, 0.25])
+def test_an_idle_rank_polls_its_pipe_for_idle_spin_s_then_blocks(monkeypatch, idle_spin_s):
+    """After its answer a rank with nothing in flight spins (its thread's CPU clock runs) for idle_spin_s,
+    then blocks in the read (the clock stops); 0 blocks at once. The next step is still taken either way."""
+    gen = torch.Generator().manual_seed(17)
+    slots = make_slots(gen, 2)
+    parent, child = mp.Pipe()
+    clock = time.pthread_getcpuclockid(threading.get_ident())  # the loop runs in this thread
+    used: dict[str, float] = {}
+
+    def cpu_over(seconds: float) -> float:
+        t0 = time.clock_gettime(clock)
+        time.sleep(seconds)
+        return time.clock_gettime(clock) - t0
+
+    def feeder() -> None:
+        parent.send(("step", 1, 0, 5))
+        assert parent.poll(10), "no answer to step 1"  # (left in the pipe: run_loop reads every answer)
+        used["in the window"] = cpu_over(0.15)  # 0-0.15 s after the answer
+        time.sleep(0.25)
+        used["past it"] = cpu_over(0.15)  # 0.4-0.55 s after it
+        parent.send(("step", 2, 1, 9))
+        parent.send(("stop",))
+
+    thread = threading.Thread(target=feeder)
+    thread.start()
+    try:
+        answers, raised = run_loop(monkeypatch, [], 1, FakeLayer(), slots, pipe=(parent, child),
+                                   idle_spin_s=idle_spin_s)
+    finally:
+        thread.join(timeout=10)
+    assert raised is None
+    assert [(a[0], a[2]) for a in answers] == [("done", 1), ("done", 2)]
+    assert used["past it"] < 0.03, used  # blocked: its CPU clock stood still
+    if idle_spin_s:
+        assert used["in the window"] > 0.05, used  # spinning: most of a core
+    else:
+        assert used["in the window"] < 0.03, used
 
 
 def test_copy_streams_record_and_wait_on_the_right_streams(monkeypatch):
