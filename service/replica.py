@@ -59,7 +59,46 @@ class RemoteGroup:
 
     def run(self, slot: Slot, T: int, sources=()):
         """One step on rows [0, T) of the slot, run by the owner; the answer is in slot.out[:T] (but for
-        the rows of `sources`: in the objects they name)."""
+        the rows of `sources`: in the objects they name). Blocks (a step thread's)."""
+        conn, n, deadline = self._send(slot, T, sources)
+        try:
+            while True:
+                if not conn.poll(max(0.0, deadline - time.monotonic())):
+                    raise self._silent()
+                reply = conn.recv()
+                if reply[1] >= n:
+                    return self._result(reply, n, slot)
+        except (EOFError, OSError):
+            raise self._gone() from None
+
+    async def run_async(self, slot: Slot, T: int, sources=()):
+        """`run` on the event loop: the step is sent from the loop and the owner's answer wakes the loop
+        itself (a reader on the slot's connection), with no step thread between. At one client each of a
+        thread's two hand-offs cost ~0.07-0.3 ms on a GPU host whose idle threads wake slowly (bench/NOTES.md,
+        twenty-first session). A step cancelled meanwhile leaves its answer in the connection, which the
+        slot's next step skips (its number is smaller), as it skips any answer an earlier group gave up on."""
+        conn, n, deadline = self._send(slot, T, sources)
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                if not conn.poll(0):
+                    readable = loop.create_future()
+                    loop.add_reader(conn.fileno(), _wake, readable)
+                    try:
+                        async with asyncio.timeout_at(loop.time() + max(0.0, deadline - time.monotonic())):
+                            await readable
+                    except TimeoutError:
+                        raise self._silent() from None
+                    finally:
+                        loop.remove_reader(conn.fileno())
+                reply = conn.recv()  # (a whole message: the owner writes its small reply at once)
+                if reply[1] >= n:
+                    return self._result(reply, n, slot)
+        except (EOFError, OSError):
+            raise self._gone() from None
+
+    def _send(self, slot: Slot, T: int, sources) -> tuple[Connection, int, float]:
+        """Ask the owner for the step on `slot`: its connection, the step's number on it, the deadline."""
         if not self.alive:
             raise GroupUnavailable("the rank group is not running")
         conn = self._conns[slot.index]
@@ -68,16 +107,21 @@ class RemoteGroup:
         deadline = time.monotonic() + self._timeout_s
         try:
             conn.send(("step", self.gen, n, T, tuple(sources)) if sources else ("step", self.gen, n, T))
-            while True:
-                if not conn.poll(max(0.0, deadline - time.monotonic())):
-                    self.alive = False
-                    raise GroupUnavailable(f"the owner process did not answer step within {self._timeout_s:.0f} s")
-                reply = conn.recv()
-                if reply[1] >= n:
-                    break  # (smaller: the late answer to a step an earlier group gave up on)
-        except (EOFError, OSError):
-            self.alive = False
-            raise GroupUnavailable("the owner process is gone") from None
+        except OSError:
+            raise self._gone() from None
+        return conn, n, deadline
+
+    def _silent(self) -> GroupUnavailable:
+        self.alive = False
+        return GroupUnavailable(f"the owner process did not answer step within {self._timeout_s:.0f} s")
+
+    def _gone(self) -> GroupUnavailable:
+        self.alive = False
+        return GroupUnavailable("the owner process is gone")
+
+    def _result(self, reply: tuple, n: int, slot: Slot):
+        """The owner's answer to step n (smaller numbers are skipped by the callers: the late answers to steps
+        an earlier group gave up on): its StepStats, or its failure raised."""
         if reply[1] != n:  # unreachable unless the protocol breaks
             self.alive = False
             raise GroupUnavailable(f"answer {reply[1]} for step {n} of slot {slot.index}")
@@ -85,6 +129,12 @@ class RemoteGroup:
             return reply[2]
         _, _, kind, text = reply
         raise WorkerError(text) if kind == "worker" else GroupUnavailable(text)
+
+
+def _wake(readable: asyncio.Future) -> None:
+    """A slot connection's reader: the owner's answer is there."""
+    if not readable.done():
+        readable.set_result(None)
 
 
 class Replica:

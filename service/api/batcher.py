@@ -426,7 +426,11 @@ class Batcher:
     async def _step(self, group, pieces: list[_Piece], T: int) -> None:
         loop = asyncio.get_running_loop()
         try:
-            stats, phases = await loop.run_in_executor(self._pool, self._execute, group, pieces, T)
+            direct = self._loop_sources(group, pieces)
+            if direct is not None:
+                stats, phases = await self._execute_on_loop(group, pieces, T, *direct)
+            else:
+                stats, phases = await loop.run_in_executor(self._pool, self._execute, group, pieces, T)
         except BaseException as e:  # noqa: BLE001  any failure of a step fails the group
             # The jobs keep `e`; its traceback (this frame, the executor's) holds `pieces`, and so
             # the jobs and their regions' objects, in a cycle only the cyclic collector frees: a
@@ -482,6 +486,77 @@ class Batcher:
         finally:
             for p in held:
                 _settle(p.job)
+
+    def _loop_sources(self, group, pieces: list[_Piece]) -> tuple[object, list[tuple]] | None:
+        """A free slot and every piece's source, when the step runs on the event loop: its group runs steps
+        there (`run_async`: a front end i >= 1's, whose owner runs them) and every piece is direct (its rows
+        and answer where the ranks read and write them, its request without a bad row), so the loop has
+        no copy to make, only ids and w into the slot. None otherwise: a step thread runs it (`_execute`)."""
+        if getattr(group, "run_async", None) is None or self._closing \
+                or any(p.job.invalid is not None for p in pieces):
+            return None
+        try:
+            slot = group.acquire_slot(timeout=0)  # (the step holds a permit of `_slots`: one is free)
+        except GroupUnavailable:
+            return None
+        regions = getattr(group, "direct_regions", False)
+        arena = self.arena if self._arena_direct else None
+        budget: dict[tuple, int] = {}
+        sources: list[tuple] = []
+        for p in pieces:
+            source = _source(p, budget, slot.x.dtype, regions, arena)
+            if source is None:
+                group.release(slot)
+                return None
+            sources.append(source)
+        return slot, sources
+
+    async def _execute_on_loop(self, group, pieces: list[_Piece], T: int, slot, candidates: list[tuple]):
+        """`_execute` for a step of direct pieces (`_loop_sources`), on the event loop: ids and w into the slot,
+        the group's `run_async`, the ranks' reports. A piece whose request was abandoned meanwhile is not
+        direct: its rows are zeroed, computed harmlessly and answered to nobody."""
+        held: list[_Piece] = []
+        try:
+            try:
+                t0 = time.perf_counter()
+                sources = []
+                for p, source in zip(pieces, candidates, strict=True):
+                    at = slice(p.at, p.at + p.rows)
+                    if _hold(p.job):
+                        held.append(p)
+                        sources.append(source)
+                        rows = slice(p.start, p.start + p.rows)
+                        slot.ids[at].copy_(p.job.ids[rows])
+                        slot.w[at].copy_(p.job.w[rows])
+                        if not isinstance(p.job.x, RegionRows):
+                            self.metrics.arena_rows.inc(p.rows)
+                    else:
+                        slot.x[at].zero_()
+                        slot.ids[at].zero_()
+                        slot.w[at].zero_()
+                t1 = time.perf_counter()
+                stats = await (group.run_async(slot, T, sources) if sources else group.run_async(slot, T))
+                t2 = time.perf_counter()
+                self._note_reports(stats, held)
+                return stats, (t1 - t0, t2 - t1, time.perf_counter() - t2)
+            finally:
+                group.release(slot)
+        except BaseException:
+            self._retire(held)
+            raise
+        finally:
+            for p in held:
+                _settle(p.job)
+
+    def _note_reports(self, stats, held: list[_Piece]) -> None:
+        """What the ranks found in the direct pieces' rows they read and wrote (`held`, in the sources' order)."""
+        for i, p in enumerate(held):
+            report = stats.sources.get(i)
+            if report is not None:
+                row, failure = _source_error(p, report)
+                p.job.reject(row, failure)
+                if not isinstance(failure, InvalidInput):
+                    self._arena_failed(failure)
 
     def _retire(self, held: list[_Piece]) -> None:
         """A step with direct pieces failed: keep their wire arena blocks from reuse while its group may
@@ -544,13 +619,7 @@ class Batcher:
             t1 = time.perf_counter()
             stats = group.run(slot, T, sources) if sources else group.run(slot, T)
             t2 = time.perf_counter()
-            for i, p in enumerate(held):  # what the ranks found in the rows they read and wrote
-                report = stats.sources.get(i)
-                if report is not None:
-                    row, failure = _source_error(p, report)
-                    p.job.reject(row, failure)
-                    if not isinstance(failure, InvalidInput):
-                        self._arena_failed(failure)
+            self._note_reports(stats, held)
             answered = set(held)  # (their answers are in the output regions already)
             for p in pieces:
                 job = p.job

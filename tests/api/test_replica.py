@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import multiprocessing as mp
 import threading
 import time
@@ -10,12 +12,20 @@ import types
 import pytest
 import torch
 
-from service.errors import GroupUnavailable
+from service.errors import GroupUnavailable, WorkerError
 from service.fleet import set_frontend_threads
 from service.replica import RemoteGroup
 
 
-def test_a_late_answer_to_a_given_up_step_is_never_taken_by_the_next_group():
+def step(group: RemoteGroup, on_loop: bool, slot, T: int = 8):
+    """group.run, or group.run_async on an event loop of its own (a front end i >= 1's steps on its loop)."""
+    if not on_loop:
+        return group.run(slot, T)
+    return asyncio.run(group.run_async(slot, T))
+
+
+@pytest.mark.parametrize("on_loop", [False, True], ids=["run", "run_async"])
+def test_a_late_answer_to_a_given_up_step_is_never_taken_by_the_next_group(on_loop):
     """Group A gives up on its step (no answer within its timeout); the owner answers it later. Group B,
     attached on the same slot connection, must get the answer to its own step, not A's late one."""
     here, owner = mp.Pipe()
@@ -34,13 +44,60 @@ def test_a_late_answer_to_a_given_up_step_is_never_taken_by_the_next_group():
     t.start()
     a = RemoteGroup(1, "fused", [slot], [here], sent, timeout_s=0.1)
     with pytest.raises(GroupUnavailable, match="did not answer"):
-        a.run(slot, 8)
+        step(a, on_loop, slot)
     assert not a.alive
     given_up.set()
     # A's answer is in the pipe before B sends (a fixed 0.4 s answer and 0.5 s wait assumed both)
     assert here.poll(10), "A's late answer never reached the pipe"
     b = RemoteGroup(2, "fused", [slot], [here], sent, timeout_s=5.0)
-    assert b.run(slot, 8) == {"gen": 2, "n": 2}
+    assert step(b, on_loop, slot) == {"gen": 2, "n": 2}
+    t.join(5)
+
+
+def test_run_async_takes_the_owners_answers_on_the_loop_and_fails_as_run_does():
+    """Answers in order on the loop thread while it stays free (another task runs meanwhile); a cancelled
+    step's answer is skipped by the slot's next step; the owner's failure is raised; a closed connection
+    fails the group."""
+    here, owner = mp.Pipe()
+    slot = types.SimpleNamespace(index=0)
+    group = RemoteGroup(1, "fused", [slot], [here], [0], timeout_s=10.0)
+
+    def serve():  # the owner: each step answered after 50 ms; step 3 fails; then it goes away
+        for _ in range(3):
+            _, gen, n, T = owner.recv()
+            time.sleep(0.05)
+            owner.send(("done", n, {"n": n, "T": T}) if n != 3 else ("failed", n, "worker", "rank 0 raised"))
+        owner.close()
+
+    async def main():
+        ticks = 0
+
+        async def ticker():  # the loop turns while a step waits: nothing blocks it
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.005)
+
+        beat = asyncio.create_task(ticker())
+        first = asyncio.create_task(group.run_async(slot, 5))
+        await asyncio.sleep(0.01)
+        first.cancel()  # its answer (n=1) arrives later and is skipped
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        second = await group.run_async(slot, 7)
+        assert ticks >= 5, ticks
+        with pytest.raises(WorkerError, match="rank 0 raised"):
+            await group.run_async(slot, 9)
+        assert group.alive  # (a failed step is the owner's to handle: the group is not gone)
+        with pytest.raises(GroupUnavailable, match="gone"):
+            await group.run_async(slot, 11)
+        beat.cancel()
+        return second
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    assert asyncio.run(main()) == {"n": 2, "T": 7}
+    assert not group.alive
     t.join(5)
 
 

@@ -7,7 +7,8 @@ once its front end is gone, its object's ctime left alone by writes through its 
 makes a rank register its mapping again); a rank keeping an idle arena but not an unlinked one;
 DirectBody receiving a v2 binary body there and no other body; the batcher handing arena pieces to a
 real CPU rank group (R=2, bf16) as sources: answers equal the copy path's bit for bit, the front end
-copies nothing for them, a NaN row gets its 400, a rank that cannot open the arena fails that request
+copies nothing for them, a NaN row gets its 400 (also where a front end i >= 1 runs such a step on its
+event loop), a rank that cannot open the arena fails that request
 with 503 and the arena's pieces take the copies from then on; a real server with a small arena:
 answers right over concurrent clients, what does not fit counted and served by the copies.
 """
@@ -390,9 +391,67 @@ def test_an_arena_the_ranks_cannot_open_fails_its_request_with_503_then_takes_th
         arena.close()
 
 
+class _OnLoop:
+    """`group` as a front end i >= 1 sees its owner's (service.replica.RemoteGroup): it also has `run_async`,
+    whose steps the batcher runs on the event loop when every piece is direct. Counts which way each step
+    went (the owner's run itself happens in a thread here, as the owner's thread would)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.direct_regions = group.direct_regions
+        self.ways: list[str] = []
+
+    def acquire_slot(self, timeout=None):
+        return self.group.acquire_slot(timeout)
+
+    def release(self, slot) -> None:
+        self.group.release(slot)
+
+    def run(self, slot, T, sources=()):
+        self.ways.append("thread")
+        return self.group.run(slot, T, sources)
+
+    async def run_async(self, slot, T, sources=()):
+        assert threading.current_thread() is threading.main_thread(), "run_async off the event loop"
+        self.ways.append("loop")
+        return await asyncio.to_thread(self.group.run, slot, T, sources)
+
+
+def test_steps_of_arena_pieces_run_on_the_loop_and_answer_as_the_copies_do(group, arena, copies):
+    """A group with run_async: a step whose pieces all lie in the arena runs on the event loop (no step
+    thread, no copy), others in a step thread; every answer equals the copy path's, bit for bit."""
+    solo = jobs_of(arena, ((41, 6),))[:1]  # one arena request alone: its step is all direct
+    mixed = jobs_of(arena, SIZES)          # arena requests with a wire one and an fp32 one: copies too
+    want = serve(group, solo + mixed, None)
+    for _, _, _, out in solo + mixed:
+        if out is not None:
+            out.fill_(NAN)
+    copies.clear()
+    loop_group = _OnLoop(group)
+    got = serve(loop_group, solo, arena) + serve(loop_group, mixed, arena)
+    assert loop_group.ways[0] == "loop" and "thread" in loop_group.ways, loop_group.ways
+    assert copies.count(("in", torch.bfloat16)) == 1, "an arena piece was copied in by the front end"
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert not isinstance(a, BaseException) and not isinstance(b, BaseException), (i, a, b)
+        assert same(a, b), i
+
+
+def test_a_nan_row_in_a_step_on_the_loop_gets_its_400_and_its_batch_mates_are_answered(group, arena):
+    sizes = ((51, 7), (52, 5), (53, 9))
+    jobs = jobs_of(arena, sizes, nan_at=(1, 3))[:len(sizes)]  # arena requests only: every step on the loop
+    want = serve(group, jobs, None)
+    loop_group = _OnLoop(group)
+    got = serve(loop_group, jobs, arena)
+    assert set(loop_group.ways) == {"loop"}, loop_group.ways
+    assert isinstance(got[1], InvalidInput) and str(got[1]) == str(want[1]) == \
+        "hidden_states contains NaN or infinity (row 3)"
+    for i in (0, 2):
+        assert same(got[i], want[i]), i
+
+
 class _LateGroup:
     """A group whose step fails after its sources were sent (a front end i >= 1 giving up on the owner),
-    as if a rank could still write them later."""
+    as if a rank could still write them later; `run_async` too, as a front end i >= 1's group has."""
 
     direct_regions = False
 
@@ -411,9 +470,17 @@ class _LateGroup:
         self.sources.extend(sources)
         raise GroupUnavailable("the owner process did not answer step within 70 s")
 
+    async def run_async(self, slot, T, sources=()):
+        return self.run(slot, T, sources)
 
-def test_a_failed_steps_arena_blocks_are_not_handed_out_again_while_its_group_lives(arena, caplog):
-    late = _LateGroup()
+
+class _LateThreadGroup(_LateGroup):
+    run_async = None  # (the owner's own group: steps in a step thread)
+
+
+@pytest.mark.parametrize("late_group", [_LateThreadGroup, _LateGroup], ids=["step thread", "event loop"])
+def test_a_failed_steps_arena_blocks_are_not_handed_out_again_while_its_group_lives(arena, caplog, late_group):
+    late = late_group()
     jobs = jobs_of(arena, ((31, 4),))[:1]
     batchers: list[Batcher] = []  # (a front end's batcher lives as long as its arena)
     try:
@@ -430,7 +497,7 @@ def test_a_failed_steps_arena_blocks_are_not_handed_out_again_while_its_group_li
 
 def test_a_new_group_gives_a_failed_steps_blocks_back(arena, group):
     """A group is attached only once the one before it is closed: the blocks come back then."""
-    late = _LateGroup()
+    late = _LateThreadGroup()
     jobs = jobs_of(arena, ((32, 4),))[:1]
     batchers: list[Batcher] = []
     try:
