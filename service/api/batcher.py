@@ -46,7 +46,10 @@ same way, whatever `direct_regions` says (the arena is the server's own memory: 
 use it fails that request with 503, and the arena's pieces take the copies until the next group). Everything
 else (other wire requests, regions of another dtype, a request whose rows already failed, a region
 larger than DIRECT_MAX_BYTES, a piece whose regions would take the step's past the ranks' bounds,
-MAX_OBJECTS regions and MAX_BYTES mapped) takes the copies above, in the same step. Since the answer
+MAX_OBJECTS regions and MAX_BYTES mapped) takes the copies above, in the same step. A step whose pieces
+are all direct, on a group that runs steps on the event loop (`run_async`: a front end i >= 1's, whose
+owner runs them, service.replica), has no copy to make: it runs on the loop itself, with no step thread
+between the loop and the owner (`_execute_on_loop`). Since the answer
 lands in the client's region (or the arena's block) during `group.run`, a request with a direct
 piece in a step (`_Job.direct`, counted under its lock from before the descriptor is made until that
 step returned) is not answered, nor failed (its deadline, a cancel), before that step has returned:
