@@ -15,7 +15,7 @@ requests, in ms. Run it on the server's host.
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
 import socket
 import statistics
 import sys
@@ -24,34 +24,16 @@ from pathlib import Path
 
 sys.path.extend(str(Path(__file__).resolve().parents[i]) for i in (0, 1))
 
-from serve_load import _raw_once, _tensors, v2_binary_body  # noqa: E402
+from serve_load import _raw_once, _tensors, socket_holders, tcp_inodes, v2_binary_body  # noqa: E402
 
 from service.cli import parse_settings  # noqa: E402
 
 
 def server_process(server_port: int, client_port: int) -> str:
     """The comm of the process holding the server end of the connection from `client_port`."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f)
-                for line in f:
-                    cols = line.split()
-                    local, remote = (int(c.rsplit(":", 1)[1], 16) for c in cols[1:3])
-                    if local == server_port and remote == client_port:
-                        inodes.add(cols[9])
-        except OSError:
-            continue
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:[") and link[8:-1] in inodes:
-                    with open(f"/proc/{pid}/comm") as comm:
-                        return comm.read().strip()
-        except OSError:
-            continue
+    for pid in socket_holders(tcp_inodes(server_port, client_port)):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/comm") as comm:
+            return comm.read().strip()
     return "?"
 
 

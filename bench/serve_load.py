@@ -382,11 +382,9 @@ class Clients:
             p.join(10)
 
 
-def connection_spread(port: int) -> str:
-    """How the established connections to local TCP `port` are spread over processes, read from /proc:
-    the counts per process, largest first ("2+1+1": 3 processes hold 4 connections), "" where /proc
-    says nothing. With SO_REUSEPORT (several front ends) the kernel hashes each connection to one
-    process; 4 connections land on 4 different ones only ~9 % of the time."""
+def tcp_inodes(port: int, remote: int | None = None) -> set[str]:
+    """The socket inodes of the established TCP connections whose local port is `port` (and remote port
+    `remote`, when given), read from /proc/net/tcp{,6}."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -394,10 +392,16 @@ def connection_spread(port: int) -> str:
                 next(f)
                 for line in f:
                     cols = line.split()
-                    if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "01":  # local port, ESTABLISHED
+                    local, peer = (int(c.rsplit(":", 1)[1], 16) for c in cols[1:3])
+                    if local == port and cols[3] == "01" and remote in (None, peer):  # 01: ESTABLISHED
                         inodes.add(cols[9])
         except OSError:
             continue
+    return inodes
+
+
+def socket_holders(inodes: set[str]) -> dict[str, int]:
+    """pid -> how many of the sockets `inodes` its descriptors hold (the processes /proc lets us read)."""
     counts: dict[str, int] = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -407,6 +411,15 @@ def connection_spread(port: int) -> str:
                     counts[pid] = counts.get(pid, 0) + 1
         except OSError:
             continue
+    return counts
+
+
+def connection_spread(port: int) -> str:
+    """How the established connections to local TCP `port` are spread over processes, read from /proc:
+    the counts per process, largest first ("2+1+1": 3 processes hold 4 connections), "" where /proc
+    says nothing. With SO_REUSEPORT (several front ends) the kernel hashes each connection to one
+    process; 4 connections land on 4 different ones only ~9 % of the time."""
+    counts = socket_holders(tcp_inodes(port))
     return "+".join(str(n) for n in sorted(counts.values(), reverse=True))
 
 

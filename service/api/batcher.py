@@ -481,8 +481,15 @@ class Batcher:
         some), one step, answers out of the slot. Returns the step's stats and the seconds of those
         three phases."""
         held: list[_Piece] = []  # direct pieces: the ranks read and answer them (their jobs' `direct` counted)
-        try:
+        with self._holding(held):
             return self._run(group, pieces, T, held)
+
+    @contextlib.contextmanager
+    def _holding(self, held: list[_Piece]):
+        """Around a step that appends its direct pieces to `held`: if it fails, their arena blocks are kept
+        from reuse (`_retire`); whatever happens, each one's job is told the step returned (`_settle`)."""
+        try:
+            yield
         except BaseException:
             self._retire(held)
             raise
@@ -519,7 +526,7 @@ class Batcher:
         the group's `run_async`, the ranks' reports. A piece whose request was abandoned meanwhile is not
         direct: its rows are zeroed, computed harmlessly and answered to nobody."""
         held: list[_Piece] = []
-        try:
+        with self._holding(held):
             try:
                 t0 = time.perf_counter()
                 sources = []
@@ -544,12 +551,6 @@ class Batcher:
                 return stats, (t1 - t0, t2 - t1, time.perf_counter() - t2)
             finally:
                 group.release(slot)
-        except BaseException:
-            self._retire(held)
-            raise
-        finally:
-            for p in held:
-                _settle(p.job)
 
     def _note_reports(self, stats, held: list[_Piece]) -> None:
         """What the ranks found in the direct pieces' rows they read and wrote (`held`, in the sources' order)."""
