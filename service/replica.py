@@ -40,7 +40,7 @@ class RemoteGroup:
     """This front end's slots of the owner's rank group (acquire_slot / run / release, as WorkerGroup)."""
 
     def __init__(self, gen: int, backend: str, slots: list[Slot], conns: list[Connection], sent: list[int],
-                 timeout_s: float, direct_regions: bool = False):
+                 timeout_s: float, direct_regions: bool = False, busy: list[threading.Lock] | None = None):
         self.gen, self.backend = gen, backend
         self.direct_regions = direct_regions  # the owner's group reads and writes sources (--shm-direct)
         self.alive = True
@@ -50,6 +50,9 @@ class RemoteGroup:
         # Steps sent per slot connection, kept by the connection's owner across groups: an answer an
         # earlier group gave up waiting for carries a smaller number and is skipped, never taken.
         self._n = sent
+        # One step at a time per slot connection, also across groups (kept with `sent`): held from the send
+        # until its answer is taken or given up on, so two waiting steps never read one connection
+        self._busy = busy if busy is not None else [threading.Lock() for _ in conns]
 
     def acquire_slot(self, timeout: float | None = None) -> Slot:
         return self._free.get(timeout, alive=self.alive)
@@ -60,25 +63,37 @@ class RemoteGroup:
     def run(self, slot: Slot, T: int, sources=()):
         """One step on rows [0, T) of the slot, run by the owner; the answer is in slot.out[:T] (but for
         the rows of `sources`: in the objects they name). Blocks (a step thread's)."""
-        conn, n, deadline = self._send(slot, T, sources)
-        try:
-            while True:
-                if not conn.poll(max(0.0, deadline - time.monotonic())):
-                    raise self._silent()
-                reply = conn.recv()
-                if reply[1] >= n:
-                    return self._result(reply, n, slot)
-        except (EOFError, OSError):
-            raise self._gone() from None
+        with self._busy[slot.index]:
+            conn, n, deadline = self._send(slot, T, sources)
+            try:
+                while True:
+                    if not conn.poll(max(0.0, deadline - time.monotonic())):
+                        raise self._silent()
+                    reply = conn.recv()
+                    if reply[1] >= n:
+                        return self._result(reply, n, slot)
+            except (EOFError, OSError):
+                raise self._gone() from None
 
     async def run_async(self, slot: Slot, T: int, sources=()):
         """`run` on the event loop: the step is sent from the loop and the owner's answer wakes the loop
         itself (a reader on the slot's connection), with no step thread between. At one client each of a
         thread's two hand-offs cost ~0.07-0.3 ms on a GPU host whose idle threads wake slowly (bench/NOTES.md,
         twenty-first session). A step cancelled meanwhile leaves its answer in the connection, which the
-        slot's next step skips (its number is smaller), as it skips any answer an earlier group gave up on."""
-        conn, n, deadline = self._send(slot, T, sources)
+        slot's next step skips (its number is smaller), as it skips any answer an earlier group gave up on.
+        While another step still waits on the slot's connection (an earlier group's), this one waits in a
+        thread behind it (`run`)."""
         loop = asyncio.get_running_loop()
+        busy = self._busy[slot.index]
+        if not busy.acquire(blocking=False):
+            return await loop.run_in_executor(None, self.run, slot, T, sources)
+        try:
+            return await self._run_on_loop(loop, slot, T, sources)
+        finally:
+            busy.release()
+
+    async def _run_on_loop(self, loop: asyncio.AbstractEventLoop, slot: Slot, T: int, sources):
+        conn, n, deadline = self._send(slot, T, sources)
         try:
             while True:
                 if not conn.poll(0):
@@ -145,6 +160,7 @@ class Replica:
         self.ctl = Channel(ctl)
         self.steps = steps
         self.sent = [0] * len(steps)  # steps sent per slot connection, for every group in turn (RemoteGroup)
+        self.busy = [threading.Lock() for _ in steps]  # a step waits on the slot connection (RemoteGroup)
         self.endpoint = Endpoint(settings, cfg, settings.slots)
         self.fe, self.batcher = self.endpoint.fe, self.endpoint.batcher
         self.fe.gather = self._gather
@@ -241,7 +257,7 @@ class Replica:
                     os.close(fd)
                 group = RemoteGroup(gen, backend, slots, self.steps, self.sent,
                                     self.settings.step_timeout_s + STEP_ANSWER_MARGIN_S,
-                                    direct_regions=direct)
+                                    direct_regions=direct, busy=self.busy)
                 call(self._attach, group)
             elif kind == "regions":  # the shared-memory registry (before the group's state)
                 self.fe.regions = Regions(RegionTable(self.ctl.recv_fds(1)[0]))

@@ -431,7 +431,13 @@ class Batcher:
         try:
             direct = self._loop_sources(group, pieces)
             if direct is not None:
-                stats, phases = await self._execute_on_loop(group, pieces, T, *direct)
+                # A task of its own, shielded: cancelling this one leaves the step to finish with its slot
+                # and its pieces held until the owner answers, as a step thread's would
+                inner = asyncio.create_task(self._execute_on_loop(group, pieces, T, *direct))
+                self._steps.add(inner)
+                inner.add_done_callback(self._steps.discard)
+                inner.add_done_callback(_taken)
+                stats, phases = await asyncio.shield(inner)
             else:
                 stats, phases = await loop.run_in_executor(self._pool, self._execute, group, pieces, T)
         except BaseException as e:  # noqa: BLE001  any failure of a step fails the group
@@ -513,12 +519,16 @@ class Batcher:
         arena = self.arena if self._arena_direct else None
         budget: dict[tuple, int] = {}
         sources: list[tuple] = []
-        for p in pieces:
-            source = _source(p, budget, slot.x.dtype, regions, arena)
-            if source is None:
-                group.release(slot)
-                return None
-            sources.append(source)
+        try:
+            for p in pieces:
+                source = _source(p, budget, slot.x.dtype, regions, arena)
+                if source is None:
+                    group.release(slot)
+                    return None
+                sources.append(source)
+        except BaseException:
+            group.release(slot)
+            raise
         return slot, sources
 
     async def _execute_on_loop(self, group, pieces: list[_Piece], T: int, slot, candidates: list[tuple]):
@@ -660,6 +670,13 @@ def _placed(rows: Rows, dtype: torch.dtype, regions: bool, arena: WireArena | No
     if isinstance(rows, RegionRows):
         return rows.place() if regions else None
     return arena.place(rows) if arena is not None else None
+
+
+def _taken(task: asyncio.Task) -> None:
+    """A shielded step's outcome, taken: once its caller was cancelled nobody awaits it (its requests have
+    failed already), and asyncio would log an exception nobody took."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _expire(job: _Job, timeout_s: float) -> None:

@@ -307,3 +307,29 @@ def test_a_front_end_runs_one_torch_thread_whatever_the_host():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_step_of_a_new_group_waits_behind_an_earlier_groups_step_on_the_same_connection():
+    """Group A's step still waits on slot 0's connection when group B (the next group, the same connections)
+    sends its own: B waits in a thread behind A instead of reading beside it, and each gets its own answer."""
+    here, owner = mp.Pipe()
+    slot = types.SimpleNamespace(index=0)
+    sent, busy = [0], [threading.Lock()]  # kept by the replica across groups
+
+    def serve():  # the owner: every step answered 0.2 s after it arrived, with its number
+        for _ in range(2):
+            _, gen, n, T = owner.recv()
+            time.sleep(0.2)
+            owner.send(("done", n, {"gen": gen, "n": n}))
+
+    async def main():
+        a = RemoteGroup(1, "fused", [slot], [here], sent, timeout_s=10.0, busy=busy)
+        b = RemoteGroup(2, "fused", [slot], [here], sent, timeout_s=10.0, busy=busy)
+        first = asyncio.create_task(a.run_async(slot, 8))
+        await asyncio.sleep(0.05)  # A has sent and waits
+        return await asyncio.gather(first, b.run_async(slot, 8))
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    assert asyncio.run(main()) == [{"gen": 1, "n": 1}, {"gen": 2, "n": 2}]
+    t.join(5)

@@ -449,6 +449,56 @@ def test_a_nan_row_in_a_step_on_the_loop_gets_its_400_and_its_batch_mates_are_an
         assert same(got[i], want[i]), i
 
 
+class _GatedOnLoop(_OnLoop):
+    """_OnLoop whose steps on the loop wait for `gate` before the owner runs them (`entered`: one waits)."""
+
+    def __init__(self, group):
+        super().__init__(group)
+        self.entered, self.gate = asyncio.Event(), asyncio.Event()
+
+    async def run_async(self, slot, T, sources=()):
+        self.entered.set()
+        await self.gate.wait()
+        return await super().run_async(slot, T, sources)
+
+
+def test_a_cancelled_step_on_the_loop_keeps_its_slot_until_the_owner_has_answered(group, arena):
+    """As a step thread keeps its slot when its caller is cancelled: the slot comes back, and the request gets
+    its error, only once the step itself has returned, never while the owner may still run it."""
+    jobs = jobs_of(arena, ((61, 4),))[:1]
+
+    async def main():
+        gated = _GatedOnLoop(group)
+        b = Batcher(budget=BUDGET, delay_s=0.0, queue_tokens=10_000, slots=2, metrics=Metrics())
+        b.arena = arena
+        b.start()
+        b.attach(gated)
+        free = group._free._free.qsize()
+        try:
+            request = asyncio.ensure_future(b.submit(*jobs[0][:3], 30.0, out=jobs[0][3]))
+            await asyncio.wait_for(gated.entered.wait(), 10)
+            outer = [t for t in b._steps if t.get_coro().__name__ == "_step"]
+            assert len(outer) == 1
+            outer[0].cancel()
+            await asyncio.sleep(0.2)
+            assert group._free._free.qsize() == free - 1, "the slot came back while its step may still run"
+            assert not request.done(), "the request's error went out while the ranks may still write its answer"
+            gated.gate.set()
+            with pytest.raises(GroupUnavailable):
+                await asyncio.wait_for(request, 10)
+            for _ in range(200):
+                if group._free._free.qsize() == free:
+                    break
+                await asyncio.sleep(0.05)
+            assert group._free._free.qsize() == free, "the slot never came back"
+            assert gated.ways == ["loop"]
+        finally:
+            gated.gate.set()
+            await b.close(timeout_s=10)
+
+    asyncio.run(main())
+
+
 class _LateGroup:
     """A group whose step fails after its sources were sent (a front end i >= 1 giving up on the owner),
     as if a rank could still write them later; `run_async` too, as a front end i >= 1's group has."""
@@ -459,6 +509,7 @@ class _LateGroup:
         self.slots = create_slots(CFG, 1)
         self._free = SlotPool(self.slots)
         self.sources: list = []
+        self.ways: list[str] = []
 
     def acquire_slot(self, timeout=None):
         return self._free.get(timeout)
@@ -471,6 +522,7 @@ class _LateGroup:
         raise GroupUnavailable("the owner process did not answer step within 70 s")
 
     async def run_async(self, slot, T, sources=()):
+        self.ways.append("loop")
         return self.run(slot, T, sources)
 
 
@@ -488,6 +540,7 @@ def test_a_failed_steps_arena_blocks_are_not_handed_out_again_while_its_group_li
     finally:
         remove_slots(late.slots)
     assert isinstance(got[0], GroupUnavailable) and len(late.sources) == 1
+    assert late.ways == (["loop"] if late_group is _LateGroup else []), late.ways
     held = arena.in_use()
     del jobs, got
     gc.collect()
