@@ -174,6 +174,9 @@ class SlotShare:
     def run(self, slot, T: int, sources=()):
         return self.group.run(slot, T, sources)
 
+    async def run_async(self, slot, T: int, sources=()):
+        return await self.group.run_async(slot, T, sources)
+
 
 class _Member:
     """One front-end process i >= 1 as the owner sees it."""

@@ -27,6 +27,7 @@ from service.api.regions import Regions, RegionTable
 from service.config import LayerConfig, Settings
 from service.errors import GroupUnavailable, WorkerError
 from service.fleet import FRONTEND_STOP_GRACE_S, Channel, name_process, set_frontend_threads
+from service.worker.group import readable
 from service.worker.malloc import keep_freed_memory
 from service.worker.shm import Slot, SlotPool
 
@@ -88,24 +89,16 @@ class RemoteGroup:
         if not busy.acquire(blocking=False):
             return await loop.run_in_executor(None, self.run, slot, T, sources)
         try:
-            return await self._run_on_loop(loop, slot, T, sources)
+            return await self._run_on_loop(slot, T, sources)
         finally:
             busy.release()
 
-    async def _run_on_loop(self, loop: asyncio.AbstractEventLoop, slot: Slot, T: int, sources):
+    async def _run_on_loop(self, slot: Slot, T: int, sources):
         conn, n, deadline = self._send(slot, T, sources)
         try:
             while True:
-                if not conn.poll(0):
-                    readable = loop.create_future()
-                    loop.add_reader(conn.fileno(), _wake, readable)
-                    try:
-                        async with asyncio.timeout_at(loop.time() + max(0.0, deadline - time.monotonic())):
-                            await readable
-                    except TimeoutError:
-                        raise self._silent() from None
-                    finally:
-                        loop.remove_reader(conn.fileno())
+                if not conn.poll(0) and not await readable([conn.fileno()], [], deadline):
+                    raise self._silent()
                 reply = conn.recv()  # (a whole message: the owner writes its small reply at once)
                 if reply[1] >= n:
                     return self._result(reply, n, slot)
@@ -144,12 +137,6 @@ class RemoteGroup:
             return reply[2]
         _, _, kind, text = reply
         raise WorkerError(text) if kind == "worker" else GroupUnavailable(text)
-
-
-def _wake(readable: asyncio.Future) -> None:
-    """A slot connection's reader: the owner's answer is there."""
-    if not readable.done():
-        readable.set_result(None)
 
 
 class Replica:

@@ -48,8 +48,9 @@ else (other wire requests, regions of another dtype, a request whose rows alread
 larger than DIRECT_MAX_BYTES, a piece whose regions would take the step's past the ranks' bounds,
 MAX_OBJECTS regions and MAX_BYTES mapped) takes the copies above, in the same step. A step whose pieces
 are all direct, on a group that runs steps on the event loop (`run_async`: a front end i >= 1's, whose
-owner runs them, service.replica), has no copy to make: it runs on the loop itself, with no step thread
-between the loop and the owner (`_execute_on_loop`). Since the answer
+owner runs them, service.replica; front end 0's WorkerGroup, when no other step is in flight), has no
+copy to make: it runs on the loop itself, with no step thread between the loop and the ranks or the
+owner (`_execute_on_loop`). Since the answer
 lands in the client's region (or the arena's block) during `group.run`, a request with a direct
 piece in a step (`_Job.direct`, counted under its lock from before the descriptor is made until that
 step returned) is not answered, nor failed (its deadline, a cancel), before that step has returned:
@@ -505,7 +506,8 @@ class Batcher:
 
     def _loop_sources(self, group, pieces: list[_Piece]) -> tuple[object, list[tuple]] | None:
         """A free slot and every piece's source, when the step runs on the event loop: its group runs steps
-        there (`run_async`: a front end i >= 1's, whose owner runs them) and every piece is direct (its rows
+        there (`run_async`: every group has it; WorkerGroup's waits in a thread unless the step is alone in
+        flight) and every piece is direct (its rows
         and answer where the ranks read and write them, its request without a bad row), so the loop has
         no copy to make, only ids and w into the slot. None otherwise: a step thread runs it (`_execute`)."""
         if getattr(group, "run_async", None) is None or self._closing \

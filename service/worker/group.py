@@ -30,7 +30,9 @@ and NCCL sockets use the loopback interface (service.worker.rank).
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -46,7 +48,7 @@ from multiprocessing.connection import wait
 import torch
 
 from service.config import LayerConfig
-from service.errors import BackendUnavailable, GroupUnavailable, InvalidInput, WeightsError, WorkerError
+from service.errors import BackendUnavailable, GroupUnavailable, InvalidInput, MoEError, WeightsError, WorkerError
 from service.metrics import STEP_PHASES
 from service.moe.hostcomm import HostPeers
 from service.moe.layer import BACKENDS
@@ -98,6 +100,42 @@ def _poll(conn) -> bool:
         return conn.poll()
     except OSError:
         return False
+
+
+async def readable(fds: list[int], ends: list[int], deadline: float) -> bool:
+    """On the running event loop: wait until every descriptor of `fds` is readable (True), or one of
+    `ends` is (a process's sentinel) or time.monotonic() passes `deadline` (False). Nothing stays
+    registered with the loop on return, cancelled or not."""
+    loop = asyncio.get_running_loop()
+    waiting = set(fds)
+    done = loop.create_future()
+
+    def ready(fd: int) -> None:
+        loop.remove_reader(fd)
+        waiting.discard(fd)
+        if not waiting and not done.done():
+            done.set_result(True)
+
+    def ended() -> None:
+        if not done.done():
+            done.set_result(False)
+
+    added: list[int] = []
+    try:
+        for fd in fds:
+            loop.add_reader(fd, ready, fd)
+            added.append(fd)
+        for fd in ends:
+            loop.add_reader(fd, ended)
+            added.append(fd)
+        try:
+            async with asyncio.timeout_at(loop.time() + max(0.0, deadline - time.monotonic())):
+                return await done
+        except TimeoutError:
+            return False
+    finally:
+        for fd in added:
+            loop.remove_reader(fd)
 
 
 @dataclasses.dataclass
@@ -355,18 +393,106 @@ class WorkerGroup:
         already waits in the ranks' pipes while they compute this one, and the ranks start it
         without a round trip through this process. Ranks answer in seq order; whichever waiting
         thread reads an answer that is not its own leaves it for its owner."""
+        self._check_T(T)
+        with self._send_lock:
+            seq, sent = self._post(slot, T, sources)
+        answers, collected = self._await(seq)
+        return self._stats(seq, T, sent, answers, collected, sources)
+
+    async def run_async(self, slot: Slot, T: int, sources: tuple[Source, ...] | list[Source] = ()) -> StepStats:
+        """`run` on the event loop, for a step sent while no other is in flight: the ranks' answer wakes the
+        loop itself (readers on the pipes), with no thread between; at one client, a thread's two hand-offs
+        cost ~0.07-0.3 ms each on a GPU host whose idle threads wake slowly (bench/NOTES.md, twenty-first
+        session). Otherwise (another step in flight or its answer being read, a heartbeat under way) the
+        step waits in a thread (`run`), as do steps sent while this one waits. A failing step is read to
+        its end in a thread (naming a dead rank joins it); a cancelled one leaves a thread to take its
+        answer, so the order of answers holds."""
+        loop = asyncio.get_running_loop()
+        self._check_T(T)
+        posted = self._post_alone(slot, T, sources)
+        if posted is None:
+            return await loop.run_in_executor(None, self.run, slot, T, sources)
+        seq, sent = posted
+        reading = True  # this step holds the reader's role (`_reading`) and nobody reads for it yet
+        try:
+            limit = self.step_deadline_s()
+            deadline = time.monotonic() + limit
+            if await self._answered_on_loop(deadline):
+                reading = False  # every pipe holds its rank's answer: the read does not block
+                self._read_next(seq, limit, max(deadline, time.monotonic() + 1.0))
+            else:  # a rank's process ended, or the deadline passed: a thread tells which and kills the group
+                reading = False
+                await loop.run_in_executor(None, self._read_next, seq, limit, deadline)
+            with self._answered:  # alone in flight: the ranks' next answer was this step's
+                answers, collected = self._answers.pop(seq)
+                self._in_flight -= 1
+        except asyncio.CancelledError:
+            if reading:
+                with self._answered:
+                    self._reading = False
+                    self._answered.notify_all()
+            threading.Thread(target=self._drop, args=(seq,), name="moe-drop-answer", daemon=True).start()
+            raise
+        return self._stats(seq, T, sent, answers, collected, sources)
+
+    def _check_T(self, T: int) -> None:
         if not 1 <= T <= self.cfg.tokens_per_step:
             raise InvalidInput(f"a step takes 1..{self.cfg.tokens_per_step} tokens, got {T}")
-        with self._send_lock:
-            if not self.alive:
-                raise self._failure or GroupUnavailable("the rank group is not running")
-            self.seq += 1
-            seq = self.seq
-            sent = now()
-            self._send(("step", seq, slot.index, T, tuple(sources)))
+
+    def _post(self, slot: Slot, T: int, sources) -> tuple[int, float]:
+        """Send the step (the caller holds _send_lock); its seq and when it was sent."""
+        if not self.alive:
+            raise self._failure or GroupUnavailable("the rank group is not running")
+        self.seq += 1
+        seq = self.seq
+        sent = now()
+        self._send(("step", seq, slot.index, T, tuple(sources)))
+        with self._answered:
+            self._in_flight += 1
+        return seq, sent
+
+    def _post_alone(self, slot: Slot, T: int, sources) -> tuple[int, float] | None:
+        """`_post` if no other step is in flight and nobody sends (a heartbeat may hold the lock for a
+        ping's round trip: never wait for it on the loop), this step then holding the reader's role for
+        its own answer, the next the ranks give; None otherwise."""
+        if not self._send_lock.acquire(blocking=False):
+            return None
+        try:
             with self._answered:
-                self._in_flight += 1
-        answers, collected = self._await(seq)
+                if self._in_flight or self._reading:
+                    return None
+                posted = self._post(slot, T, sources)
+                self._reading = True
+                return posted
+        finally:
+            self._send_lock.release()
+
+    async def _answered_on_loop(self, deadline: float) -> bool:
+        """Wait on the event loop until every rank's pipe is readable (True), or a rank's process has ended
+        or time.monotonic() passed `deadline` (False). The loop watches copies of the descriptors: a
+        _kill in another thread closes the pipes, and a closed descriptor's number, reused meanwhile,
+        must never stay registered with the loop."""
+        pipes: list[int] = []
+        ends: list[int] = []
+        try:
+            try:
+                for conn in self._conns:
+                    pipes.append(os.dup(conn.fileno()))
+                for proc in self._procs:
+                    ends.append(os.dup(proc.sentinel))
+            except (OSError, ValueError):  # closed by _kill meanwhile: the thread's read tells why
+                return False
+            return bool(pipes) and await readable(pipes, ends, deadline)
+        finally:
+            for fd in pipes + ends:
+                os.close(fd)
+
+    def _drop(self, seq: int) -> None:
+        """A cancelled run_async's answer: taken when it comes (a failure is the group's, kept there)."""
+        with contextlib.suppress(MoEError):
+            self._await(seq)
+
+    def _stats(self, seq: int, T: int, sent: float, answers: list, collected: float, sources) -> StepStats:
         returned = now()
         wall = returned - sent
         if seq > 1:  # the first step (the warm-up) pays one-time costs: compiles, first touches
@@ -396,33 +522,42 @@ class WorkerGroup:
                 if not self.alive:
                     raise GroupUnavailable("the rank group is not running")
                 self._reading = True
-            answers = None
-            try:
-                answers = self._collect("done", self.step_deadline_s(), f"step {seq}")
-                collected = now()
-                seqs = {a[0] for a in answers}
-                if len(seqs) != 1:  # the ranks' own check makes this unreachable unless the protocol breaks
-                    raise WorkerError(f"ranks answered seqs {sorted(seqs)} for one step")
-            except WorkerError as err:
-                self._failure = err
-                self._kill()
-                raise
-            finally:
-                with self._answered:
-                    self._reading = False
-                    if self._failure is None and answers is not None:
-                        self._answers[answers[0][0]] = (answers, collected)
-                    self._answered.notify_all()
+            self._read_next(seq)
 
-    def _collect(self, kind: str, timeout: float, what: str) -> list:
-        """One `kind` answer from every rank, in rank order; WorkerError on anything else, and
-        the group's failure (or GroupUnavailable) when another thread kills or closes it meanwhile."""
+    def _read_next(self, seq: int, timeout: float | None = None, deadline: float | None = None) -> None:
+        """As the reader (`_reading`, given up here): the ranks' next answer, filed under its seq. Any
+        failure (within `timeout`, by default the step's deadline; until `deadline` where given) kills the
+        group. `seq`: the step whose thread reads, to name it."""
+        answers = None
+        try:
+            timeout = self.step_deadline_s() if timeout is None else timeout
+            answers = self._collect("done", timeout, f"step {seq}", deadline)
+            collected = now()
+            seqs = {a[0] for a in answers}
+            if len(seqs) != 1:  # the ranks' own check makes this unreachable unless the protocol breaks
+                raise WorkerError(f"ranks answered seqs {sorted(seqs)} for one step")
+        except WorkerError as err:
+            self._failure = err
+            self._kill()
+            raise
+        finally:
+            with self._answered:
+                self._reading = False
+                if self._failure is None and answers is not None:
+                    self._answers[answers[0][0]] = (answers, collected)
+                self._answered.notify_all()
+
+    def _collect(self, kind: str, timeout: float, what: str, deadline: float | None = None) -> list:
+        """One `kind` answer from every rank, in rank order, within `timeout` (until `deadline` where given:
+        a wait begun earlier); WorkerError on anything else, and the group's failure (or GroupUnavailable)
+        when another thread kills or closes it meanwhile."""
         procs, conns = self._procs, self._conns  # (_kill empties the lists: name ranks from these)
         if not conns:
             raise self._failure or GroupUnavailable("the rank group is not running")
         pending = dict(enumerate(conns))
         answers: dict[int, object] = {}
-        deadline = time.monotonic() + timeout
+        if deadline is None:
+            deadline = time.monotonic() + timeout
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:

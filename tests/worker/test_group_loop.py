@@ -1,0 +1,207 @@
+"""WorkerGroup.run_async: a step alone in flight is read on the event loop (readers on the ranks' pipes),
+any other waits in a thread, and the answers keep their order and their steps whatever happens
+between: steps beside it, a cancelled caller, a killed, stopped or closed group."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from service.config import LayerConfig
+from service.errors import GroupUnavailable, WorkerError
+from service.worker.group import WorkerGroup
+from tests.helpers import routing
+
+SMALL = LayerConfig(E=4, H=16, I=32, K=2, R=4, C=4, dtype=torch.float32)
+T = 11
+
+
+def _fill(slot, seed: int) -> torch.Tensor:
+    """Fresh rows into the slot (its answer rows poisoned); the inputs, for a solo run of them."""
+    gen = torch.Generator().manual_seed(seed)
+    ids, w = routing(T, SMALL.E, SMALL.K, "balanced", gen)
+    x = torch.randn(T, SMALL.H, generator=gen)
+    slot.x[:T].copy_(x)
+    slot.ids[:T].copy_(ids)
+    slot.w[:T].copy_(w)
+    slot.out[:T].fill_(float("nan"))
+    return x, ids.to(torch.int32), w
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def group(monkeypatch):
+    """A started group of 3 slots whose reads are recorded: (seq named, read on the main thread)."""
+    g = WorkerGroup(SMALL, slots=3, step_timeout_s=60)
+    g.start()
+    reads: list[tuple[int, bool]] = []
+    read_next = g._read_next
+
+    def recorded(seq, *args):
+        reads.append((seq, threading.current_thread() is threading.main_thread()))
+        return read_next(seq, *args)
+
+    monkeypatch.setattr(g, "_read_next", recorded)
+    g.reads = reads
+    try:
+        yield g
+    finally:
+        g.close()
+
+
+async def _reading(g: WorkerGroup, in_flight: int) -> None:
+    """Until `in_flight` steps are sent and one holds the reader's role."""
+    deadline = time.monotonic() + 10
+    while not (g._reading and g._in_flight == in_flight):
+        assert time.monotonic() < deadline, (g._reading, g._in_flight)
+        await asyncio.sleep(0.005)
+
+
+def test_a_step_alone_is_read_on_the_loop_and_answers_as_a_solo_run(group):
+    g = group
+    slot = g.acquire_slot()
+    inputs = _fill(slot, 1)
+    stats = asyncio.run(g.run_async(slot, T))
+    assert stats.seq == g.seq and stats.tokens == T and stats.wall_s > 0
+    assert abs(sum(stats.phases.values()) - stats.wall_s) < 1e-6
+    assert g.reads == [(stats.seq, True)]  # read by the loop's own thread, no executor between
+    got = slot.out[:T].clone()
+    g.release(slot)
+    assert torch.equal(got, g.forward(*inputs))
+    assert g._in_flight == 0 and not g._answers and not g._reading and g.heartbeat() is True
+
+
+def test_steps_beside_a_loop_step_wait_in_threads_and_keep_their_rows(group):
+    """Rank 0 stopped: a loop step waits holding the reader's role; a thread's step and a second
+    run_async (which finds a step in flight) are sent behind it. Rank 0 resumed: each slot holds its
+    own answer, the first read on the loop, the others in threads."""
+    g = group
+    slots = [g.acquire_slot() for _ in range(3)]
+    inputs = [_fill(s, 10 + i) for i, s in enumerate(slots)]
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        os.kill(g.pids[0], signal.SIGSTOP)
+        try:
+            first = asyncio.create_task(g.run_async(slots[0], T))
+            await _reading(g, 1)
+            second = loop.run_in_executor(None, g.run, slots[1], T)
+            await _reading(g, 2)
+            third = asyncio.create_task(g.run_async(slots[2], T))
+            await _reading(g, 3)
+            assert not (first.done() or second.done() or third.done())
+        finally:
+            os.kill(g.pids[0], signal.SIGCONT)
+        return await asyncio.gather(first, second, third)
+
+    stats = asyncio.run(main())
+    assert [s.seq for s in stats] == [g.seq - 2, g.seq - 1, g.seq]
+    # one read per step: the first on the loop; the others by whichever waiting thread came first
+    assert g.reads[0] == (stats[0].seq, True) and len(g.reads) == 3
+    assert all(not on_main and seq in (stats[1].seq, stats[2].seq) for seq, on_main in g.reads[1:])
+    got = [s.out[:T].clone() for s in slots]
+    for s in slots:
+        g.release(s)
+    for out, x in zip(got, inputs, strict=True):
+        assert torch.equal(out, g.forward(*x))
+    assert g._in_flight == 0 and not g._answers and g.heartbeat() is True
+
+
+def test_a_cancelled_loop_step_leaves_its_answer_to_a_thread(group):
+    """Its caller gone, the step still runs: a thread takes its answer when it comes, so the next
+    steps get theirs (not its) and the idle group answers its heartbeat (nothing left in flight)."""
+    g = group
+    slot = g.acquire_slot()
+    _fill(slot, 20)
+
+    async def cancelled():
+        os.kill(g.pids[0], signal.SIGSTOP)
+        try:
+            step = asyncio.create_task(g.run_async(slot, T))
+            await _reading(g, 1)
+            step.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await step
+        finally:
+            os.kill(g.pids[0], signal.SIGCONT)
+
+    asyncio.run(cancelled())
+    deadline = time.monotonic() + 10
+    while g._in_flight:
+        assert time.monotonic() < deadline, "the cancelled step's answer was never taken"
+        time.sleep(0.01)
+    assert not g._answers and g.alive and g.heartbeat() is True
+    inputs = _fill(slot, 21)
+    asyncio.run(g.run_async(slot, T))
+    got = slot.out[:T].clone()
+    g.release(slot)
+    assert torch.equal(got, g.forward(*inputs))
+
+
+def test_a_rank_killed_mid_loop_step_fails_it_at_once_and_is_named(group):
+    g = group
+    fds = _open_fds()
+    slot = g.acquire_slot()
+    _fill(slot, 30)
+
+    async def main():
+        os.kill(g.pids[1], signal.SIGSTOP)
+        step = asyncio.create_task(g.run_async(slot, T))
+        await _reading(g, 1)
+        t0 = time.monotonic()
+        os.kill(g.pids[1], signal.SIGKILL)
+        with pytest.raises(WorkerError, match="rank 1 died \\(killed by signal 9, SIGKILL\\)"):
+            await step
+        return time.monotonic() - t0
+
+    assert asyncio.run(main()) < 10
+    assert not g.alive and [on_main for _, on_main in g.reads] == [False]  # the failing read: a thread's
+    with pytest.raises((WorkerError, GroupUnavailable)):
+        asyncio.run(g.run_async(slot, T))
+    g.close()
+    assert _open_fds() <= fds  # no copy of a pipe or a sentinel left open
+
+
+def test_a_stopped_rank_fails_the_loop_step_at_its_deadline():
+    with WorkerGroup(SMALL, step_timeout_s=2) as g:
+        slot = g.acquire_slot()
+        _fill(slot, 40)
+        os.kill(g.pids[2], signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match="rank 2 is stopped .* did not answer within 2 s"):
+            asyncio.run(g.run_async(slot, T))
+        assert time.monotonic() - t0 < 10 and not g.alive
+
+
+def test_closing_the_group_under_a_waiting_loop_step_ends_it(group):
+    """close() in another thread (the server's supervisor) closes the pipes the loop waits on: the step
+    ends with the group's failure, and the loop keeps no reader on a descriptor that was closed."""
+    g = group
+    fds = _open_fds()
+    slot = g.acquire_slot()
+    _fill(slot, 50)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        os.kill(g.pids[0], signal.SIGSTOP)
+        step = asyncio.create_task(g.run_async(slot, T))
+        await _reading(g, 1)
+        watched = set(loop._selector.get_map())  # the pipes' and sentinels' copies
+        assert len(watched) >= 2 * SMALL.R
+        closing = loop.run_in_executor(None, g.close)
+        with pytest.raises((WorkerError, GroupUnavailable)):
+            await asyncio.wait_for(step, 30)
+        await closing
+        return watched - set(loop._selector.get_map())
+
+    assert len(asyncio.run(main())) >= 2 * SMALL.R  # every copy unregistered
+    assert _open_fds() <= fds
