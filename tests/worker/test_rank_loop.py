@@ -315,6 +315,29 @@ def test_an_idle_rank_polls_its_pipe_for_idle_spin_s_then_blocks(monkeypatch, id
         assert used["in the window"] < 0.03, used
 
 
+def test_the_idle_spin_setting_reaches_the_ranks_options(monkeypatch):
+    """--rank-idle-spin-ms (milliseconds) -> the server's group (idle_spin_s) -> every rank's RankOptions."""
+    from service.config import Settings
+    from service.server import Server
+    from service.worker import group as group_mod
+
+    group = Server(Settings(device="cpu", rank_idle_spin_ms=3.5))._new_group()
+    assert group.idle_spin_s == pytest.approx(0.0035)
+    made: list[float] = []
+
+    class Stop(Exception):
+        pass
+
+    def options(**kwargs):
+        made.append(kwargs["idle_spin_s"])
+        raise Stop  # nothing is spawned: the start fails here and cleans up
+
+    monkeypatch.setattr(group_mod, "RankOptions", options)
+    with pytest.raises(Stop):
+        group.start()
+    assert made == [pytest.approx(0.0035)] and not group.alive
+
+
 def test_copy_streams_record_and_wait_on_the_right_streams(monkeypatch):
     """--rank-copy-streams: each step's rows' events are recorded on the in-stream and waited by the
     layer's stream before its device copy; its answer's DMA waits on the layer's event and is done
