@@ -174,8 +174,8 @@ class SlotShare:
     def run(self, slot, T: int, sources=()):
         return self.group.run(slot, T, sources)
 
-    async def run_async(self, slot, T: int, sources=()):
-        return await self.group.run_async(slot, T, sources)
+    async def run_async(self, slot, T: int, sources=(), executor=None):
+        return await self.group.run_async(slot, T, sources, executor)
 
 
 class _Member:

@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import Executor
 from multiprocessing.connection import Connection
 
 from service.api.regions import Regions, RegionTable
@@ -76,18 +77,18 @@ class RemoteGroup:
             except (EOFError, OSError):
                 raise self._gone() from None
 
-    async def run_async(self, slot: Slot, T: int, sources=()):
+    async def run_async(self, slot: Slot, T: int, sources=(), executor: Executor | None = None):
         """`run` on the event loop: the step is sent from the loop and the owner's answer wakes the loop
         itself (a reader on the slot's connection), with no step thread between. At one client each of a
         thread's two hand-offs cost ~0.07-0.3 ms on a GPU host whose idle threads wake slowly (bench/NOTES.md,
         twenty-first session). A step cancelled meanwhile leaves its answer in the connection, which the
         slot's next step skips (its number is smaller), as it skips any answer an earlier group gave up on.
         While another step still waits on the slot's connection (an earlier group's), this one waits in a
-        thread behind it (`run`)."""
+        thread of `executor` behind it (`run`)."""
         loop = asyncio.get_running_loop()
         busy = self._busy[slot.index]
         if not busy.acquire(blocking=False):
-            return await loop.run_in_executor(None, self.run, slot, T, sources)
+            return await loop.run_in_executor(executor, self.run, slot, T, sources)
         try:
             return await self._run_on_loop(slot, T, sources)
         finally:

@@ -557,7 +557,7 @@ class Batcher:
                         slot.ids[at].zero_()
                         slot.w[at].zero_()
                 t1 = time.perf_counter()
-                stats = await (group.run_async(slot, T, sources) if sources else group.run_async(slot, T))
+                stats = await group.run_async(slot, T, sources, executor=self._pool)
                 t2 = time.perf_counter()
                 self._note_reports(stats, held)
                 return stats, (t1 - t0, t2 - t1, time.perf_counter() - t2)

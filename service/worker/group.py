@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
@@ -399,41 +400,64 @@ class WorkerGroup:
         answers, collected = self._await(seq)
         return self._stats(seq, T, sent, answers, collected, sources)
 
-    async def run_async(self, slot: Slot, T: int, sources: tuple[Source, ...] | list[Source] = ()) -> StepStats:
+    async def run_async(self, slot: Slot, T: int, sources: tuple[Source, ...] | list[Source] = (),
+                        executor: concurrent.futures.Executor | None = None) -> StepStats:
         """`run` on the event loop, for a step sent while no other is in flight: the ranks' answer wakes the
         loop itself (readers on the pipes), with no thread between; at one client, a thread's two hand-offs
         cost ~0.07-0.3 ms each on a GPU host whose idle threads wake slowly (bench/NOTES.md, twenty-first
         session). Otherwise (another step in flight or its answer being read, a heartbeat under way) the
-        step waits in a thread (`run`), as do steps sent while this one waits. A failing step is read to
-        its end in a thread (naming a dead rank joins it); a cancelled one leaves a thread to take its
-        answer, so the order of answers holds."""
+        step waits in a thread of `executor` (`run`; the caller's pool, sized to its steps: the loop's
+        default executor is shared), as do steps sent while this one waits.
+
+        The loop reads only what is already there (every pipe readable, no rank's process ended); a
+        rank's "error" message read there kills the group from a thread. A rank's end or the deadline
+        hands the read to a thread of its own (naming a dead rank joins it), which neither a cancel nor a
+        busy executor can keep from running; a cancelled step, or one that fails, leaves a thread to take
+        its answer, so the ranks' answers keep their order."""
         loop = asyncio.get_running_loop()
         self._check_T(T)
         posted = self._post_alone(slot, T, sources)
         if posted is None:
-            return await loop.run_in_executor(None, self.run, slot, T, sources)
+            return await loop.run_in_executor(executor, self.run, slot, T, sources)
         seq, sent = posted
         reading = True  # this step holds the reader's role (`_reading`) and nobody reads for it yet
         try:
             limit = self.step_deadline_s()
             deadline = time.monotonic() + limit
             if await self._answered_on_loop(deadline):
-                reading = False  # every pipe holds its rank's answer: the read does not block
-                self._read_next(seq, limit, max(deadline, time.monotonic() + 1.0))
-            else:  # a rank's process ended, or the deadline passed: a thread tells which and kills the group
+                reading = False  # (the read gives the role back, whatever happens)
+                try:
+                    self._read_next(seq, limit, max(deadline, time.monotonic() + 1.0), False)
+                except WorkerError:
+                    threading.Thread(target=self._kill, name="moe-kill-ranks", daemon=True).start()
+                    raise
+            else:
+                read: concurrent.futures.Future = concurrent.futures.Future()
+                read.set_running_or_notify_cancel()  # running: a cancel of the awaiting task cannot remove it
+                threading.Thread(target=self._read_into, args=(read, seq, limit, deadline),
+                                 name="moe-read-step", daemon=True).start()
                 reading = False
-                await loop.run_in_executor(None, self._read_next, seq, limit, deadline)
-            with self._answered:  # alone in flight: the ranks' next answer was this step's
-                answers, collected = self._answers.pop(seq)
-                self._in_flight -= 1
-        except asyncio.CancelledError:
+                await asyncio.wrap_future(read)
+        except BaseException:
             if reading:
                 with self._answered:
                     self._reading = False
                     self._answered.notify_all()
             threading.Thread(target=self._drop, args=(seq,), name="moe-drop-answer", daemon=True).start()
             raise
+        with self._answered:  # alone in flight: the ranks' next answer was this step's
+            answers, collected = self._answers.pop(seq)
+            self._in_flight -= 1
         return self._stats(seq, T, sent, answers, collected, sources)
+
+    def _read_into(self, read: concurrent.futures.Future, seq: int, limit: float, deadline: float) -> None:
+        """`_read_next` in a thread, its outcome in `read`."""
+        try:
+            self._read_next(seq, limit, deadline)
+        except BaseException as exc:  # noqa: BLE001  the awaiting step raises it
+            read.set_exception(exc)
+        else:
+            read.set_result(None)
 
     def _check_T(self, T: int) -> None:
         if not 1 <= T <= self.cfg.tokens_per_step:
@@ -468,8 +492,8 @@ class WorkerGroup:
             self._send_lock.release()
 
     async def _answered_on_loop(self, deadline: float) -> bool:
-        """Wait on the event loop until every rank's pipe is readable (True), or a rank's process has ended
-        or time.monotonic() passed `deadline` (False). The loop watches copies of the descriptors: a
+        """Wait on the event loop until every rank's pipe is readable and no rank's process has ended (True),
+        or one has ended or time.monotonic() passed `deadline` (False). The loop watches copies of the descriptors: a
         _kill in another thread closes the pipes, and a closed descriptor's number, reused meanwhile,
         must never stay registered with the loop."""
         pipes: list[int] = []
@@ -482,7 +506,8 @@ class WorkerGroup:
                     ends.append(os.dup(proc.sentinel))
             except (OSError, ValueError):  # closed by _kill meanwhile: the thread's read tells why
                 return False
-            return bool(pipes) and await readable(pipes, ends, deadline)
+            # (a rank that raised sends its traceback, then exits: once it has, naming it may join it)
+            return bool(pipes) and await readable(pipes, ends, deadline) and not wait(ends, timeout=0)
         finally:
             for fd in pipes + ends:
                 os.close(fd)
@@ -524,10 +549,11 @@ class WorkerGroup:
                 self._reading = True
             self._read_next(seq)
 
-    def _read_next(self, seq: int, timeout: float | None = None, deadline: float | None = None) -> None:
+    def _read_next(self, seq: int, timeout: float | None = None, deadline: float | None = None,
+                   kill: bool = True) -> None:
         """As the reader (`_reading`, given up here): the ranks' next answer, filed under its seq. Any
-        failure (within `timeout`, by default the step's deadline; until `deadline` where given) kills the
-        group. `seq`: the step whose thread reads, to name it."""
+        failure (within `timeout`, by default the step's deadline; until `deadline` where given) fails the
+        group and kills it (unless not `kill`: the caller does). `seq`: the step whose thread reads, to name it."""
         answers = None
         try:
             timeout = self.step_deadline_s() if timeout is None else timeout
@@ -538,7 +564,9 @@ class WorkerGroup:
                 raise WorkerError(f"ranks answered seqs {sorted(seqs)} for one step")
         except WorkerError as err:
             self._failure = err
-            self._kill()
+            self.alive = False
+            if kill:
+                self._kill()
             raise
         finally:
             with self._answered:
@@ -559,16 +587,16 @@ class WorkerGroup:
         if deadline is None:
             deadline = time.monotonic() + timeout
         while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise WorkerError(self._silence(sorted(pending), what, timeout, procs))
             sentinels = {procs[r].sentinel: r for r in pending}
-            try:
-                ready = wait(list(pending.values()) + list(sentinels), timeout=left)
+            try:  # (past the deadline, one look all the same: a reader woken late, a stalled event loop's
+                # thread, still takes the answers that came in time)
+                ready = wait(list(pending.values()) + list(sentinels), timeout=max(0.0, deadline - time.monotonic()))
             except (OSError, ValueError):  # a pipe or sentinel closed by _kill in another thread
                 if self.alive:
                     raise
                 raise self._failure or GroupUnavailable("the rank group was stopped") from None
+            if not ready:
+                raise WorkerError(self._silence(sorted(pending), what, timeout, procs))
             for obj in ready:
                 if obj in sentinels:
                     continue  # read the pipe first: a dying rank sends its traceback before exiting

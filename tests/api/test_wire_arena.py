@@ -411,7 +411,7 @@ class _OnLoop:
         self.ways.append("thread")
         return self.group.run(slot, T, sources)
 
-    async def run_async(self, slot, T, sources=()):
+    async def run_async(self, slot, T, sources=(), executor=None):
         assert threading.current_thread() is threading.main_thread(), "run_async off the event loop"
         self.ways.append("loop")
         return await asyncio.to_thread(self.group.run, slot, T, sources)
@@ -456,10 +456,10 @@ class _GatedOnLoop(_OnLoop):
         super().__init__(group)
         self.entered, self.gate = asyncio.Event(), asyncio.Event()
 
-    async def run_async(self, slot, T, sources=()):
+    async def run_async(self, slot, T, sources=(), executor=None):
         self.entered.set()
         await self.gate.wait()
-        return await super().run_async(slot, T, sources)
+        return await super().run_async(slot, T, sources, executor)
 
 
 def test_a_cancelled_step_on_the_loop_keeps_its_slot_until_the_owner_has_answered(group, arena):
@@ -521,13 +521,13 @@ class _LateGroup:
         self.sources.extend(sources)
         raise GroupUnavailable("the owner process did not answer step within 70 s")
 
-    async def run_async(self, slot, T, sources=()):
+    async def run_async(self, slot, T, sources=(), executor=None):
         self.ways.append("loop")
         return self.run(slot, T, sources)
 
 
 class _LateThreadGroup(_LateGroup):
-    run_async = None  # (the owner's own group: steps in a step thread)
+    run_async = None  # (a group without run_async: every step in a step thread)
 
 
 @pytest.mark.parametrize("late_group", [_LateThreadGroup, _LateGroup], ids=["step thread", "event loop"])

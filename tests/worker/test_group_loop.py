@@ -205,3 +205,139 @@ def test_closing_the_group_under_a_waiting_loop_step_ends_it(group):
 
     assert len(asyncio.run(main())) >= 2 * SMALL.R  # every copy unregistered
     assert _open_fds() <= fds
+
+
+def test_a_step_cancelled_while_its_failing_read_runs_leaves_nothing_waiting():
+    """Past the deadline (a rank stopped) the read goes to a thread of its own, not to the loop's default
+    executor: with that executor busy, a cancel used to remove the queued read, and the reader's role stayed
+    taken for good (every later step and the heartbeat waited). Now the read runs, fails the group, and a
+    step after it is refused at once."""
+    import concurrent.futures
+
+    with WorkerGroup(SMALL, step_timeout_s=1) as g:
+        slot = g.acquire_slot()
+        _fill(slot, 60)
+        busy = threading.Event()
+
+        async def main():
+            loop = asyncio.get_running_loop()
+            loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(1))
+            blocker = loop.run_in_executor(None, busy.wait, 30)  # the default executor's one worker, taken
+            os.kill(g.pids[1], signal.SIGSTOP)
+            step = asyncio.create_task(g.run_async(slot, T))
+            await _reading(g, 1)
+            await asyncio.sleep(1.3)  # past the deadline: the read is under way in a thread
+            step.cancel()
+            with pytest.raises((asyncio.CancelledError, WorkerError)):
+                await step
+            busy.set()
+            await blocker
+
+        t0 = time.monotonic()
+        asyncio.run(main())
+        while g._reading or g.alive:
+            assert time.monotonic() - t0 < 15, (g._reading, g.alive)
+            time.sleep(0.01)
+        assert isinstance(g._failure, WorkerError) and "rank 1 is stopped" in str(g._failure)
+        with pytest.raises(WorkerError):
+            g.run(slot, T)
+
+
+def test_a_failing_loop_step_does_not_wait_for_a_full_executor():
+    """Steps sent behind a loop step wait for the reader's role in threads of the executor they are given;
+    when those fill it, the loop step's failing read (in a thread of its own) still runs: both steps fail at
+    the deadline instead of waiting on each other for ever."""
+    import concurrent.futures
+
+    with WorkerGroup(SMALL, slots=2, step_timeout_s=1) as g:
+        first, second = g.acquire_slot(), g.acquire_slot()
+        _fill(first, 70)
+        _fill(second, 71)
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+
+        async def main():
+            asyncio.get_running_loop().set_default_executor(pool)  # (the old read's executor: the same one)
+            os.kill(g.pids[0], signal.SIGSTOP)
+            a = asyncio.create_task(g.run_async(first, T, (), pool))
+            await _reading(g, 1)
+            b = asyncio.create_task(g.run_async(second, T, (), pool))  # in flight behind a: pool's one thread
+            await _reading(g, 2)
+            return await asyncio.wait_for(asyncio.gather(a, b, return_exceptions=True), 20)
+
+        results = asyncio.run(main())
+        pool.shutdown()
+        assert all(isinstance(r, WorkerError) for r in results), results
+        assert not g.alive
+
+
+def test_a_rank_error_read_on_the_loop_kills_the_ranks_from_a_thread(monkeypatch):
+    """R = 1: a rank that raises sends its traceback, then exits; the loop may read that message itself (every
+    pipe readable). The kill (a join per rank) must not run on the event loop."""
+    cfg = LayerConfig(E=4, H=16, I=32, K=2, R=1, C=16, dtype=torch.float32)
+    with WorkerGroup(cfg, slots=1, step_timeout_s=30) as g:
+        slot = g.acquire_slot()
+        slot.x[:T].normal_()
+        slot.ids[:T] = 1_000_000  # the rank itself must fail
+        slot.w[:T] = 0.5
+        kills: list[bool] = []
+        kill = g._kill
+
+        def recorded():
+            kills.append(threading.current_thread() is threading.main_thread())
+            kill()
+
+        monkeypatch.setattr(g, "_kill", recorded)
+        with pytest.raises(WorkerError) as info:
+            asyncio.run(g.run_async(slot, T))
+        assert info.value.traceback and "Traceback" in info.value.traceback
+        deadline = time.monotonic() + 10
+        while not kills:
+            assert time.monotonic() < deadline, "the ranks were never killed"
+            time.sleep(0.01)
+        assert kills[0] is False and not g.alive
+
+
+def test_a_loop_stalled_past_the_deadline_still_takes_answers_that_came_in_time(group):
+    """The loop blocked (a long request's work) while healthy ranks answered: its readers and the deadline
+    fire together. The answers in the pipes are read, not declared missing (before: the group was killed
+    as "did not answer within 1 s")."""
+    g = group
+    g.step_timeout_s = 1.0  # no step measured yet: the deadline is step_timeout_s
+    slot = g.acquire_slot()
+    inputs = _fill(slot, 80)
+
+    async def main():
+        step = asyncio.create_task(g.run_async(slot, T))
+        await _reading(g, 1)
+        time.sleep(1.5)  # the loop itself stalls, past the deadline
+        return await step
+
+    stats = asyncio.run(main())
+    assert stats.seq == g.seq and g.alive
+    got = slot.out[:T].clone()
+    g.release(slot)
+    assert torch.equal(got, g.forward(*inputs))
+
+
+def test_a_step_while_the_send_lock_is_held_waits_in_a_thread(group):
+    """A heartbeat holds the send lock for a ping's round trip: the loop never waits on it; the step goes to
+    a thread, which sends once the lock is free."""
+    g = group
+    slot = g.acquire_slot()
+    inputs = _fill(slot, 90)
+    held = threading.Event()
+
+    def hold():
+        with g._send_lock:
+            held.set()
+            time.sleep(0.3)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(5)
+    asyncio.run(g.run_async(slot, T))
+    holder.join()
+    assert [on_main for _, on_main in g.reads] == [False]
+    got = slot.out[:T].clone()
+    g.release(slot)
+    assert torch.equal(got, g.forward(*inputs))
