@@ -15,10 +15,11 @@ import torch
 
 from service.config import LayerConfig
 from service.errors import GroupUnavailable, WorkerError
+from service.worker import group as group_mod
 from service.worker.group import WorkerGroup
 from tests.helpers import routing
 
-SMALL = LayerConfig(E=4, H=16, I=32, K=2, R=4, C=4, dtype=torch.float32)
+SMALL = LayerConfig(E=4, H=16, I=32, K=2, R=2, C=8, dtype=torch.float32)
 T = 11
 
 
@@ -172,20 +173,21 @@ def test_a_rank_killed_mid_loop_step_fails_it_at_once_and_is_named(group):
 
 
 def test_a_stopped_rank_fails_the_loop_step_at_its_deadline():
-    with WorkerGroup(SMALL, step_timeout_s=2) as g:
+    with WorkerGroup(SMALL, step_timeout_s=1) as g:
         slot = g.acquire_slot()
         _fill(slot, 40)
-        os.kill(g.pids[2], signal.SIGSTOP)
+        os.kill(g.pids[1], signal.SIGSTOP)
         t0 = time.monotonic()
-        with pytest.raises(WorkerError, match="rank 2 is stopped .* did not answer within 2 s"):
+        with pytest.raises(WorkerError, match="rank 1 is stopped .* did not answer within 1 s"):
             asyncio.run(g.run_async(slot, T))
         assert time.monotonic() - t0 < 10 and not g.alive
 
 
-def test_closing_the_group_under_a_waiting_loop_step_ends_it(group):
+def test_closing_the_group_under_a_waiting_loop_step_ends_it(group, monkeypatch):
     """close() in another thread (the server's supervisor) closes the pipes the loop waits on: the step
     ends with the group's failure, and the loop keeps no reader on a descriptor that was closed."""
     g = group
+    monkeypatch.setattr(group_mod, "STOP_GRACE_S", 0.5)  # a stopped rank never exits politely
     fds = _open_fds()
     slot = g.acquire_slot()
     _fill(slot, 50)
