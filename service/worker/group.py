@@ -513,7 +513,8 @@ class WorkerGroup:
                 os.close(fd)
 
     def _drop(self, seq: int) -> None:
-        """A cancelled run_async's answer: taken when it comes (a failure is the group's, kept there)."""
+        """The answer of a run_async step whose caller will not take it (cancelled, or failed): taken when it
+        comes, so that it is not left filed and counted in flight (a failure is the group's, kept there)."""
         with contextlib.suppress(MoEError):
             self._await(seq)
 
