@@ -310,7 +310,10 @@ def test_a_loop_stalled_past_the_deadline_still_takes_answers_that_came_in_time(
 
     async def main():
         step = asyncio.create_task(g.run_async(slot, T))
-        await _reading(g, 1)
+        # One turn: the step is sent and waits on the loop. (Not _reading(): healthy ranks may answer before
+        # it looks, and the loop would then read the answer at once.)
+        await asyncio.sleep(0)
+        assert g._reading and g._in_flight == 1
         time.sleep(1.5)  # the loop itself stalls, past the deadline
         return await step
 
