@@ -506,10 +506,10 @@ class Batcher:
 
     def _loop_sources(self, group, pieces: list[_Piece]) -> tuple[object, list[tuple]] | None:
         """A free slot and every piece's source, when the step runs on the event loop: its group runs steps
-        there (`run_async`: every group has it; WorkerGroup's waits in a thread unless the step is alone in
-        flight) and every piece is direct (its rows
-        and answer where the ranks read and write them, its request without a bad row), so the loop has
-        no copy to make, only ids and w into the slot. None otherwise: a step thread runs it (`_execute`)."""
+        there (`run_async`; WorkerGroup's waits in a thread unless the step is alone in flight) and every
+        piece is direct (its rows and answer where the ranks read and write them, its request without a bad
+        row), so the loop has no copy to make, only ids and w into the slot. None otherwise: a step thread
+        runs it (`_execute`)."""
         if getattr(group, "run_async", None) is None or self._closing \
                 or any(p.job.invalid is not None for p in pieces):
             return None

@@ -492,10 +492,11 @@ class WorkerGroup:
             self._send_lock.release()
 
     async def _answered_on_loop(self, deadline: float) -> bool:
-        """Wait on the event loop until every rank's pipe is readable and no rank's process has ended (True),
-        or one has ended or time.monotonic() passed `deadline` (False). The loop watches copies of the descriptors: a
-        _kill in another thread closes the pipes, and a closed descriptor's number, reused meanwhile,
-        must never stay registered with the loop."""
+        """Wait on the event loop until every rank's pipe is readable and no rank's process has ended
+        (True), or one has ended or time.monotonic() passed `deadline` (False). The loop watches copies of
+        the descriptors: a _kill in another thread closes the pipes, and a closed descriptor's number,
+        reused meanwhile, must never stay registered with the loop. (The last look uses
+        multiprocessing's wait, not select.select: a busy server's descriptors pass FD_SETSIZE.)"""
         pipes: list[int] = []
         ends: list[int] = []
         try:
