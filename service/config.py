@@ -1,4 +1,6 @@
-"""Layer shapes, presets and service settings: the only module that reads the environment.
+"""Layer shapes, presets and service settings. `Settings` reads every `MOE_*` setting from the
+environment; the service's only other variables are `MOE_CACHE_DIR` (READ_ELSEWHERE below),
+`XDG_CACHE_HOME` and `CC`, read by service/api/arena_objects.py to build the wire arena's C library.
 
 Dimension letters (used in every module):
     T tokens in a batch, H hidden, I total intermediate, E experts, K top-k, R ranks,
@@ -417,10 +419,18 @@ class Settings(BaseSettings):
         return preset(name, **overrides)
 
 
+# MOE_* variables that are not settings but are read outside Settings, each by exactly this name
+# (not any case, as Settings' own): unknown_variables() does not name them.
+READ_ELSEWHERE = frozenset({
+    "MOE_CACHE_DIR",  # service.api.arena_objects.cache_dir: where the wire arena's C library is built
+})
+
+
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
     """MOE_* variables of the environment that name no setting (a typo such as MOE_HTTP_PROT is
-    otherwise ignored without a word: extra="ignore"), sorted."""
+    otherwise ignored without a word: extra="ignore") and are not READ_ELSEWHERE, sorted."""
     prefix = Settings.model_config["env_prefix"]
     env = os.environ if environ is None else environ
     return sorted(k for k in env
-                  if k.upper().startswith(prefix) and k[len(prefix):].lower() not in Settings.model_fields)
+                  if k.upper().startswith(prefix) and k[len(prefix):].lower() not in Settings.model_fields
+                  and k not in READ_ELSEWHERE)

@@ -146,6 +146,21 @@ def test_unknown_moe_variables_are_named():
     assert unknown_variables(env) == ["MOE_HTTP_PROT"]
 
 
+def test_moe_variables_read_outside_settings_are_not_named(monkeypatch, tmp_path):
+    """MOE_CACHE_DIR (where the wire arena's C library is built) is no setting but is read: the
+    server logged "ignored: MOE_CACHE_DIR ... name no setting" at every start. It is exempt by its
+    exact name only (arena_objects reads no other case), and arena_objects does read it."""
+    from service.api import arena_objects
+    from service.config import READ_ELSEWHERE, unknown_variables
+
+    assert "MOE_CACHE_DIR" in READ_ELSEWHERE
+    assert not READ_ELSEWHERE & {f"MOE_{name.upper()}" for name in Settings.model_fields}
+    env = {"MOE_CACHE_DIR": "/tmp/x", "moe_cache_dir": "/tmp/x", "MOE_HTTP_PROT": "1"}
+    assert unknown_variables(env) == ["MOE_HTTP_PROT", "moe_cache_dir"]
+    monkeypatch.setenv("MOE_CACHE_DIR", str(tmp_path))
+    assert arena_objects.cache_dir() == tmp_path
+
+
 def test_the_server_warns_of_unknown_moe_variables(monkeypatch, caplog):
     from service import server
 
