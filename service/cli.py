@@ -36,18 +36,23 @@ def add_settings_flags(p: argparse.ArgumentParser, names=None) -> None:
 
     Values are checked by Settings alone, flags and variables alike (a Literal's choices are only
     shown): argparse's `choices` would refuse what a Settings validator normalises, such as
-    `--log-level debug`."""
+    `--log-level debug`. A boolean's flag is also a switch: `--shm-direct` alone means true,
+    `--shm-direct false` (or any value pydantic reads as a bool) still gives the value."""
     for name, field in Settings.model_fields.items():
         if names is not None and name not in names:
             continue
         metavar = None
-        for arg in (field.annotation, *typing.get_args(field.annotation)):
+        kinds = (field.annotation, *typing.get_args(field.annotation))
+        for arg in kinds:
             if typing.get_origin(arg) is typing.Literal:
                 metavar = "{" + ",".join(map(str, typing.get_args(arg))) + "}"
+        switch: dict[str, str] = {}
+        if bool in kinds:  # bool or bool | None
+            switch, metavar = {"nargs": "?", "const": "true"}, "{true,false}"
         help_text = (field.description or name.replace("_", " ")) + f" (default: {field.default})"
         help_text = help_text.replace("%", "%%")  # argparse %-formats help: a description's "5 %" is text
         p.add_argument("--" + name.replace("_", "-"), dest=name, default=argparse.SUPPRESS,
-                       metavar=metavar, help=help_text)
+                       metavar=metavar, help=help_text, **switch)
 
 
 def settings_from(parser: argparse.ArgumentParser, flags: dict) -> Settings:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import typing
 
 import pytest
 import torch
@@ -25,6 +26,35 @@ def test_flags_override_the_environment(monkeypatch):
     monkeypatch.setenv("MOE_MODEL_NAME", "from-env")
     s = parse_settings(["--queue-tokens", "7", "--batch-delay-ms", "0.5"])
     assert s.queue_tokens == 7 and s.model_name == "from-env" and s.batch_delay_ms == 0.5
+
+
+BOOLS = [name for name, f in Settings.model_fields.items() if bool in (f.annotation, *typing.get_args(f.annotation))]
+
+
+def test_a_boolean_flag_alone_means_true_and_still_takes_a_value():
+    """Before: `--shm-direct` alone exited 2 ("expected one argument"), though the README wrote the
+    booleans as switches. Now a bare flag is true, before another flag or at the end, and a value
+    given parses as it did (as the MOE_* variable would)."""
+    assert set(BOOLS) == {"batch_idle_wait", "rank_copy_streams", "shm_direct", "wire_arena_grpc"}, BOOLS
+    base = ["--shared-memory", "system"]  # (shm_direct true needs it)
+    for name in BOOLS:
+        flag = "--" + name.replace("_", "-")
+        assert getattr(parse_settings([*base, flag]), name) is True, flag
+        s = parse_settings([flag, "--queue-tokens", "7", *base])
+        assert getattr(s, name) is True and s.queue_tokens == 7, flag
+        for value in ("true", "false", "1", "0", "yes", "off"):
+            expected = getattr(Settings(shared_memory="system", **{name: value}), name)
+            assert getattr(parse_settings([*base, flag, value]), name) is expected, (flag, value)
+            assert getattr(parse_settings([*base, f"{flag}={value}"]), name) is expected, (flag, value)
+
+
+def test_only_boolean_flags_are_switches(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_settings(["--queue-tokens"])
+    assert exit_.value.code == 2 and "expected one argument" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        parse_settings(["--batch-idle-wait", "maybe"])
+    assert exit_.value.code == 2 and "--batch-idle-wait:" in capsys.readouterr().err
 
 
 def test_bad_values_exit_2_naming_the_flag():
