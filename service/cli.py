@@ -17,7 +17,7 @@ import typing
 
 import pydantic
 
-from service.config import PRESETS, Settings, preset
+from service.config import PRESETS, Settings, default_text, preset
 from service.errors import ConfigError, MoEError
 
 log = logging.getLogger("moe-serve")
@@ -49,7 +49,7 @@ def add_settings_flags(p: argparse.ArgumentParser, names=None) -> None:
         switch: dict[str, str] = {}
         if bool in kinds:  # bool or bool | None
             switch, metavar = {"nargs": "?", "const": "true"}, "{true,false}"
-        help_text = (field.description or name.replace("_", " ")) + f" (default: {field.default})"
+        help_text = (field.description or name.replace("_", " ")) + f" (default: {default_text(name)})"
         help_text = help_text.replace("%", "%%")  # argparse %-formats help: a description's "5 %" is text
         p.add_argument("--" + name.replace("_", "-"), dest=name, default=argparse.SUPPRESS,
                        metavar=metavar, help=help_text, **switch)

@@ -419,6 +419,20 @@ class Settings(BaseSettings):
         return preset(name, **overrides)
 
 
+def default_text(name: str) -> str:
+    """A setting's default as written in the environment, for `--help` and docs/DEPLOY.md's table:
+    'unset' for None (a default that depends on the host, which the description gives), '""' for
+    an empty string, a byte count with its MiB."""
+    value = Settings.model_fields[name].default
+    if value is None:
+        return "unset"
+    if value == "":
+        return '""'
+    if name.endswith("_bytes") and isinstance(value, int) and value % (1 << 20) == 0:
+        return f"{value} ({value >> 20} MiB)"
+    return str(value)
+
+
 # MOE_* variables that are not settings but are read outside Settings, each by exactly this name
 # (not any case, as Settings' own): unknown_variables() does not name them.
 READ_ELSEWHERE = frozenset({

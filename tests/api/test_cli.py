@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from service import server
 from service.cli import build_parser, main, parse_settings
-from service.config import Settings, preset
+from service.config import Settings, default_text, preset
 from tests.helpers import routing, run_at_once
 
 
@@ -112,6 +112,29 @@ def test_help_renders_a_percent_sign_in_a_setting_s_description():
     described = [f.description for f in Settings.model_fields.values() if f.description and "%" in f.description]
     assert described, "no description has a % sign: this test checks nothing (give it one of its own)"
     assert text.count("%") >= sum(d.count("%") for d in described), text
+
+
+def test_help_shows_unset_not_none_for_host_dependent_defaults(capsys):
+    """Before: `--http-impl` said "default httptools when it is installed ..." then "(default: None)";
+    now the word DEPLOY.md's table uses, from the same helper (service.config.default_text)."""
+    from service.cli import FORWARD_SETTINGS
+    from tests.deploy import settings_docs
+
+    assert settings_docs.default_text is default_text
+    unset = [name for name, f in Settings.model_fields.items() if f.default is None]
+    assert {"frontends", "http_impl", "wire_arena_mib", "shm_direct", "preset"} <= set(unset)
+    with pytest.raises(SystemExit):
+        main(["forward", "--help"])
+    forward_help = capsys.readouterr().out
+    for help_text, names in ((build_parser().format_help(), Settings.model_fields), (forward_help, FORWARD_SETTINGS)):
+        text = " ".join(help_text.split())
+        assert "(default: None)" not in text
+        for name in unset:
+            if name in names:
+                after = text.split(f"--{name.replace('_', '-')} ")[-1]
+                assert after.split("(default: ")[1].startswith("unset)"), (name, after[:300])
+    text = " ".join(build_parser().format_help().split())
+    assert "(default: 268435456 (256 MiB))" in text and '(default: "")' in text
 
 
 def test_help_lists_the_presets():

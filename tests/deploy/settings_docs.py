@@ -14,7 +14,7 @@ from pathlib import Path
 
 import annotated_types
 
-from service.config import PRESETS, Settings
+from service.config import PRESETS, Settings, default_text  # (default_text: --help shows the same)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY_MD = ROOT / "docs" / "DEPLOY.md"
@@ -25,7 +25,6 @@ END = "<!-- settings-table:end -->"
 # What a setting means, for the fields whose Field() has no description yet. A field that gains a
 # description must leave this table (the test says so), so there is one source for each text.
 NOTES: dict[str, str] = {}  # every Settings field now carries its own description
-MIB = 1 << 20
 
 
 def env_name(field: str) -> str:
@@ -39,18 +38,6 @@ def flag_name(field: str) -> str:
 def meaning(field: str) -> str:
     info = Settings.model_fields[field]
     return info.description or NOTES.get(field, "")
-
-
-def default_text(field: str) -> str:
-    """The default as it would be written in the environment; 'unset' for None."""
-    value = Settings.model_fields[field].default
-    if value is None:
-        return "unset"
-    if value == "":
-        return '""'
-    if field.endswith("_bytes") and isinstance(value, int) and value % MIB == 0:
-        return f"{value} ({value // MIB} MiB)"
-    return str(value)
 
 
 def env_default(field: str) -> str:
