@@ -217,8 +217,8 @@ class Settings(BaseSettings):
     grpc_max_message_bytes: int = Field(256 << 20, ge=1024, description="largest gRPC message, received or sent")
     request_timeout_s: float = Field(30.0, gt=0, description="default per-request deadline")
     step_timeout_s: float = Field(60.0, gt=0,
-        description="a step slower than this fails the group (the bound once steps are measured: 10x the slowest "
-                    "recent step, at least 5 s)")
+        description="a step slower than this fails the group; once steps are measured the bound is the smaller "
+                    "of this and max(5 s, 10x the slowest of the last 64 steps)")
     start_timeout_s: float = Field(300.0, gt=0, description="rank group start-up limit")
     drain_timeout_s: float = Field(20.0, ge=0, description="SIGTERM grace period for in-flight requests")
     restart_backoff_s: float = Field(1.0, ge=0,

@@ -50,3 +50,20 @@ def test_ci_runs_the_readmes_test_command():
     assert len(commands) == 2 and commands[1].endswith("python -m pytest -q"), commands
     ci = (Path(__file__).parents[1] / ".ci" / "run").read_text().splitlines()
     assert commands[1] in ci, f"{commands[1]!r} is not a line of .ci/run"
+
+
+def test_failure_detection_numbers_are_the_code_s():
+    """The step deadline is min(--step-timeout-s, max(5 s, 10x the slowest of the last 64 steps)) and
+    an idle group is pinged every 0.5 s with 2 s to answer (before: "at least 5 s" without the cap,
+    and the 2 s answer limit called the heartbeat's period)."""
+    from service.fleet import WATCH_INTERVAL_S
+    from service.worker import group
+
+    text = bullet("Failures")
+    default = Settings.model_fields["step_timeout_s"].default
+    assert f"`--step-timeout-s`, {default:g} s by default" in text, text
+    assert (f"max({group.STEP_DEADLINE_FLOOR_S:g} s, {group.STEP_DEADLINE_FACTOR:g}x the slowest of the last "
+            f"{group.STEP_HISTORY} steps)") in text, text
+    assert f"pinged every {WATCH_INTERVAL_S:g} s" in text and f"within {group.HEARTBEAT_TIMEOUT_S:g} s" in text, text
+    described = Settings.model_fields["step_timeout_s"].description
+    assert "smaller of this and max(5 s, 10x the slowest of the last 64 steps)" in described
