@@ -97,7 +97,7 @@ class LayerConfig:
     K: int  # experts per token (top-k)
     R: int  # ranks
     C: int  # token capacity per rank and step
-    dtype: torch.dtype = Field(torch.bfloat16, description="compute dtype; default the preset's")
+    dtype: torch.dtype  # compute dtype, required (every caller passes a preset's or Settings.dtype)
     act: Activation = Activation()  # the experts' gated activation (from the checkpoint's config.json)
     bias: bool = False  # per-expert biases (gpt-oss): gate/up before the activation, down after GEMM2
 

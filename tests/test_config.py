@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -32,6 +33,16 @@ def test_presets():
 def test_impossible_values_name_the_field(changes, field):
     with pytest.raises(ConfigError, match=field.replace("(", r"\(").replace(")", r"\)")):
         PRESETS["seed"].replace(**changes)
+
+
+def test_layer_config_dtype_is_required():
+    """Before: dtype's default was a pydantic Field inside a stdlib dataclass, so leaving dtype out
+    gave a ConfigError about a FieldInfo; every caller passes it (docs/CONTRACTS.md lists no default)."""
+    field = {f.name: f for f in dataclasses.fields(LayerConfig)}["dtype"]
+    assert field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+    with pytest.raises(TypeError, match="dtype"):
+        LayerConfig(E=4, H=8, I=8, K=2, R=1, C=4)  # type: ignore[call-arg]
+    assert LayerConfig(E=4, H=8, I=8, K=2, R=1, C=4, dtype=torch.float16).dtype is torch.float16
 
 
 def test_unknown_preset():
