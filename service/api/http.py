@@ -4,7 +4,8 @@ inference routes are dispatched ahead of FastAPI's stack (`InferenceFirst`).
 Bodies are read raw and decoded by `service.api.codecs` (no pydantic models: a [T, H] tensor
 as a pydantic list of lists would cost far more than the layer). Every error leaves through
 `error_response`, which asks `service.api.error_map` for the code. Bodies must arrive within the
-request's deadline (408 otherwise); a client that disconnects mid-body is a 499, not an error.
+request's deadline (408 otherwise); a client that disconnects mid-body, or while it waits for its
+answer (`unless_gone`), is a 499, not an error.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import logging
 import re
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import torch
 from fastapi import FastAPI, Request
@@ -47,6 +49,7 @@ SAFETENSORS = "application/x-safetensors"
 OCTET_STREAM = "application/octet-stream"
 TIMEOUT_HEADER = "x-request-timeout"
 REGISTER_BODY_LIMIT = 4096  # bytes of a shared-memory register request ({"key", "offset", "byte_size"})
+T = TypeVar("T")
 
 
 class PartsResponse(Response):
@@ -196,6 +199,32 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> list[byte
     return chunks
 
 
+async def unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """Await `work` (the request's answer; its body is read) unless the client disconnects first:
+    then `work` is cancelled, which drops the request's rows that no step has taken yet (as a gRPC
+    cancel does), and ClientGone (499) is raised. Without this an abandoned request is computed in
+    full, its 200 counted, and under load its queued rows delay everyone behind them. Costs one task
+    per request, which waits in receive() for the disconnect (ASGI: the next message after the body)."""
+    task = asyncio.current_task()
+    assert task is not None
+    watch = asyncio.get_running_loop().create_task(_cancel_when_gone(request, task))
+    try:
+        return await work
+    except asyncio.CancelledError:
+        # The watch's cancel (it returned), not the server's own (which also counts on the task)
+        if watch.done() and not watch.cancelled() and task.uncancel() == 0:
+            raise ClientGone("the client disconnected before its answer") from None
+        raise
+    finally:
+        watch.cancel()
+
+
+async def _cancel_when_gone(request: Request, task: asyncio.Task) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass  # (nothing else comes once the body is read; each receive() waits for the next message)
+    task.cancel()
+
+
 def create_app(fe: Frontend) -> InferenceFirst:
     app = FastAPI(title="moe-serve", description="A Mixture-of-Experts layer as a service",
                   docs_url=None, redoc_url=None)
@@ -256,7 +285,7 @@ def create_app(fe: Frontend) -> InferenceFirst:
             decode = codecs.decode_safetensors if media == SAFETENSORS else codecs.decode_forward_json
             req = await fe.offload(codecs.forward_decode_work(body, media == JSON), decode, body, fe.spec)
             req.timeout_s = timeout
-            out = await fe.infer(req)
+            out = await unless_gone(request, fe.infer(req))
             assert isinstance(out, torch.Tensor)  # (no shared memory on /moe/forward)
             if media == SAFETENSORS:
                 return Response(await fe.offload(out.numel(), codecs.encode_safetensors, out),
@@ -323,7 +352,7 @@ def create_app(fe: Frontend) -> InferenceFirst:
             work = codecs.v2_http_decode_work(body, header_length)
             req = await fe.offload(work, codecs.decode_v2_http, body, header_length, fe.spec, fe.regions)
             req.timeout_s = timeout or req.timeout_s
-            out = await fe.infer(req, out=fe.answer_rows(req))  # (the wire arena's rows, if any)
+            out = await unless_gone(request, fe.infer(req, out=fe.answer_rows(req)))  # (the arena's rows, if any)
             # Binary output is a JSON header and a view of `out`: nothing worth a thread hop.
             work = 0 if req.binary_output or req.out_region is not None else out.shape.numel() * codecs.JSON_NUMBER_WORK
             parts, json_length = await fe.offload(work, codecs.encode_v2_http, out, req, fe.model_name)

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import threading
 import time
 
@@ -321,3 +322,85 @@ def test_stopped_rank_turns_readiness_false_and_the_group_restarts(server):
     assert not set(server.rank_pids()) & set(pids)
     with pytest.raises(ProcessLookupError):  # the stopped rank was reaped, not left behind
         os.kill(pids[2], 0)
+
+
+def _v2_binary_request(T: int, seed: int) -> bytes:
+    """A whole v2 binary inference request (head and body) of T fp32 rows."""
+    x, ids, w = (t.numpy() for t in inputs(T, seed=seed))
+    blobs = [x.tobytes(), ids.astype(np.int32).tobytes(), w.tobytes()]
+    header = json.dumps({"inputs": [
+        {"name": name, "datatype": dt, "shape": list(a.shape), "parameters": {"binary_data_size": len(b)}}
+        for name, dt, a, b in zip(("hidden_states", "topk_ids", "topk_weights"), ("FP32", "INT32", "FP32"),
+                                  (x, ids, w), blobs, strict=True)]}).encode()
+    body = header + b"".join(blobs)
+    return (f"POST /v2/models/moe/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+            f"Inference-Header-Content-Length: {len(header)}\r\nX-Request-Timeout: 60\r\n\r\n").encode() + body
+
+
+def _gauge(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def _reset(s: socket.socket) -> None:
+    """Close with a reset (SO_LINGER 0), as a killed client's kernel does."""
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    s.close()
+
+
+def test_a_client_gone_after_its_whole_body_is_not_computed_nor_answered(http_server):
+    """A request whose client leaves once its body is in (queued behind another) is dropped with a 499:
+    its rows are never computed, nothing counts it as answered, and the request ahead is answered."""
+    T = 3500  # 7 steps of the CPU preset's 512 tokens; ~3.7 MB, under the fixture's 4 MiB body limit
+    log_before = len(http_server.log().splitlines())
+    gone_before, ok_before = metric(http_server, "v2_binary", "499"), metric(http_server, "v2_binary", "200")
+    tokens_before = _gauge(http_server, "moe_tokens_total")
+    ahead = socket.create_connection(("127.0.0.1", http_server.http_port), timeout=60)
+    behind = socket.create_connection(("127.0.0.1", http_server.http_port), timeout=60)
+    try:
+        ahead.sendall(_v2_binary_request(T, seed=41))
+        behind.sendall(_v2_binary_request(T, seed=42))
+        deadline = time.monotonic() + 20  # until both are in: the one behind still waits for its steps
+        while _gauge(http_server, "moe_inflight_requests") < 2:
+            assert time.monotonic() < deadline, "the two requests never were in flight together"
+            time.sleep(0.005)
+        _reset(behind)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += ahead.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    finally:
+        ahead.close()
+    deadline = time.monotonic() + 20
+    while metric(http_server, "v2_binary", "499") - gone_before < 1:
+        assert time.monotonic() < deadline, "the client that left was never counted as gone (499)"
+        time.sleep(0.05)
+    while _gauge(http_server, "moe_inflight_requests") or _gauge(http_server, "moe_queued_tokens"):
+        assert time.monotonic() < deadline, "rows of the request whose client left stay queued"
+        time.sleep(0.05)
+    assert metric(http_server, "v2_binary", "200") - ok_before == 1
+    # The one ahead in full; of the one behind at most the steps it shared before the reset was seen
+    assert _gauge(http_server, "moe_tokens_total") - tokens_before < 2 * T - 512
+    new = "\n".join(http_server.log().splitlines()[log_before:])
+    assert "ERROR" not in new and "Traceback" not in new, new
+    answers_correctly(http_server)
+
+
+def test_a_cancelled_grpc_call_is_counted_as_gone(server):
+    """grpc cancels the handler of a call its client cancelled: the books count it (499), not nothing."""
+    gone_before = metric(server, "grpc", "499")
+    x, ids, w = (t.numpy() for t in inputs(3500, seed=43))
+    message = corpus._grpc_request(x, ids.astype(np.int32), w).SerializeToString()
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        calls = [infer.future(message, timeout=60) for _ in range(2)]  # the second waits behind the first
+        deadline = time.monotonic() + 20
+        while _gauge(server, "moe_inflight_requests") < 2:
+            assert time.monotonic() < deadline, "the two calls never were in flight together"
+            time.sleep(0.005)
+        calls[1].cancel()
+        assert calls[0].result(timeout=60)
+    while metric(server, "grpc", "499") - gone_before < 1:
+        assert time.monotonic() < deadline, "the cancelled call was never counted"
+        time.sleep(0.05)
+    answers_correctly(server)
