@@ -50,6 +50,9 @@ FIRST_BYTE = "moe.first_byte"
 # The ASGI scope's key for the connection's ThreadedWrites (service.api.send_thread; only with send
 # threads): a response asks it when its last bytes reached the kernel (PartsResponse's send time).
 WRITER = "moe.writer"
+# The ASGI scope's key for a body read straight into one buffer (DirectBody): how much of it has
+# arrived (`.filled`), for read_body's 408, which sees the body only once it is all in.
+BODY = "moe.body"
 HEADER_LENGTH = "inference-header-content-length"  # a v2 binary body's JSON header length (service.api.http)
 REFUSED_LINGER_S = 1.0  # a refused connection's client gets this long to read its 503 and close
 _REFUSED_BODY = b'{"error": "too many connections (max_connections): every one has a request in flight"}'
@@ -268,6 +271,7 @@ class DirectBody:
         if length is None or not DIRECT_BODY_MIN <= length <= self.max_body_bytes:
             return
         body = self._body = _Body(cycle, length, self._arena_buffer(length))
+        self.scope[BODY] = body  # (its buffer is let go at the hand-over or the drop, as below)
         receive = cycle.receive
 
         async def receive_body() -> dict:

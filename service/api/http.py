@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from service.api import codecs, json_codec
-from service.api.connections import FIRST_BYTE, HEADER_LENGTH, WRITER
+from service.api.connections import BODY, FIRST_BYTE, HEADER_LENGTH, WRITER
 from service.api.error_map import (
     RETRY_AFTER_S,
     BodyTimeout,
@@ -85,6 +85,11 @@ def error_response(exc: BaseException) -> JSONResponse:
     elif isinstance(exc, ClientGone):
         log.debug("%s", exc)
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    if isinstance(exc, (BodyTimeout, PayloadTooLarge)):
+        # Answered before (all of) the body was read: what is left of it would be parsed as the next
+        # request on a kept-alive connection (400 "Invalid HTTP request"). uvicorn closes the connection
+        # after a response that says so, on either parser.
+        headers = {"Connection": "close"}
     return JSONResponse({"error": message(exc)}, status_code=status, headers=headers)
 
 
@@ -191,6 +196,8 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> list[byte
                 if size > limit:
                     raise PayloadTooLarge(f"the body is over the limit of {limit} bytes (max_request_bytes)")
     except TimeoutError:
+        direct = request.scope.get(BODY)  # read into one buffer: it reaches the stream only once it is all in
+        size = max(size, direct.filled if direct is not None else 0)
         raise BodyTimeout(f"the body did not arrive within {timeout_s:g} s ({size} bytes read)") from None
     except ClientDisconnect:
         raise ClientGone(f"the client disconnected after {size} bytes of the body") from None

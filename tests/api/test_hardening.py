@@ -228,6 +228,26 @@ def test_a_body_slower_than_the_deadline_gets_408(http_server):
     assert took < 3
 
 
+@pytest.mark.parametrize("sent", [1000, 70000])  # under and over the 64 KiB of the one-buffer read (httptools)
+def test_a_408_before_the_body_is_in_closes_the_connection_and_counts_the_bytes(http_server, sent):
+    """The rest of the body would be read as the next request on a kept-alive connection: the 408
+    says Connection: close and the server closes it; its message counts the bytes that did arrive."""
+    with socket.create_connection(("127.0.0.1", http_server.http_port), timeout=10) as s:
+        s.sendall(b"POST /moe/forward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"X-Request-Timeout: 1\r\nContent-Length: 100000\r\n\r\n" + b"[" * sent)
+        answer = b""
+        while b"}" not in answer:
+            answer += s.recv(65536)
+        head = answer.split(b"\r\n\r\n", 1)[0].lower()
+        assert answer.startswith(b"HTTP/1.1 408") and f"({sent} bytes read)".encode() in answer, answer
+        assert b"connection: close" in head, head
+        try:  # then nothing more: the server has closed its end
+            s.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(65536) == b""
+        except ConnectionResetError:
+            pass
+
+
 def test_client_gone_mid_body_is_not_a_server_error(http_server):
     log_before = len(http_server.log().splitlines())
     gone_before = {protocol: metric(http_server, protocol, "499") for protocol in ("http_json", "v2_json")}
