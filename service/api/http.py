@@ -219,7 +219,7 @@ async def unless_gone(request: Request, work: Awaitable[T]) -> T:
         return await work
     except asyncio.CancelledError:
         # The watch's cancel (it returned), not the server's own (which also counts on the task)
-        if watch.done() and not watch.cancelled() and task.uncancel() == 0:
+        if watch.done() and not watch.cancelled() and watch.exception() is None and task.uncancel() == 0:
             raise ClientGone("the client disconnected before its answer") from None
         raise
     finally:
