@@ -25,6 +25,9 @@
 # A root other than "." is a copy of another commit's tree inside this checkout (carried), e.g.
 #   git archive <commit> | (mkdir -p .base && tar -x -C .base)
 # An entry ROOT:VAR=VALUE serves ROOT with that environment variable set (e.g. ".:MOE_RANK_LOOKAHEAD=1").
+# ".:BENCH_KEEPERS=N" serves ROOT as it is, beside N busy loops at SCHED_IDLE (-1: one per CPU;
+# bench/wake_probe.py --keep-only) from before the server starts until it stops: does keeping every vCPU
+# running (no halted vCPU to wake through the hypervisor) shorten the served path on a slow-waking host?
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
@@ -70,8 +73,10 @@ perf_analyzer_cell() {
 }
 
 SERVER=
+KEEPERS=
+stop_keepers() { [[ -n "$KEEPERS" ]] && kill -9 -- -"$KEEPERS" 2>/dev/null; KEEPERS=; }
 pack() { tar -czf "$DEST/serve_ab.tgz.tmp" -C "$LOG" . && mv "$DEST/serve_ab.tgz.tmp" "$DEST/serve_ab.tgz"; }
-trap 'stop_server; pack' EXIT
+trap 'stop_server; stop_keepers; pack' EXIT
 
 profiled=0
 for round in $(seq "${ROUNDS:-1}"); do
@@ -81,6 +86,10 @@ for round in $(seq "${ROUNDS:-1}"); do
     [[ "$entry" == *:* ]] && envs=("${entry#*:}")
     name=${entry//[.\/:=]/_}
     (( $(left) > 60 )) || { echo "round $round $tree: skipped, budget spent"; continue; }
+    if [[ "${envs[*]}" == BENCH_KEEPERS=* ]]; then
+      setsid "$PY" bench/wake_probe.py --keep-only "${envs[0]#BENCH_KEEPERS=}" > /dev/null 2>&1 &
+      KEEPERS=$!
+    fi
     (cd "$tree" && PYTHONPATH="$ROOT/$tree:$SITE" exec env "${envs[@]}" setsid "$PY" -m service --host 127.0.0.1 --http-port 18000 \
       --grpc-port 18001 > "$LOG/server_${name}_$round.txt" 2>&1) &
     SERVER=$!
@@ -136,6 +145,7 @@ for round in $(seq "${ROUNDS:-1}"); do
       fi
     fi
     stop_server
+    stop_keepers
   done
 done
 if (( ${DIRECT:-0} )) && (( $(left) > 40 )); then  # the layer alone at the served step (no server holds the GPU now)

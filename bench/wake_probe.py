@@ -3,6 +3,7 @@ hops (the owner's message to its rank, the rank's answer back, the event loop's 
 thread and back), each timed as a one-way latency on the monotonic clock, blocking against spinning.
 
     python bench/wake_probe.py [--n 400] [--gap-ms 3] [--keepers N]
+    python bench/wake_probe.py --keep-only N   # only the keepers, until killed (beside a served A/B arm)
 
 Every message is sent after the receiver has waited gap-ms (as a rank waits for the next request at
 one client), stamped with time.perf_counter() just before it is sent; the receiver stamps it as it
@@ -28,6 +29,7 @@ import asyncio
 import concurrent.futures
 import multiprocessing as mp
 import os
+import signal
 import statistics
 import time
 
@@ -106,7 +108,14 @@ def main() -> None:
     ap.add_argument("--keepers", type=int, default=0,
                     help="also time pipe/block and the thread hops beside this many SCHED_IDLE busy loops "
                          "(-1: one per CPU)")
+    ap.add_argument("--keep-only", type=int, metavar="N",
+                    help="run N keepers (-1: one per CPU) until killed, and time nothing (bench/gpu_serve_ab.sh's "
+                         "BENCH_KEEPERS arm)")
     args = ap.parse_args()
+    if args.keep_only is not None:
+        keepers((os.cpu_count() or 1) if args.keep_only < 0 else args.keep_only)
+        signal.pause()
+        return
     gap = args.gap_ms / 1e3
     rows = {"pipe/block": pipe(args.n, gap, False), "pipe/spin": pipe(args.n, gap, True)}
     rows["thread/executor"], rows["thread/back"] = asyncio.run(_threads(args.n, gap))
