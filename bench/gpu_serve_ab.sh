@@ -3,7 +3,8 @@
 # in served throughput the code's or the machine's? (bench/NOTES.md, "Issue 11h".)
 # Each round starts `python -m service` (defaults: seed preset, R=1 on one GPU, C=512, fused, the
 # default front ends) from each root of TREES in turn (its own `service`, its csrc built once) and
-# loads it with this checkout's bench/serve_load.py (bf16 on the wire, --no-direct); the root named
+# loads it with this checkout's bench/serve_load.py (bf16 on the wire, --no-direct, --spread: each cell's
+# connections per front-end process, read from /proc, a column of its own); the root named
 # by PYSPY_TREE is also profiled once: py-spy of every process and `top` under a load of PYSPY_CONC
 # (default 16) clients (PYSPY_PROTOCOL, default v2_binary; e.g. 4 and grpc: is the owner's GIL the limit?).
 # Read the profile with `python bench/pyspy_summary.py pyspy_<tree>.txt`.
@@ -107,7 +108,8 @@ for round in $(seq "${ROUNDS:-1}"); do
         --save "$LOG/split_before_${name}_$round.json" > /dev/null 2>&1
       timeout -k 10 "$(cap 120)" "$PY" bench/serve_load.py --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
         --protocols "${PROTOCOLS:-v2_binary,grpc}" --sizes "${SIZES:-512}" --concurrency "${CONCURRENCY:-4,16}" \
-        --seconds "$CELL_S" --wire-dtype bf16 --no-direct --json "$LOG/load_${name}_$round.json" > "$LOG/load_${name}_$round.txt" 2>&1
+        --seconds "$CELL_S" --wire-dtype bf16 --no-direct --spread --json "$LOG/load_${name}_$round.json" \
+        > "$LOG/load_${name}_$round.txt" 2>&1
       echo "load rc=$?"; grep -E "^\|" "$LOG/load_${name}_$round.txt"
       if (( ${RAW:-0} )); then  # v2 binary at one client from a raw socket (one sendall, one recv_into): the server alone
         timeout -k 10 "$(cap 60)" "$PY" bench/serve_load.py --url http://127.0.0.1:18000 --grpc 127.0.0.1:18001 \
