@@ -4,6 +4,7 @@ stopped rank. Each test failed on the code before issue 14 (see bench/RESULTS.md
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ import pytest
 import safetensors.torch
 import torch
 
+from service.api.proto import grpc_predict_v2_pb2 as pb
 from tests.api import corpus
 from tests.api.common import CFG, check, inputs
 from tests.serverproc import LOOPBACK, ServerProcess, cpu_seconds, descendants, listening, rss_bytes
@@ -368,29 +370,51 @@ def _reset(s: socket.socket) -> None:
     s.close()
 
 
+@contextlib.contextmanager
+def _group_busy(server, T: int = 20000):
+    """A gRPC call of T rows (~T/512 steps of the CPU preset) in flight for the body of the `with`: the
+    requests sent inside it queue behind it for as long as its steps take, not for as long as a
+    request under the HTTP body limit takes, a window a fast machine (or a slow poll) can miss."""
+    x, ids, w = inputs(T, seed=44)
+    message = corpus._grpc_request(x.numpy(), ids.numpy().astype(np.int32), w.numpy()).SerializeToString()
+    with grpc.insecure_channel(server.grpc_url, options=[("grpc.max_send_message_length", 64 << 20),
+                                                         ("grpc.max_receive_message_length", 64 << 20)]) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer").future(message, timeout=120)
+        _wait_in_flight(server, 1, "the call that keeps the group busy never was in flight")
+        yield T
+        answer = pb.ModelInferResponse.FromString(call.result(timeout=120))
+        check(torch.frombuffer(bytearray(answer.raw_output_contents[0]), dtype=torch.float32).view(x.shape), x, ids, w)
+
+
+def _wait_in_flight(server, n: int, what: str) -> None:
+    deadline = time.monotonic() + 20
+    while _gauge(server, "moe_inflight_requests") < n:
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
 def test_a_client_gone_after_its_whole_body_is_not_computed_nor_answered(http_server):
-    """A request whose client leaves once its body is in (queued behind another) is dropped with a 499:
+    """A request whose client leaves once its body is in (queued behind others) is dropped with a 499:
     its rows are never computed, nothing counts it as answered, and the request ahead is answered."""
     T = 3500  # 7 steps of the CPU preset's 512 tokens; ~3.7 MB, under the fixture's 4 MiB body limit
     log_before = len(http_server.log().splitlines())
     gone_before, ok_before = metric(http_server, "v2_binary", "499"), metric(http_server, "v2_binary", "200")
     tokens_before = _gauge(http_server, "moe_tokens_total")
-    ahead = socket.create_connection(("127.0.0.1", http_server.http_port), timeout=60)
-    behind = socket.create_connection(("127.0.0.1", http_server.http_port), timeout=60)
-    try:
-        ahead.sendall(_v2_binary_request(T, seed=41))
-        behind.sendall(_v2_binary_request(T, seed=42))
-        deadline = time.monotonic() + 20  # until both are in: the one behind still waits for its steps
-        while _gauge(http_server, "moe_inflight_requests") < 2:
-            assert time.monotonic() < deadline, "the two requests never were in flight together"
-            time.sleep(0.005)
-        _reset(behind)
-        answer = b""
-        while b"\r\n\r\n" not in answer:
-            answer += ahead.recv(65536)
-        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
-    finally:
-        ahead.close()
+    with _group_busy(http_server) as busy:
+        ahead = socket.create_connection(("127.0.0.1", http_server.http_port), timeout=60)
+        behind = socket.create_connection(("127.0.0.1", http_server.http_port), timeout=60)
+        try:
+            ahead.sendall(_v2_binary_request(T, seed=41))
+            _wait_in_flight(http_server, 2, "the request ahead never was in flight behind the busy call")
+            behind.sendall(_v2_binary_request(T, seed=42))
+            _wait_in_flight(http_server, 3, "the request behind never was in flight with the one ahead")
+            _reset(behind)
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                answer += ahead.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        finally:
+            ahead.close()
     deadline = time.monotonic() + 20
     while metric(http_server, "v2_binary", "499") - gone_before < 1:
         assert time.monotonic() < deadline, "the client that left was never counted as gone (499)"
@@ -399,8 +423,9 @@ def test_a_client_gone_after_its_whole_body_is_not_computed_nor_answered(http_se
         assert time.monotonic() < deadline, "rows of the request whose client left stay queued"
         time.sleep(0.05)
     assert metric(http_server, "v2_binary", "200") - ok_before == 1
-    # The one ahead in full; of the one behind at most the steps it shared before the reset was seen
-    assert _gauge(http_server, "moe_tokens_total") - tokens_before < 2 * T - 512
+    # The busy call and the one ahead in full; of the one behind at most the steps it shared before the
+    # reset was seen
+    assert _gauge(http_server, "moe_tokens_total") - tokens_before < busy + 2 * T - 512
     new = "\n".join(http_server.log().splitlines()[log_before:])
     assert "ERROR" not in new and "Traceback" not in new, new
     answers_correctly(http_server)
@@ -413,13 +438,12 @@ def test_a_cancelled_grpc_call_is_counted_as_gone(server):
     message = corpus._grpc_request(x, ids.astype(np.int32), w).SerializeToString()
     with grpc.insecure_channel(server.grpc_url) as channel:
         infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
-        calls = [infer.future(message, timeout=60) for _ in range(2)]  # the second waits behind the first
-        deadline = time.monotonic() + 20
-        while _gauge(server, "moe_inflight_requests") < 2:
-            assert time.monotonic() < deadline, "the two calls never were in flight together"
-            time.sleep(0.005)
-        calls[1].cancel()
-        assert calls[0].result(timeout=60)
+        with _group_busy(server):
+            calls = [infer.future(message, timeout=60) for _ in range(2)]  # both wait behind the busy call
+            _wait_in_flight(server, 3, "the two calls never were in flight together")
+            calls[1].cancel()
+            assert calls[0].result(timeout=60)
+    deadline = time.monotonic() + 20
     while metric(server, "grpc", "499") - gone_before < 1:
         assert time.monotonic() < deadline, "the cancelled call was never counted"
         time.sleep(0.05)
