@@ -173,7 +173,10 @@ class Settings(BaseSettings):
 
     # env_ignore_empty: `MOE_PRESET=` (deploy/env.example's unset lines uncommented as they stand, a
     # compose env_file) means unset, as the example says, not an empty value that fails validation.
-    model_config = SettingsConfigDict(env_prefix="MOE_", extra="ignore", env_ignore_empty=True)
+    # allow_inf_nan=False: "inf" passes `gt=0`, and no time setting means "never" (an infinite
+    # idle_timeout_s crashed the start with a traceback, request_timeout_s made /config a 500).
+    model_config = SettingsConfigDict(env_prefix="MOE_", extra="ignore", env_ignore_empty=True,
+                                      allow_inf_nan=False)
 
     host: str = Field("0.0.0.0", description="address the HTTP and gRPC servers bind: an IPv4 or IPv6 address "
                       "(`::` every interface, IPv4 too; brackets optional) or a host name (HTTP binds its IPv4 "

@@ -185,3 +185,25 @@ def test_backend_fused_where_it_cannot_run_exits_2_saying_why(tmp_path):
     assert forward.returncode == 2, err[-3000:]
     assert "--backend fused cannot run here" in err and "Traceback" not in err, err[-3000:]
     assert not (tmp_path / "out.safetensors").exists()
+
+
+FLOATS = [name for name, f in Settings.model_fields.items() if float in (f.annotation, *typing.get_args(f.annotation))]
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e999"])
+def test_a_float_setting_must_be_finite(value, monkeypatch, capsys):
+    """Before: `--idle-timeout-s inf` passed `gt=0` and the server died at start with an OverflowError
+    traceback (exit 1, grpc's int(idle_timeout_s * 1000)); `--request-timeout-s inf` or
+    `--batch-delay-ms inf` started, and /v2/models/moe/config then answered 500 (round(inf))."""
+    assert {"batch_delay_ms", "request_timeout_s", "idle_timeout_s", "step_timeout_s"} <= set(FLOATS), FLOATS
+    for name in FLOATS:
+        flag = "--" + name.replace("_", "-")
+        with pytest.raises(SystemExit) as exit_:
+            parse_settings([flag, value])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and f"{flag}:" in err, (flag, err)
+    monkeypatch.setenv("MOE_REQUEST_TIMEOUT_S", value)
+    with pytest.raises(SystemExit) as exit_:
+        parse_settings([])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "MOE_REQUEST_TIMEOUT_S=" in err, err
