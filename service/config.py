@@ -164,6 +164,12 @@ def cuda_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
+# The largest time setting, in seconds (~11.6 days: "never" for a deadline or a timeout): what the
+# libraries take fits (grpc's idle option is a C int of ms, torch's store timeout a C int of ms,
+# threading's waits a _PyTime_t); past it a start failed with an OverflowError, or exit 1 saying
+# "Python int too large to convert to C int".
+MAX_SECONDS = 1_000_000
+
 _HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
                         r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")  # RFC 1123 labels
 
@@ -210,7 +216,8 @@ class Settings(BaseSettings):
     backend: Literal["auto", "serial", "fused"] = Field("auto",
         description="layer backend; `auto`: fused where it can run, else serial (the reason is logged at start)")
 
-    batch_delay_ms: float = Field(2.0, ge=0, description="how long the batcher waits to fill a step")
+    batch_delay_ms: float = Field(2.0, ge=0, le=MAX_SECONDS * 1000,
+                                  description="how long the batcher waits to fill a step")
     batch_idle_wait: bool = Field(False, description="also wait batch_delay_ms when no step is running "
                                   "(off: an idle group takes a step at once; steps fill while one runs)")
     queue_tokens: int = Field(65536, ge=1,
@@ -218,13 +225,14 @@ class Settings(BaseSettings):
                     "larger one gets 413)")
     max_request_bytes: int = Field(256 << 20, ge=1024, description="largest HTTP request body; a larger one gets 413")
     grpc_max_message_bytes: int = Field(256 << 20, ge=1024, description="largest gRPC message, received or sent")
-    request_timeout_s: float = Field(30.0, gt=0, description="default per-request deadline")
-    step_timeout_s: float = Field(60.0, gt=0,
+    request_timeout_s: float = Field(30.0, gt=0, le=MAX_SECONDS, description="default per-request deadline")
+    step_timeout_s: float = Field(60.0, gt=0, le=MAX_SECONDS,
         description="a step slower than this fails the group; once steps are measured the bound is the smaller "
                     "of this and max(5 s, 10x the slowest of the last 64 steps)")
-    start_timeout_s: float = Field(300.0, gt=0, description="rank group start-up limit")
-    drain_timeout_s: float = Field(20.0, ge=0, description="SIGTERM grace period for in-flight requests")
-    restart_backoff_s: float = Field(1.0, ge=0,
+    start_timeout_s: float = Field(300.0, gt=0, le=MAX_SECONDS, description="rank group start-up limit")
+    drain_timeout_s: float = Field(20.0, ge=0, le=MAX_SECONDS,
+                                   description="SIGTERM grace period for in-flight requests")
+    restart_backoff_s: float = Field(1.0, ge=0, le=MAX_SECONDS,
         description="first delay before restarting a failed rank group; doubles on each failure, up to 30 s")
     max_restart_failures: int = Field(5, ge=0,
         description="failures of the rank group in a row (a restart that never got it ready, or a group that "
@@ -309,7 +317,7 @@ class Settings(BaseSettings):
     max_connections: int = Field(1000, ge=1,
         description="open connections per protocol; at the limit HTTP closes the longest-idle one (or answers 503 "
                     "to the new one when every one has a request in flight), gRPC refuses new ones")
-    idle_timeout_s: float = Field(30.0, gt=0,
+    idle_timeout_s: float = Field(30.0, gt=0, le=MAX_SECONDS,
         description="a connection without a request in flight (idle, or still sending its headers) is closed after "
                     "this")
     http_impl: Literal["httptools", "h11"] | None = Field(None, validate_default=True,

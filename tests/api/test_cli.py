@@ -207,3 +207,47 @@ def test_a_float_setting_must_be_finite(value, monkeypatch, capsys):
         parse_settings([])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "MOE_REQUEST_TIMEOUT_S=" in err, err
+
+
+TIMES = {"request_timeout_s": "s", "step_timeout_s": "s", "start_timeout_s": "s", "drain_timeout_s": "s",
+         "restart_backoff_s": "s", "idle_timeout_s": "s", "batch_delay_ms": "ms"}
+
+
+def test_time_settings_past_their_bound_exit_2_and_at_it_serve(tmp_path, capsys):
+    """Before: `--idle-timeout-s 1e7` died at start with an OverflowError traceback (grpc's idle option is
+    a C int of ms), `--start-timeout-s 1e300` exited 1 with "Python int too large to convert to C int",
+    `--step-timeout-s 1e300` with "timestamp too large to convert to C _PyTime_t". Now a value past
+    MAX_SECONDS exits 2 naming the flag, and a server with every time setting at its bound starts,
+    answers its model configuration on HTTP and gRPC, and serves."""
+    import grpc
+    import httpx
+
+    from service.api.proto import grpc_predict_v2_pb2 as pb
+    from service.api.proto import grpc_predict_v2_pb2_grpc as pb_grpc
+    from service.config import MAX_SECONDS
+    from tests.api.common import check, inputs
+    from tests.serverproc import ServerProcess
+
+    assert set(TIMES) == set(FLOATS) - {"rank_idle_spin_ms"}, FLOATS
+    bound = {name: MAX_SECONDS * (1000 if unit == "ms" else 1) for name, unit in TIMES.items()}
+    for name, top in bound.items():
+        flag = "--" + name.replace("_", "-")
+        with pytest.raises(SystemExit) as exit_:
+            parse_settings([flag, str(top * 1.5)])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and f"{flag}:" in err, (flag, err)
+    flags = [a for name, top in bound.items() for a in ("--" + name.replace("_", "-"), str(top))]
+    with ServerProcess.serving(tmp_path / "server.log", *flags) as proc:
+        r = httpx.get(proc.url + "/v2/models/moe/config", timeout=30)
+        assert r.status_code == 200, r.text
+        policy = r.json()["dynamic_batching"]["default_queue_policy"]
+        assert policy["default_timeout_microseconds"] == MAX_SECONDS * 10**6, policy
+        with grpc.insecure_channel(proc.grpc_url) as channel:
+            config = pb_grpc.GRPCInferenceServiceStub(channel).ModelConfig(pb.ModelConfigRequest(name="moe"),
+                                                                            timeout=30).config
+        assert config.dynamic_batching.default_queue_policy.default_timeout_microseconds == MAX_SECONDS * 10**6
+        x, ids, w = inputs(3, seed=5)
+        r = httpx.post(proc.url + "/moe/forward", timeout=60,
+                       json={"hidden_states": x.tolist(), "topk_ids": ids.tolist(), "topk_weights": w.tolist()})
+        assert r.status_code == 200, r.text
+        check(r.json()["output"], x, ids, w)
