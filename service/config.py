@@ -169,6 +169,10 @@ def cuda_available() -> bool:
 # threading's waits a _PyTime_t); past it a start failed with an OverflowError, or exit 1 saying
 # "Python int too large to convert to C int".
 MAX_SECONDS = 1_000_000
+# grpc takes its message limits and max_connections * MAX_STREAMS (service.api.grpc) as C ints: past
+# these a start failed with an OverflowError traceback
+MAX_GRPC_MESSAGE_BYTES = 2**31 - 1
+MAX_CONNECTIONS = 1_000_000
 
 _HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
                         r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")  # RFC 1123 labels
@@ -224,7 +228,8 @@ class Settings(BaseSettings):
         description="queued tokens beyond which requests get 503; also the most tokens one request may carry (a "
                     "larger one gets 413)")
     max_request_bytes: int = Field(256 << 20, ge=1024, description="largest HTTP request body; a larger one gets 413")
-    grpc_max_message_bytes: int = Field(256 << 20, ge=1024, description="largest gRPC message, received or sent")
+    grpc_max_message_bytes: int = Field(256 << 20, ge=1024, le=MAX_GRPC_MESSAGE_BYTES,
+                                        description="largest gRPC message, received or sent")
     request_timeout_s: float = Field(30.0, gt=0, le=MAX_SECONDS, description="default per-request deadline")
     step_timeout_s: float = Field(60.0, gt=0, le=MAX_SECONDS,
         description="a step slower than this fails the group; once steps are measured the bound is the smaller "
@@ -314,7 +319,7 @@ class Settings(BaseSettings):
                     "unmapping a request's buffers anew each time (CPU stand-in, gRPC at 4 clients: +32 % "
                     "tokens/s at T=512, +24-29 % at T=2048, where 64 kept too little; the CPU default's T=512 "
                     "p50 -8 %); a process's memory then stays near its peak; 0: glibc's defaults")
-    max_connections: int = Field(1000, ge=1,
+    max_connections: int = Field(1000, ge=1, le=MAX_CONNECTIONS,
         description="open connections per protocol; at the limit HTTP closes the longest-idle one (or answers 503 "
                     "to the new one when every one has a request in flight), gRPC refuses new ones")
     idle_timeout_s: float = Field(30.0, gt=0, le=MAX_SECONDS,

@@ -213,27 +213,29 @@ TIMES = {"request_timeout_s": "s", "step_timeout_s": "s", "start_timeout_s": "s"
          "restart_backoff_s": "s", "idle_timeout_s": "s", "batch_delay_ms": "ms"}
 
 
-def test_time_settings_past_their_bound_exit_2_and_at_it_serve(tmp_path, capsys):
+def test_settings_past_their_bound_exit_2_and_at_it_serve(tmp_path, capsys):
     """Before: `--idle-timeout-s 1e7` died at start with an OverflowError traceback (grpc's idle option is
-    a C int of ms), `--start-timeout-s 1e300` exited 1 with "Python int too large to convert to C int",
+    a C int of ms), as did `--grpc-max-message-bytes 4294967296` and `--max-connections 40000000` (grpc's
+    C ints); `--start-timeout-s 1e300` exited 1 with "Python int too large to convert to C int",
     `--step-timeout-s 1e300` with "timestamp too large to convert to C _PyTime_t". Now a value past
-    MAX_SECONDS exits 2 naming the flag, and a server with every time setting at its bound starts,
+    its bound exits 2 naming the flag, and a server with each of these settings at its bound starts,
     answers its model configuration on HTTP and gRPC, and serves."""
     import grpc
     import httpx
 
     from service.api.proto import grpc_predict_v2_pb2 as pb
     from service.api.proto import grpc_predict_v2_pb2_grpc as pb_grpc
-    from service.config import MAX_SECONDS
+    from service.config import MAX_CONNECTIONS, MAX_GRPC_MESSAGE_BYTES, MAX_SECONDS
     from tests.api.common import check, inputs
     from tests.serverproc import ServerProcess
 
     assert set(TIMES) == set(FLOATS) - {"rank_idle_spin_ms"}, FLOATS
     bound = {name: MAX_SECONDS * (1000 if unit == "ms" else 1) for name, unit in TIMES.items()}
+    bound.update(grpc_max_message_bytes=MAX_GRPC_MESSAGE_BYTES, max_connections=MAX_CONNECTIONS)
     for name, top in bound.items():
         flag = "--" + name.replace("_", "-")
         with pytest.raises(SystemExit) as exit_:
-            parse_settings([flag, str(top * 1.5)])
+            parse_settings([flag, str(top + 1)])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and f"{flag}:" in err, (flag, err)
     flags = [a for name, top in bound.items() for a in ("--" + name.replace("_", "-"), str(top))]
