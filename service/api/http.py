@@ -40,7 +40,7 @@ from service.api.error_map import (
 )
 from service.api.frontend import Frontend
 from service.api.regions import cuda_register, cuda_status
-from service.errors import InvalidInput, MoEError
+from service.errors import DeadlineExceeded, InvalidInput, MoEError
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,19 @@ INFLATE_PIECE = 1 << 20  # bytes of output per zlib call: a body past the limit 
 # megabytes that no client sent (a review: 24 bombs of 64 KB held 2 GiB).
 MAX_INFLATE_RATIO = 32
 INFLATE_FLOOR = 1 << 20
+
+
+def deadline_left(request: Request, timeout_s: float) -> float:
+    """What is left of the request's deadline of `timeout_s` seconds, counted from its first byte
+    (connections.FIRST_BYTE, where its books start): its body's arrival and decoding spend it, so a
+    client's X-Request-Timeout bounds its wait for the answer. DeadlineExceeded (504) when nothing is
+    left: a body given MIN_BODY_TIMEOUT_S to arrive that took longer than a shorter deadline."""
+    first_byte = request.scope.get(FIRST_BYTE)
+    spent = 0.0 if first_byte is None else time.perf_counter() - first_byte
+    if spent >= timeout_s:
+        raise DeadlineExceeded(f"the request's deadline of {timeout_s:g} s passed while its body arrived "
+                               f"({spent:.3g} s)")
+    return timeout_s - spent
 
 
 def inflate(chunks: list[bytes], encoding: str, limit: int) -> list[bytes]:
@@ -291,7 +304,7 @@ def create_app(fe: Frontend) -> InferenceFirst:
             received(protocol, request)
             decode = codecs.decode_safetensors if media == SAFETENSORS else codecs.decode_forward_json
             req = await fe.offload(codecs.forward_decode_work(body, media == JSON), decode, body, fe.spec)
-            req.timeout_s = timeout
+            req.timeout_s = deadline_left(request, timeout or fe.settings.request_timeout_s)
             out = await unless_gone(request, fe.infer(req))
             assert isinstance(out, torch.Tensor)  # (no shared memory on /moe/forward)
             if media == SAFETENSORS:
@@ -358,7 +371,7 @@ def create_app(fe: Frontend) -> InferenceFirst:
             received(protocol, request)
             work = codecs.v2_http_decode_work(body, header_length)
             req = await fe.offload(work, codecs.decode_v2_http, body, header_length, fe.spec, fe.regions)
-            req.timeout_s = timeout or req.timeout_s
+            req.timeout_s = deadline_left(request, timeout or req.timeout_s or fe.settings.request_timeout_s)
             out = await unless_gone(request, fe.infer(req, out=fe.answer_rows(req)))  # (the arena's rows, if any)
             # Binary output is a JSON header and a view of `out`: nothing worth a thread hop.
             work = 0 if req.binary_output or req.out_region is not None else out.shape.numel() * codecs.JSON_NUMBER_WORK
