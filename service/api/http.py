@@ -123,8 +123,8 @@ def deadline_left(request: Request, timeout_s: float) -> float:
     first_byte = request.scope.get(FIRST_BYTE)
     spent = 0.0 if first_byte is None else time.perf_counter() - first_byte
     if spent >= timeout_s:
-        raise DeadlineExceeded(f"the request's deadline of {timeout_s:g} s passed while its body arrived "
-                               f"({spent:.3g} s)")
+        raise DeadlineExceeded(f"the request's deadline of {timeout_s:g} s passed before it was queued ({spent:.3g} s "
+                               "after its first byte: its body's arrival and decoding)")
     return timeout_s - spent
 
 
