@@ -138,7 +138,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         if not self._known_model(context, request.name, request.version):
             return None
         meta = self.fe.model_metadata()
-        response = pb.ModelMetadataResponse(name=meta["name"], platform=meta["platform"])
+        response = pb.ModelMetadataResponse(name=meta["name"], versions=meta["versions"], platform=meta["platform"])
         for field in ("inputs", "outputs"):
             for t in meta[field]:
                 getattr(response, field).add(name=t["name"], datatype=t["datatype"], shape=t["shape"])

@@ -56,3 +56,26 @@ def test_a_deadline_counts_from_the_first_byte_not_from_the_body_s_end(server):
     status, text = post_slowly(server, "/v2/models/moe/infer", body, {}, BODY_DELAY_S)
     assert status == 200, text
     check([json.loads(text)["outputs"][0]["data"][i * 256:(i + 1) * 256] for i in range(3)], *tensors)
+
+
+def test_grpc_model_metadata_is_http_s(server):
+    """Before: gRPC ModelMetadata left `versions` out (HTTP's /v2/models/moe says ["1"]), so
+    tritonclient.grpc's get_model_metadata("moe").versions was empty. Every field of the two answers
+    now agrees."""
+    import grpc
+    import httpx
+
+    from service.api.proto import grpc_predict_v2_pb2 as pb
+    from service.api.proto import grpc_predict_v2_pb2_grpc as pb_grpc
+
+    http = httpx.get(server.url + "/v2/models/moe", timeout=30).json()
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        answer = pb_grpc.GRPCInferenceServiceStub(channel).ModelMetadata(pb.ModelMetadataRequest(name="moe"),
+                                                                         timeout=30)
+    def tensors(ts) -> list:
+        return [(t.name, t.datatype, list(t.shape)) for t in ts]
+
+    assert (answer.name, list(answer.versions), answer.platform) == (http["name"], http["versions"], http["platform"])
+    assert tensors(answer.inputs) == [(t["name"], t["datatype"], t["shape"]) for t in http["inputs"]]
+    assert tensors(answer.outputs) == [(t["name"], t["datatype"], t["shape"]) for t in http["outputs"]]
+    assert set(http) == {"name", "versions", "platform", "inputs", "outputs"}, http
