@@ -683,7 +683,8 @@ def _taken(task: asyncio.Task) -> None:
 
 def _expire(job: _Job, timeout_s: float) -> None:
     """The request's deadline passed before its answer (the loop's timer of `submit`)."""
-    job.fail(DeadlineExceeded(f"no answer within the request's deadline of {timeout_s:g} s"))
+    job.fail(DeadlineExceeded(f"no answer within the request's deadline ({timeout_s:.3g} s were left of it when it "
+                              "was queued)"))
 
 
 def _hold(job: _Job) -> bool:
