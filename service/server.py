@@ -63,6 +63,7 @@ from service.fleet import (
 )
 from service.metrics import Metrics, merge, serve_metrics
 from service.worker.malloc import keep_freed_memory
+from service.worker.shm import check_room
 from service.worker.warmup import expert_source, warm_up
 
 log = logging.getLogger("moe-serve")
@@ -211,6 +212,7 @@ class Server:
                                      f"{local_unavailable_reason(cfg, torch.device(self.device))}; "
                                      f"use --backend auto or serial")
         self.frontends = frontend_count(settings, self.device)
+        check_room(cfg, settings.slots * self.frontends)  # (the group makes every front end's slots)
         # Each front end's wire arena, resolved here for every front-end process (they read it from settings)
         arena_mib, why_arena = wire_arena_mib(settings, self.device, self.frontends)
         settings = self.settings = settings.model_copy(update={"wire_arena_mib": arena_mib})

@@ -35,7 +35,7 @@ import uuid
 import torch
 
 from service.config import LayerConfig, round_up
-from service.errors import GroupUnavailable
+from service.errors import ConfigError, GroupUnavailable
 
 ALIGN = 64  # bytes; each field starts on a cache line
 PREFIX = "moe-slot-"
@@ -140,6 +140,21 @@ def create_locked(directory: str, path: str, size: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def check_room(cfg: LayerConfig, count: int) -> None:
+    """ConfigError when `count` slots of `cfg` (every front end's) are larger than the filesystem they
+    live in (/dev/shm): the files are sparse, so they would be made, and the first steps that fill them
+    would die of SIGBUS; a --capacity typo (1e8) had the owner's warm-up allocate a step's rows in RAM
+    until the host ran out (16 GB in a minute), never exiting."""
+    _, size = _layout(cfg)
+    fs = os.statvfs(shm_dir())
+    room = fs.f_blocks * fs.f_frsize
+    if count * size > room:
+        raise ConfigError(f"{count} batch slots of {size / 2**30:.3g} GiB (R*C = {cfg.tokens_per_step} tokens per "
+                          f"step, H = {cfg.H}) need {count * size / 2**30:.3g} GiB of {shm_dir()}, which holds "
+                          f"{room / 2**30:.3g} GiB: lower capacity, world_size, slots or frontends, or give "
+                          f"{shm_dir()} more room")
 
 
 def create_slots(cfg: LayerConfig, count: int) -> list[Slot]:

@@ -253,3 +253,14 @@ def test_settings_past_their_bound_exit_2_and_at_it_serve(tmp_path, capsys):
                        json={"hidden_states": x.tolist(), "topk_ids": ids.tolist(), "topk_weights": w.tolist()})
         assert r.status_code == 200, r.text
         check(r.json()["output"], x, ids, w)
+
+
+def test_slots_larger_than_dev_shm_exit_2_before_anything_starts():
+    """Before: `--capacity 100000000` (a typo) started; its slot files are sparse, so they were made,
+    and the owner's warm-up then allocated a step's 400 GB of rows, growing to 16 GB of RAM within a
+    minute and never exiting (SIGTERM waited for it). Now the slots' size is checked against /dev/shm
+    first: exit 2 naming what to lower."""
+    r = subprocess.run([sys.executable, "-m", "service", "--capacity", "100000000", "--http-port", "0",
+                        "--grpc-port", "0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "lower capacity" in r.stderr and "started 4 ranks" not in r.stderr, r.stderr[-3000:]
