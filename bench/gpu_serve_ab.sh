@@ -20,7 +20,7 @@
 # CHECK (0; 1: bench/served_check.py against each tree's server in round 1, before its load: every answer against
 # the fp32 reference, the NaN row, the arena's share of the rows; its last two lines printed),
 # RAW (0; 1: after each load, v2_binary at concurrency 1 with serve_load's --client raw), SPLIT (0; 1: bench/latency_split.py around each server's load, its receive/send lines printed), DIRECT (0;
-# 1: the layer alone at the served step after the rounds, this checkout's code: the ratio's denominator), SITE (the
+# 1: the layer alone at the served step before the rounds, this checkout's code: the ratio's denominator), SITE (the
 # wheels' target, /tmp/site), PYTHON, OUT (else build/gpu_serve_ab). Everything it writes is packed
 # into ONE file, $OUT/serve_ab.tgz (also when a step fails); the summary is printed.
 # A root other than "." is a copy of another commit's tree inside this checkout (carried), e.g.
@@ -78,6 +78,20 @@ KEEPERS=
 stop_keepers() { [[ -n "$KEEPERS" ]] && kill -9 -- -"$KEEPERS" 2>/dev/null; KEEPERS=; }
 pack() { tar -czf "$DEST/serve_ab.tgz.tmp" -C "$LOG" . && mv "$DEST/serve_ab.tgz.tmp" "$DEST/serve_ab.tgz"; }
 trap 'stop_server; stop_keepers; pack' EXIT
+
+if (( ${DIRECT:-0} )) && (( $(left) > 40 )); then  # the layer alone at the served step (no server holds the GPU yet);
+  # first, so that a budget spent by the rounds cannot skip the ratio's denominator (twenty-fourth session)
+  PYTHONPATH="$ROOT:$SITE" timeout -k 5 "$(cap 90)" "$PY" -c '
+import sys; sys.path.insert(0, "bench")
+from serve_load import direct_tokens_per_s
+from service.cli import parse_settings
+s = parse_settings([]); device, _ = s.resolve_device(); cfg = s.layer_config(device)
+assert cfg.R == 1, "the layer alone is R=1 here (bench/multigpu.py layer for R > 1)"
+for n, d in direct_tokens_per_s(cfg, s.backend, s.seed, device, [cfg.tokens_per_step], 200).items():
+    name, us, rate = d["backend"], d["s"] * 1e6, d["tok_s"]
+    print(f"layer alone ({name}, {n} tokens a step): {us:,.0f} us = {rate:,.0f} tokens/s")
+' 2>&1 | tee "$LOG/direct.txt" | tail -n 3
+fi
 
 profiled=0
 for round in $(seq "${ROUNDS:-1}"); do
@@ -150,18 +164,6 @@ for round in $(seq "${ROUNDS:-1}"); do
     stop_keepers
   done
 done
-if (( ${DIRECT:-0} )) && (( $(left) > 40 )); then  # the layer alone at the served step (no server holds the GPU now)
-  PYTHONPATH="$ROOT:$SITE" timeout -k 5 "$(cap 90)" "$PY" -c '
-import sys; sys.path.insert(0, "bench")
-from serve_load import direct_tokens_per_s
-from service.cli import parse_settings
-s = parse_settings([]); device, _ = s.resolve_device(); cfg = s.layer_config(device)
-assert cfg.R == 1, "the layer alone is R=1 here (bench/multigpu.py layer for R > 1)"
-for n, d in direct_tokens_per_s(cfg, s.backend, s.seed, device, [cfg.tokens_per_step], 200).items():
-    name, us, rate = d["backend"], d["s"] * 1e6, d["tok_s"]
-    print(f"layer alone ({name}, {n} tokens a step): {us:,.0f} us = {rate:,.0f} tokens/s")
-' 2>&1 | tee "$LOG/direct.txt" | tail -n 3
-fi
 trap pack EXIT
 echo "== summary: $(( $(date +%s) - START )) s"
 for f in "$LOG"/load_*.txt "$LOG"/pa_*.txt; do [[ -f $f ]] && { echo "${f##*/}:"; grep -E "^\| (v2|grpc|pa_)" "$f"; }; done
