@@ -299,12 +299,13 @@ def create_app(fe: Frontend) -> InferenceFirst:
         async def handle() -> Response:
             if media not in (JSON, SAFETENSORS):
                 raise UnsupportedMediaType(f"Content-Type must be {JSON} or {SAFETENSORS}, got {media!r}")
-            timeout = codecs.parse_timeout_s(request.headers.get(TIMEOUT_HEADER), "X-Request-Timeout")
-            body = await read_body(request, limit, timeout or fe.settings.request_timeout_s)
+            timeout = (codecs.parse_timeout_s(request.headers.get(TIMEOUT_HEADER), "X-Request-Timeout")
+                       or fe.settings.request_timeout_s)
+            body = await read_body(request, limit, timeout)
             received(protocol, request)
             decode = codecs.decode_safetensors if media == SAFETENSORS else codecs.decode_forward_json
             req = await fe.offload(codecs.forward_decode_work(body, media == JSON), decode, body, fe.spec)
-            req.timeout_s = deadline_left(request, timeout or fe.settings.request_timeout_s)
+            req.timeout_s = deadline_left(request, timeout)
             out = await unless_gone(request, fe.infer(req))
             assert isinstance(out, torch.Tensor)  # (no shared memory on /moe/forward)
             if media == SAFETENSORS:
