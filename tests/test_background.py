@@ -1,6 +1,7 @@
 """The session's background jobs (tests/background.py): a queued child runs at the lowest priority
 and its test waits for it; a child asked for before the queue reaches it runs at once, at the test's
-priority, and only once; a timed-out wait and the session's end leave no child behind."""
+priority, and only once; a queued child leads a process group in the tests' session (their
+scheduling group); a timed-out wait and the session's end leave no child behind."""
 
 from __future__ import annotations
 
@@ -101,3 +102,26 @@ def test_a_killed_child_takes_its_own_children_with_it(tmp_path):
                 break
         assert time.monotonic() < deadline, "the job's own child outlived the job's kill"
         time.sleep(0.05)
+
+
+# The child prints its session, its process group and itself, and its autogroup where the kernel has one.
+PRINT_GROUPS = ("import os; ag = '/proc/self/autogroup'; "
+                "print(os.getsid(0), os.getpgid(0), os.getpid(), "
+                "open(ag).read().split()[0] if os.path.exists(ag) else '-')")
+
+
+def test_a_queued_child_leads_its_own_process_group_in_the_tests_session(tmp_path):
+    """Its own process group (kill() takes its children along), but the tests' session: with autogroup
+    scheduling a new session is a task group of its own, as heavy as the tests' whole group whatever
+    its niceness, and a niceness-19 child then took a core of the two from the tests."""
+    queue = Queue()
+    job = Job.of("groups", [sys.executable, "-c", PRINT_GROUPS], timeout_s=60)
+    queue.start([job])
+    done = queue.result(job)
+    assert done.returncode == 0, done.stderr
+    sid, pgid, pid, autogroup = done.stdout.split()
+    assert int(sid) == os.getsid(0), (sid, os.getsid(0))
+    assert int(pgid) == int(pid), (pgid, pid)
+    if os.path.exists("/proc/self/autogroup"):
+        with open("/proc/self/autogroup") as f:
+            assert autogroup == f.read().split()[0], autogroup
