@@ -322,11 +322,13 @@ def create_app(fe: Frontend) -> InferenceFirst:
     async def server_metadata() -> dict:
         return fe.server_metadata()
 
-    @app.get("/v2/health/live")
+    # Health and readiness also answer HEAD (a load balancer's check, e.g. HAProxy's
+    # `option httpchk HEAD ...`): the same status, no body (uvicorn drops it for HEAD).
+    @app.api_route("/v2/health/live", methods=["GET", "HEAD"])
     async def live() -> dict:
         return {"live": True}
 
-    @app.get("/v2/health/ready")
+    @app.api_route("/v2/health/ready", methods=["GET", "HEAD"])
     async def ready() -> JSONResponse:
         return JSONResponse({"ready": fe.ready}, status_code=200 if fe.ready else 503)
 
@@ -350,8 +352,8 @@ def create_app(fe: Frontend) -> InferenceFirst:
     model_document("/config", fe.model_config)       # Triton's model configuration extension
     model_document("/stats", fe.model_statistics)    # Triton's statistics extension
 
-    @app.get("/v2/models/{model}/ready")
-    @app.get("/v2/models/{model}/versions/{version}/ready")
+    @app.api_route("/v2/models/{model}/ready", methods=["GET", "HEAD"])
+    @app.api_route("/v2/models/{model}/versions/{version}/ready", methods=["GET", "HEAD"])
     async def model_ready(model: str, version: str | None = None) -> Response:
         codecs.check_model(model, version, fe.model_name)
         return JSONResponse({"name": model, "ready": fe.ready}, status_code=200 if fe.ready else 503)

@@ -91,6 +91,11 @@ def test_health_and_metadata(server, http):
     assert http.get("/v2/models/moe/ready").json()["ready"] is True
     r = http.get("/v2/models/nope")
     assert r.status_code == 404 and "nope" in r.json()["error"]
+    # HEAD on health and readiness (a load balancer's check): GET's status, no body
+    for path in ("/v2/health/live", "/v2/health/ready", "/v2/models/moe/ready", "/v2/models/moe/versions/1/ready"):
+        r = http.head(path)
+        assert (r.status_code, r.content) == (200, b""), (path, r.status_code, r.content)
+    assert http.head("/v2/models/nope/ready").status_code == 404
 
     hc = httpclient.InferenceServerClient(server.http_hostport)
     assert hc.is_server_live() and hc.is_server_ready() and hc.is_model_ready("moe")
