@@ -4,6 +4,7 @@ independent commands run side by side."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import shutil
 import subprocess
@@ -128,3 +129,20 @@ def run_at_once(commands: list[list[str]], timeout: float) -> list[subprocess.Co
     with concurrent.futures.ThreadPoolExecutor(len(commands)) as pool:
         return list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True, timeout=timeout),
                              commands))
+
+
+SIDE_BY_SIDE_WORKERS = 3  # two cores busy while a third child starts or exits
+
+
+@contextlib.contextmanager
+def side_by_side(jobs: dict, workers: int = SIDE_BY_SIDE_WORKERS):
+    """Independent jobs (key -> callable) of several tests started together, `workers` at a time: a
+    module fixture yields {key: Future} and each test checks its own job's result (`.result()`, which
+    raises what the job raised). For children that mostly spend one core importing torch (~2 s of a
+    short `python -m service` run), which run one after another left the other core idle. On exit,
+    waits for the jobs under way and drops those not started (the tests that wanted them were not run)."""
+    pool = concurrent.futures.ThreadPoolExecutor(workers)
+    try:
+        yield {key: pool.submit(job) for key, job in jobs.items()}
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

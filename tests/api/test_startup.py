@@ -4,6 +4,9 @@ addresses work on both protocols, and a bad or foreign --host is a clear start-u
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import os
 import socket
 import subprocess
 import sys
@@ -18,6 +21,7 @@ from service.config import Settings
 from service.server import EXIT_CANNOT_LISTEN
 from tests.api.common import check, inputs
 from tests.api.test_e2e import triton_inputs
+from tests.helpers import side_by_side
 from tests.serverproc import ServerProcess, free_port, ipv6_loopback
 
 FAIL_TIMEOUT_S = 120.0  # a server that cannot listen exits before its rank group starts (~2-5 s here)
@@ -35,27 +39,84 @@ def _holder(port: int) -> socket.socket:
     return s
 
 
-def _start_fails(tmp_path, *flags: str) -> str:
-    """Start `python -m service` with `flags` on free loopback ports; it must exit with
-    EXIT_CANNOT_LISTEN and no traceback. Its log."""
-    proc = ServerProcess.module(tmp_path / "server.log", *flags)
-    try:
-        code = proc.proc.wait(FAIL_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        code = None
-    finally:
-        proc.stop()
-    log = proc.log()
+PROTOCOLS = ["grpc", "http", "metrics"]
+GRPC_HELD = [("localhost", "127.0.0.1", "127.0.0.1"), ("localhost", "::1", "::1"),
+             ("0.0.0.0", "::1", "::")]  # (host, held, checked): :: dual-stack holds ::1 too
+MALFORMED_HOSTS = ["not a host", "[::1", "1.2.3.4:80", "999.1.1.1"]
+
+
+def _start(log_path, env: dict[str, str], flags: tuple[str, ...], hold=None) -> tuple[int | None, str]:
+    """Start `python -m service` with `flags` in `env` (its loopback ports, picked in the test's thread:
+    free_port is not for threads) while `hold()`'s listening socket, if any, is open, and wait up to
+    FAIL_TIMEOUT_S for it to exit: (its exit code, None if it did not, and its log)."""
+    with hold() if hold else contextlib.nullcontext():
+        proc = ServerProcess([sys.executable, "-m", "service", *flags], log_path, env=env)
+        try:
+            code = proc.proc.wait(FAIL_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            proc.stop()
+    return code, proc.log()
+
+
+def _refused_weights(folder) -> tuple[int | None, str]:
+    """test_weights_a_rank_refuses_exit_2_naming_the_expert's start: a NaN in expert 3's weights."""
+    from service.config import preset
+    from service.moe.weights import write_synthetic_checkpoint
+
+    path = folder / "w.safetensors"
+    write_synthetic_checkpoint(path, preset("cpu"), seed=3)
+    tensors = safetensors.torch.load_file(path)
+    key = next(k for k in sorted(tensors) if ".3." in k and "gate" in k)
+    tensors[key][0, 0] = float("nan")
+    safetensors.torch.save_file(tensors, path)
+    return _start(folder / "weights.log", ServerProcess.loopback_env(dict(os.environ)), ("--weights", str(path)))
+
+
+@pytest.fixture(scope="module")
+def starts(tmp_path_factory):
+    """Every start of this module that must fail (~2-5 s each, most of it one core importing torch),
+    run side by side once the first test asks (tests.helpers.side_by_side); each test checks its own.
+    Key -> (the port held or None, Future of what the start returned)."""
+    folder = tmp_path_factory.mktemp("starts")
+    jobs, ports = {}, {}
+
+    def start(key, flags: tuple[str, ...], hold=None, port: int | None = None) -> None:
+        env = ServerProcess.loopback_env(dict(os.environ))
+        jobs[key], ports[key] = functools.partial(_start, folder / f"server{len(jobs)}.log", env, flags, hold), port
+
+    for protocol in PROTOCOLS:
+        port = free_port()
+        start(("port", protocol), (f"--{protocol}-port", str(port)), functools.partial(_holder, port), port)
+    if ipv6_loopback():  # (test_a_grpc_port_held_on_one_of_its_addresses_is_refused is skipped otherwise)
+        for host, held, _ in GRPC_HELD:
+            port = free_port()
+            family = socket.AF_INET6 if ":" in held else socket.AF_INET
+            start(("grpc", host, held), ("--host", host, "--grpc-port", str(port)),
+                  functools.partial(socket.create_server, (held, port), family=family), port)
+    start("not this host", ("--host", NOT_THIS_HOST))
+    for host in MALFORMED_HOSTS:
+        jobs[("malformed", host)] = functools.partial(
+            subprocess.run, [sys.executable, "-m", "service", "--host", host], capture_output=True, text=True,
+            timeout=60)
+    jobs["weights"] = functools.partial(_refused_weights, folder)
+    with side_by_side(jobs) as futures:
+        yield {key: (ports.get(key), future) for key, future in futures.items()}
+
+
+def _cannot_listen(started) -> str:
+    """A start of `starts`: it must have exited with EXIT_CANNOT_LISTEN and no traceback. Its log."""
+    code, log = started.result()
     assert code == EXIT_CANNOT_LISTEN, f"exit code {code}:\n{log[-3000:]}"
     assert "Traceback" not in log, log[-3000:]
     return log
 
 
-@pytest.mark.parametrize("protocol", ["grpc", "http", "metrics"])
-def test_a_port_another_server_holds_is_refused(tmp_path, protocol):
-    port = free_port()
-    with _holder(port):
-        log = _start_fails(tmp_path, f"--{protocol}-port", str(port))
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_port_another_server_holds_is_refused(starts, protocol):
+    port, started = starts[("port", protocol)]
+    log = _cannot_listen(started)
     name = {"grpc": "gRPC", "http": "HTTP", "metrics": "metrics"}[protocol]
     assert f"the {name} server cannot listen on 127.0.0.1:{port}: [Errno 98] Address already in use" in log, log
 
@@ -70,26 +131,24 @@ def test_grpc_binds_every_address_of_its_host():
 
 
 @pytest.mark.skipif(not ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
-@pytest.mark.parametrize("host,held,checked", [("localhost", "127.0.0.1", "127.0.0.1"), ("localhost", "::1", "::1"),
-                                               ("0.0.0.0", "::1", "::")])  # (:: dual-stack holds ::1 too)
-def test_a_grpc_port_held_on_one_of_its_addresses_is_refused(tmp_path, host, held, checked):
+@pytest.mark.parametrize("host,held,checked", GRPC_HELD)
+def test_a_grpc_port_held_on_one_of_its_addresses_is_refused(starts, host, held, checked):
     """Another server on one of the addresses grpc binds for --host (the user's trial, again: grpc
     started on the others, and that address's clients reached the other server)."""
-    port = free_port()
-    with socket.create_server((held, port), family=socket.AF_INET6 if ":" in held else socket.AF_INET):
-        log = _start_fails(tmp_path, "--host", host, "--grpc-port", str(port))
+    port, started = starts[("grpc", host, held)]
+    log = _cannot_listen(started)
     assert f"the gRPC server cannot listen on {host}:{port}: another socket holds {host_port(checked, port)}" in log, \
         log[-3000:]
 
 
-def test_an_address_not_of_this_host_is_refused(tmp_path):
-    log = _start_fails(tmp_path, "--host", NOT_THIS_HOST)
+def test_an_address_not_of_this_host_is_refused(starts):
+    log = _cannot_listen(starts["not this host"][1])
     assert f"cannot listen on {NOT_THIS_HOST}:" in log and "Cannot assign requested address" in log, log
 
 
-@pytest.mark.parametrize("host", ["not a host", "[::1", "1.2.3.4:80", "999.1.1.1"])
-def test_a_malformed_host_exits_2_naming_the_flag(host):
-    r = subprocess.run([sys.executable, "-m", "service", "--host", host], capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize("host", MALFORMED_HOSTS)
+def test_a_malformed_host_exits_2_naming_the_flag(starts, host):
+    r = starts[("malformed", host)][1].result()
     assert r.returncode == 2, r.stderr
     assert "--host: Value error, must be an IP address" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
@@ -163,24 +222,9 @@ def test_an_ipv6_host_serves_both_protocols(tmp_path, host):
     assert code == 0, f"exit code {code}:\n{proc.log()[-3000:]}"
 
 
-def test_weights_a_rank_refuses_exit_2_naming_the_expert(tmp_path):
+def test_weights_a_rank_refuses_exit_2_naming_the_expert(starts):
     """A NaN in one expert's weights is refused by the rank that loads it: the server exits 2 (the README's
     "the weights refused"), not 1 as a failed start, and says which expert."""
-    import safetensors.torch
-
-    from service.config import preset
-    from service.moe.weights import write_synthetic_checkpoint
-
-    path = tmp_path / "w.safetensors"
-    write_synthetic_checkpoint(path, preset("cpu"), seed=3)
-    tensors = safetensors.torch.load_file(path)
-    key = next(k for k in sorted(tensors) if ".3." in k and "gate" in k)
-    tensors[key][0, 0] = float("nan")
-    safetensors.torch.save_file(tensors, path)
-    proc = ServerProcess.module(tmp_path / "server.log", "--weights", str(path))
-    try:
-        code = proc.proc.wait(FAIL_TIMEOUT_S)
-    finally:
-        proc.stop()
-    assert code == 2, f"exit code {code}:\n{proc.log()[-3000:]}"
-    assert "expert 3" in proc.log() and "NaN or infinity" in proc.log(), proc.log()[-3000:]
+    code, log = starts["weights"][1].result()
+    assert code == 2, f"exit code {code}:\n{log[-3000:]}"
+    assert "expert 3" in log and "NaN or infinity" in log, log[-3000:]
