@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import typing
@@ -13,7 +14,7 @@ from safetensors.torch import save_file
 from service import server
 from service.cli import build_parser, main, parse_settings
 from service.config import Settings, default_text, preset
-from tests.helpers import routing, run_at_once
+from tests.helpers import routing, run_at_once, side_by_side
 
 
 def test_one_flag_per_setting():
@@ -57,11 +58,48 @@ def test_only_boolean_flags_are_switches(capsys):
     assert exit_.value.code == 2 and "--batch-idle-wait:" in capsys.readouterr().err
 
 
-def test_bad_values_exit_2_naming_the_flag():
-    cases = ((["--http-port", "70000"], "--http-port"), (["--device", "tpu"], "--device"),
-             (["--preset", "huge"], "--preset"))
-    runs = run_at_once([[sys.executable, "-m", "service", *argv] for argv, _ in cases], timeout=60)
-    for (argv, needle), r in zip(cases, runs, strict=True):
+BAD_VALUES = ((["--http-port", "70000"], "--http-port"), (["--device", "tpu"], "--device"),
+              (["--preset", "huge"], "--preset"))
+
+
+def _backend_fused_runs(folder):
+    """test_backend_fused_where_it_cannot_run_exits_2_saying_why's commands: serve and forward (and the
+    folder of forward's input and output)."""
+    cfg = preset("cpu")
+    gen = torch.Generator().manual_seed(1)
+    ids, w = routing(2, cfg.E, cfg.K, "balanced", gen)
+    save_file({"hidden_states": torch.randn(2, cfg.H, generator=gen), "topk_ids": ids, "topk_weights": w},
+              str(folder / "in.safetensors"))
+    return *run_at_once([
+        [sys.executable, "-m", "service", "--device", "cpu", "--backend", "fused", "--host", "127.0.0.1",
+         "--http-port", "0", "--grpc-port", "0"],
+        [sys.executable, "-m", "service.cli", "forward", "--input", str(folder / "in.safetensors"),
+         "--output", str(folder / "out.safetensors"), "--device", "cpu", "--backend", "fused"],
+    ], timeout=180), folder
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The commands of the tests below that start `python -m service` and expect it to exit (~2-5 s
+    each, most of it one core importing torch), run side by side once the first test asks
+    (tests.helpers.side_by_side); each test checks its own. Key -> Future of what they returned."""
+    run = functools.partial(subprocess.run, capture_output=True, text=True)
+    jobs = {
+        "bad values": functools.partial(run_at_once, [[sys.executable, "-m", "service", *argv]
+                                                      for argv, _ in BAD_VALUES], timeout=60),
+        "unreadable weights": functools.partial(run, [sys.executable, "-m", "service", "--weights",
+                                                      "/nonexistent.safetensors", "--http-port", "0", "--grpc-port",
+                                                      "0"], timeout=60),
+        "backend fused": functools.partial(_backend_fused_runs, tmp_path_factory.mktemp("fused")),
+        "slots": functools.partial(run, [sys.executable, "-m", "service", "--capacity", "100000000", "--http-port",
+                                         "0", "--grpc-port", "0"], timeout=120),
+    }
+    with side_by_side(jobs) as futures:
+        yield futures
+
+
+def test_bad_values_exit_2_naming_the_flag(runs):
+    for (argv, needle), r in zip(BAD_VALUES, runs["bad values"].result(), strict=True):
         assert r.returncode == 2, (argv, r.stderr)
         assert needle in r.stderr, (argv, r.stderr)
 
@@ -81,9 +119,8 @@ def test_a_bad_variable_exits_2_naming_the_variable_without_the_usage(monkeypatc
     assert exit_.value.code == 2 and "usage:" in err and "--grpc-port:" in err and "MOE_HTTP_PORT" in err, err
 
 
-def test_unreadable_weights_exit_nonzero():
-    r = subprocess.run([sys.executable, "-m", "service", "--weights", "/nonexistent.safetensors",
-                        "--http-port", "0", "--grpc-port", "0"], capture_output=True, text=True, timeout=60)
+def test_unreadable_weights_exit_nonzero(runs):
+    r = runs["unreadable weights"].result()
     assert r.returncode == 2, r.stderr
     assert "nonexistent" in r.stderr
 
@@ -162,19 +199,9 @@ def test_docstring_gives_the_exit_status_of_bad_weights():
     assert "unreadable weights file" in doc and "status 2" in doc  # test_unreadable_weights_exit_nonzero
 
 
-def test_backend_fused_where_it_cannot_run_exits_2_saying_why(tmp_path):
+def test_backend_fused_where_it_cannot_run_exits_2_saying_why(runs):
     """Before: the ranks fell back to serial with a WARNING and the service ran, contradicting the flag."""
-    cfg = preset("cpu")
-    gen = torch.Generator().manual_seed(1)
-    ids, w = routing(2, cfg.E, cfg.K, "balanced", gen)
-    save_file({"hidden_states": torch.randn(2, cfg.H, generator=gen), "topk_ids": ids, "topk_weights": w},
-              str(tmp_path / "in.safetensors"))
-    serve, forward = run_at_once([
-        [sys.executable, "-m", "service", "--device", "cpu", "--backend", "fused", "--host", "127.0.0.1",
-         "--http-port", "0", "--grpc-port", "0"],
-        [sys.executable, "-m", "service.cli", "forward", "--input", str(tmp_path / "in.safetensors"),
-         "--output", str(tmp_path / "out.safetensors"), "--device", "cpu", "--backend", "fused"],
-    ], timeout=180)
+    serve, forward, folder = runs["backend fused"].result()
     err = serve.stderr
     assert serve.returncode == 2, err[-3000:]
     assert "--backend fused cannot run here" in err and "not CUDA" in err, err[-3000:]
@@ -184,7 +211,7 @@ def test_backend_fused_where_it_cannot_run_exits_2_saying_why(tmp_path):
     err = forward.stderr
     assert forward.returncode == 2, err[-3000:]
     assert "--backend fused cannot run here" in err and "Traceback" not in err, err[-3000:]
-    assert not (tmp_path / "out.safetensors").exists()
+    assert not (folder / "out.safetensors").exists()
 
 
 FLOATS = [name for name, f in Settings.model_fields.items() if float in (f.annotation, *typing.get_args(f.annotation))]
@@ -255,12 +282,11 @@ def test_settings_past_their_bound_exit_2_and_at_it_serve(tmp_path, capsys):
         check(r.json()["output"], x, ids, w)
 
 
-def test_slots_larger_than_dev_shm_exit_2_before_anything_starts():
+def test_slots_larger_than_dev_shm_exit_2_before_anything_starts(runs):
     """Before: `--capacity 100000000` (a typo) started; its slot files are sparse, so they were made,
     and the owner's warm-up then allocated a step's 400 GB of rows, growing to 16 GB of RAM within a
     minute and never exiting (SIGTERM waited for it). Now the slots' size is checked against /dev/shm
     first: exit 2 naming what to lower."""
-    r = subprocess.run([sys.executable, "-m", "service", "--capacity", "100000000", "--http-port", "0",
-                        "--grpc-port", "0"], capture_output=True, text=True, timeout=120)
+    r = runs["slots"].result()
     assert r.returncode == 2, r.stderr[-3000:]
     assert "lower capacity" in r.stderr and "started 4 ranks" not in r.stderr, r.stderr[-3000:]
