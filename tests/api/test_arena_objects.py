@@ -20,6 +20,7 @@ and back to empty once answered; under PYTHONMALLOC=debug no block freed through
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
 import subprocess
 import sys
@@ -37,6 +38,7 @@ from service.api import arena_objects
 from tests.api.common import check, inputs
 from tests.api.test_e2e import triton_inputs
 from tests.api.test_wire_arena import full_count, metric_value, v2_binary
+from tests.helpers import side_by_side
 from tests.serverproc import ServerProcess
 
 NAN = float("nan")
@@ -46,7 +48,7 @@ NAN = float("nan")
 def cache(tmp_path_factory):
     """One build of the library for the module's processes; skipped (failed in CI) where it cannot be built."""
     path = tmp_path_factory.mktemp("moe-cache")
-    run = isolated("from service.api import arena_objects; arena_objects.library()", path, check_rc=False)
+    run = isolated("from service.api import arena_objects; arena_objects.library()", path)
     if run.returncode:
         if os.environ.get("CI"):
             pytest.fail(f"the arena's object allocator cannot be built in CI: {run.stderr[-2000:]}")
@@ -54,13 +56,42 @@ def cache(tmp_path_factory):
     return path
 
 
-def isolated(code: str, cache_dir, check_rc: bool = True) -> subprocess.CompletedProcess:
+def isolated(code: str, cache_dir) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter (the hook stays for its life), with the library's cache."""
-    run = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "MOE_CACHE_DIR": str(cache_dir)})
-    if check_rc:
-        assert run.returncode == 0 and run.stdout.rstrip().endswith("ok"), run.stdout + run.stderr
-    return run
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "MOE_CACHE_DIR": str(cache_dir)})
+
+
+def ran_ok(run: subprocess.CompletedProcess) -> None:
+    """The code exited 0, having printed "ok" last."""
+    assert run.returncode == 0 and run.stdout.rstrip().endswith("ok"), run.stdout + run.stderr
+
+
+ISOLATED: dict[str, str] = {}  # test name -> the code it runs in a fresh interpreter
+
+
+def in_isolation(code: str):
+    """The decorated test's `code`, for `isolated_runs` to run in a fresh interpreter (`isolated`) side
+    by side with the other tests' (~2-3 s each, most of it one core importing torch); the test checks
+    what it did (its `ran` fixture)."""
+    def register(test):
+        ISOLATED[test.__name__] = code
+        return test
+    return register
+
+
+@pytest.fixture(scope="module")
+def isolated_runs(cache):
+    """Every test's code of `in_isolation`, run side by side once the first test asks: test name -> Future."""
+    with side_by_side({name: functools.partial(isolated, code, cache)
+                       for name, code in ISOLATED.items()}) as futures:
+        yield futures
+
+
+@pytest.fixture
+def ran(isolated_runs, request) -> subprocess.CompletedProcess:
+    """What the requesting test's code of `in_isolation` did in its fresh interpreter."""
+    return isolated_runs[request.function.__name__].result()
 
 
 EXPECT_REFUSED = """
@@ -92,8 +123,7 @@ def placed(b):
 """
 
 
-def test_large_objects_land_in_the_window_and_come_back_when_gone(cache):
-    isolated(PRELUDE + textwrap.dedent("""
+@in_isolation(PRELUDE + textwrap.dedent("""
     big, small = bytes_to_fill(MIN), bytes_to_fill(MIN - 64)
     assert placed(big) and not placed(small)
     at = arena.place(torch.frombuffer(big, dtype=torch.uint8))[2]
@@ -105,12 +135,12 @@ def test_large_objects_land_in_the_window_and_come_back_when_gone(cache):
     s = stats()
     assert s["blocks"] == 0 and s["used_bytes"] == 0 and s["free_extents"] == 1, s
     print("ok")
-    """), cache)
+    """))
+def test_large_objects_land_in_the_window_and_come_back_when_gone(ran):
+    ran_ok(ran)
 
 
-def test_blocks_never_overlap_a_live_object_and_merge_back(cache):
-    """Random sizes (half below MIN), random frees, every live object's pattern intact throughout."""
-    isolated(PRELUDE + textwrap.dedent("""
+@in_isolation(PRELUDE + textwrap.dedent("""
     rng = random.Random(7)
     live = {}
     for step in range(3000):
@@ -135,21 +165,24 @@ def test_blocks_never_overlap_a_live_object_and_merge_back(cache):
     s = stats()
     assert s["blocks"] == 0 and s["used_bytes"] == 0 and s["free_extents"] == 1, s
     print("ok")
-    """), cache)
+    """))
+def test_blocks_never_overlap_a_live_object_and_merge_back(ran):
+    """Random sizes (half below MIN), random frees, every live object's pattern intact throughout."""
+    ran_ok(ran)
 
 
-def test_a_full_window_sends_objects_to_the_heap(cache):
-    isolated(PRELUDE + textwrap.dedent("""
+@in_isolation(PRELUDE + textwrap.dedent("""
     held = [bytes_to_fill(4 * MIN) for _ in range(12)]  # the window: 32 x MIN, blocks a page more each
     where = [placed(b) for b in held]
     assert where[:7] == [True] * 7 and not any(where[8:]), where
     assert stats()["no_room_total"] >= 4
     print("ok")
-    """), cache)
+    """))
+def test_a_full_window_sends_objects_to_the_heap(ran):
+    ran_ok(ran)
 
 
-def test_realloc_moves_a_block_out_only_when_it_must_and_keeps_its_bytes(cache):
-    isolated(PRELUDE + textwrap.dedent("""
+@in_isolation(PRELUDE + textwrap.dedent("""
     api = ctypes.pythonapi
     api.PyObject_Malloc.restype = api.PyObject_Realloc.restype = ctypes.c_void_p
     api.PyObject_Malloc.argtypes = (ctypes.c_size_t,)
@@ -178,11 +211,12 @@ def test_realloc_moves_a_block_out_only_when_it_must_and_keeps_its_bytes(cache):
     assert not inside(q) and same(q, 1024) and stats()["blocks"] == 0
     api.PyObject_Free(q)
     print("ok")
-    """), cache)
+    """))
+def test_realloc_moves_a_block_out_only_when_it_must_and_keeps_its_bytes(ran):
+    ran_ok(ran)
 
 
-def test_writes_through_the_window_leave_the_files_ctime(cache):
-    isolated(PRELUDE + textwrap.dedent("""
+@in_isolation(PRELUDE + textwrap.dedent("""
     import time
     before = os.fstat(arena.fd)
     time.sleep(0.05)
@@ -192,16 +226,19 @@ def test_writes_through_the_window_leave_the_files_ctime(cache):
     after = os.fstat(arena.fd)
     assert (after.st_ctime_ns, after.st_size) == (before.st_ctime_ns, before.st_size)
     print("ok")
-    """), cache)
+    """))
+def test_writes_through_the_window_leave_the_files_ctime(ran):
+    ran_ok(ran)
 
 
-def test_a_second_window_in_one_process_is_refused(cache):
-    isolated(PRELUDE + textwrap.dedent("""
+@in_isolation(PRELUDE + textwrap.dedent("""
     other = WireArena(64 * MIN)
     expect_refused(other, "already")
     other.close()
     print("ok")
-    """), cache)
+    """))
+def test_a_second_window_in_one_process_is_refused(ran):
+    ran_ok(ran)
 
 
 # ---- a real server --------------------------------------------------------------------------------
@@ -314,12 +351,7 @@ def test_the_library_is_built_once_per_source_and_python(cache):
     assert arena_objects.SOURCE.exists()
 
 
-def test_a_forked_child_gets_a_private_copy_of_the_window(cache):
-    """A child forked after the install: its refcounts, writes and frees of the parent's placed objects
-    stay in the child (a private copy of the blocks, made at the fork), it places nothing new, and the
-    file's ctime is not moved by its writes. The parent's objects, refcounts and books are unchanged
-    after the child freed its copy and after a child exited holding references."""
-    isolated(PRELUDE + textwrap.dedent("""
+@in_isolation(PRELUDE + textwrap.dedent("""
     import sys, time
     mine = bytes_to_fill(2 * MIN)
     view = torch.frombuffer(mine, dtype=torch.uint8)
@@ -359,14 +391,16 @@ def test_a_forked_child_gets_a_private_copy_of_the_window(cache):
     gc.collect()
     assert stats()["blocks"] == 0  # the parent's frees still work: the children left the headers alone
     print("ok")
-    """), cache)
+    """))
+def test_a_forked_child_gets_a_private_copy_of_the_window(ran):
+    """A child forked after the install: its refcounts, writes and frees of the parent's placed objects
+    stay in the child (a private copy of the blocks, made at the fork), it places nothing new, and the
+    file's ctime is not moved by its writes. The parent's objects, refcounts and books are unchanged
+    after the child freed its copy and after a child exited holding references."""
+    ran_ok(ran)
 
 
-def test_a_forked_childs_copy_is_the_window_as_it_was_at_the_fork(cache):
-    """The copy is the parent's window at the fork, whatever the parent does next: right after fork()
-    the parent frees an object and puts a new one in its block; the child, reading afterwards, still
-    sees the old object's bytes and refcount, and a live block after a free hole comes across too."""
-    isolated(PRELUDE + textwrap.dedent("""
+@in_isolation(PRELUDE + textwrap.dedent("""
     import sys
     first = bytes_to_fill(2 * MIN)
     torch.frombuffer(first, dtype=torch.uint8).fill_(9)
@@ -397,13 +431,15 @@ def test_a_forked_childs_copy_is_the_window_as_it_was_at_the_fork(cache):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
     print("ok")
-    """), cache)
+    """))
+def test_a_forked_childs_copy_is_the_window_as_it_was_at_the_fork(ran):
+    """The copy is the parent's window at the fork, whatever the parent does next: right after fork()
+    the parent frees an object and puts a new one in its block; the child, reading afterwards, still
+    sees the old object's bytes and refcount, and a live block after a free hole comes across too."""
+    ran_ok(ran)
 
 
-def test_a_fork_without_memory_for_the_copy_leaves_the_child_no_window(cache):
-    """When the copy cannot be made (the address space limit here), the child's window is inaccessible:
-    a child that reads a placed object dies of SIGSEGV, and the parent's object and books are intact."""
-    isolated(PRELUDE + textwrap.dedent("""
+@in_isolation(PRELUDE + textwrap.dedent("""
     import resource, signal
     mine = bytes_to_fill(2 * MIN)
     torch.frombuffer(mine, dtype=torch.uint8).fill_(9)
@@ -423,13 +459,14 @@ def test_a_fork_without_memory_for_the_copy_leaves_the_child_no_window(cache):
     now = stats()
     assert (now["used_bytes"], now["blocks"]) == (before["used_bytes"], before["blocks"]), (now, before)
     print("ok")
-    """), cache)
+    """))
+def test_a_fork_without_memory_for_the_copy_leaves_the_child_no_window(ran):
+    """When the copy cannot be made (the address space limit here), the child's window is inaccessible:
+    a child that reads a placed object dies of SIGSEGV, and the parent's object and books are intact."""
+    ran_ok(ran)
 
 
-def test_only_the_armed_threads_objects_are_placed(cache):
-    """The installing thread (a front end's event loop) is armed; another thread's large objects stay
-    in the heap until it arms itself, and after it disarms."""
-    isolated(PRELUDE + textwrap.dedent("""
+@in_isolation(PRELUDE + textwrap.dedent("""
     import threading
     found = {}
 
@@ -449,17 +486,22 @@ def test_only_the_armed_threads_objects_are_placed(cache):
     assert found == {"plain": False, "tuple": 0, "armed": True, "disarmed": False}, found
     assert placed(bytes_to_fill(2 * MIN))  # the installing thread still is
     print("ok")
-    """), cache)
+    """))
+def test_only_the_armed_threads_objects_are_placed(ran):
+    """The installing thread (a front end's event loop) is armed; another thread's large objects stay
+    in the heap until it arms itself, and after it disarms."""
+    ran_ok(ran)
 
 
-def test_tracemalloc_tracing_refuses_the_install(cache):
-    isolated(EXPECT_REFUSED + textwrap.dedent("""
+@in_isolation(EXPECT_REFUSED + textwrap.dedent("""
     import tracemalloc
     from service.api.arena import WireArena
     tracemalloc.start()
     expect_refused(WireArena(64 << 20), "tracemalloc")
     print("ok")
-    """), cache)
+    """))
+def test_tracemalloc_tracing_refuses_the_install(ran):
+    ran_ok(ran)
 
 
 def test_a_compiler_with_arguments_and_an_unloadable_cached_build(tmp_path, cache):
