@@ -48,7 +48,8 @@ def stand_in(host: str, status: int = 200):
 
     handler = type("Handler", (_Ready,), {"status": status})
     server = Server((host, 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # (shutdown() waits for the loop to look at its flag: every 0.5 s by default, most of each test)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     thread.start()
     try:
         yield server.server_address[1]
