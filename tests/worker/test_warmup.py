@@ -39,25 +39,31 @@ class Detached:
             self.group.release(other)
 
 
-def test_a_correct_group_passes(tmp_path):
+@pytest.fixture(scope="module")
+def seeded():
+    """One started group of CFG with seed 4's weights for the tests that only run warm-ups on it: a
+    warm-up fills its slot's rows and answer (UNWRITTEN) before its step, and a warm-up's refusal is
+    the checker's, not a failure of the group, so nothing of one test's run reaches the next."""
     with WorkerGroup(CFG, seed=4) as g:
-        warm_up(g, CFG, expert_source(CFG, None, "", 4), timeout_s=30)
+        yield g
+
+
+def test_a_correct_group_passes(tmp_path, seeded):
+    warm_up(seeded, CFG, expert_source(CFG, None, "", 4), timeout_s=30)
     path = tmp_path / "w.safetensors"
     write_synthetic_checkpoint(path, CFG, seed=5, prefix="mlp.")
     with WorkerGroup(CFG, weights=str(path), weights_prefix="mlp.") as g:
         warm_up(g, CFG, expert_source(CFG, str(path), "mlp.", 0), timeout_s=30)
 
 
-def test_rows_the_ranks_did_not_write_fail_it():
-    with WorkerGroup(CFG, seed=4) as g:
-        with pytest.raises(WorkerError, match="left 10 of 10 rows unwritten"):
-            warm_up(Detached(g), CFG, expert_source(CFG, None, "", 4), timeout_s=30)
+def test_rows_the_ranks_did_not_write_fail_it(seeded):
+    with pytest.raises(WorkerError, match="left 10 of 10 rows unwritten"):
+        warm_up(Detached(seeded), CFG, expert_source(CFG, None, "", 4), timeout_s=30)
 
 
-def test_an_answer_from_other_weights_fails_it():
-    with WorkerGroup(CFG, seed=4) as g:
-        with pytest.raises(WorkerError, match="disagrees with the fp32 reference"):
-            warm_up(g, CFG, expert_source(CFG, None, "", 5), timeout_s=30)
+def test_an_answer_from_other_weights_fails_it(seeded):
+    with pytest.raises(WorkerError, match="disagrees with the fp32 reference"):
+        warm_up(seeded, CFG, expert_source(CFG, None, "", 5), timeout_s=30)
 
 
 @pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v3"])
@@ -87,12 +93,11 @@ class Overflowing(Detached):
         return stats
 
 
-def test_an_answer_that_overflows_its_dtype_is_a_setting_to_change_not_the_slots():
+def test_an_answer_that_overflows_its_dtype_is_a_setting_to_change_not_the_slots(seeded):
     """Rows written with infinities are the layer overflowing (weights too large for the dtype: exit 2,
     naming --dtype), not ranks writing elsewhere (all NaN rows, as the slot was filled)."""
-    with WorkerGroup(CFG, seed=4) as g:
-        with pytest.raises(ConfigError, match=r"overflows torch.bfloat16 .* 2 of 10 .*first: row 2.*same range"):
-            warm_up(Overflowing(g), CFG, expert_source(CFG, None, "", 4), timeout_s=30)
+    with pytest.raises(ConfigError, match=r"overflows torch.bfloat16 .* 2 of 10 .*first: row 2.*same range"):
+        warm_up(Overflowing(seeded), CFG, expert_source(CFG, None, "", 4), timeout_s=30)
     fp16 = dataclasses.replace(CFG, dtype=torch.float16)
     with WorkerGroup(fp16, seed=4) as g:
         with pytest.raises(ConfigError, match=r"overflows torch.float16 .*bfloat16 or float32 \(--dtype\)"):
