@@ -340,7 +340,9 @@ def test_writelines_and_write_eof_keep_their_place_behind_a_thread_send(monkeypa
 
 def test_an_abort_during_a_thread_send_ends_the_connection(monkeypatch):
     """An abort while the thread send is held: the client sees at most a prefix of the answer, then
-    the end of the connection; nothing waits, the writes behind the send are dropped."""
+    the end of the connection; nothing waits, the writes behind the send are dropped. The send under
+    way finishes on its duplicate descriptor, taking what the socket takes without waiting: the whole
+    answer when the client reads as fast as the thread sends (seen in CI), less when it does not."""
     entered, gate, done = gate_sends(monkeypatch)
     big = payload(32 << 20, 14)
     state: list[ThreadedWrites] = []
@@ -372,7 +374,7 @@ def test_an_abort_during_a_thread_send_ends_the_connection(monkeypatch):
         return got
 
     got = asyncio.run(main())
-    assert len(got) < len(big) and big.startswith(got)
+    assert big.startswith(got), len(got)  # never "behind", never a byte of another write
 
 
 # ---- through uvicorn ----------------------------------------------------------------------
