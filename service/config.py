@@ -164,6 +164,52 @@ def cuda_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
+def usable_cpus(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int:
+    """The CPU cores this process can use: those it may run on (its affinity: a cpuset, `taskset`),
+    capped by the CPU quota of its cgroup or any cgroup above it (a container's `--cpus`, compose's
+    `cpus:`, Kubernetes' limits), rounded up; at least 1. os.cpu_count() counts the host's cores:
+    by it, four CPU ranks in a 2-core container on a 64-core host took 16 intra-op threads each."""
+    cpus = len(os.sched_getaffinity(0))
+    for quota, period in _cpu_quotas(cgroup_root, proc_cgroup):
+        if quota > 0 and period > 0:
+            cpus = min(cpus, math.ceil(quota / period))
+    return max(1, cpus)
+
+
+def _cpu_quotas(root: str, proc_cgroup: str) -> list[tuple[int, int]]:
+    """(quota, period) of each CPU limit over this process: cgroup v2's cpu.max, v1's cfs files, from
+    its own cgroup up to the root; none where the files are absent, unreadable or "max" (no limit)."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        v2 = controllers == ""
+        if not v2 and "cpu" not in controllers.split(","):
+            continue
+        base = root if v2 else os.path.join(root, "cpu")  # (v1's cpu,cpuacct is linked there too)
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            d = os.path.join(base, *parts[:depth])
+            try:
+                if v2:
+                    with open(os.path.join(d, "cpu.max")) as f:
+                        quota, period = f.read().split()[:2]
+                else:
+                    with open(os.path.join(d, "cpu.cfs_quota_us")) as f:
+                        quota = f.read().strip()
+                    with open(os.path.join(d, "cpu.cfs_period_us")) as f:
+                        period = f.read().strip()
+                if quota != "max":
+                    found.append((int(quota), int(period)))
+            except (OSError, ValueError):
+                continue
+    return found
+
+
 # The largest time setting, in seconds (~11.6 days: "never" for a deadline or a timeout): what the
 # libraries take fits (grpc's idle option is a C int of ms, torch's store timeout a C int of ms,
 # threading's waits a _PyTime_t); past it a start failed with an OverflowError, or exit 1 saying

@@ -49,7 +49,7 @@ from service.api.frontend import Frontend
 from service.api.grpc import GrpcServer
 from service.api.http import create_app
 from service.api.regions import Regions, RegionTable
-from service.config import LayerConfig, Settings, unknown_variables
+from service.config import LayerConfig, Settings, unknown_variables, usable_cpus
 from service.errors import BackendUnavailable, ConfigError, GroupUnavailable, MoEError, WeightsError, WorkerError
 from service.fleet import (
     FRONTEND_STOP_GRACE_S,
@@ -182,14 +182,14 @@ class Endpoint:
 
 
 def frontend_count(settings: Settings, device: str) -> int:
-    """--frontends, or the default: min(4, CPU cores // 2) front-end processes on a GPU host
-    (one Python process cannot feed one GPU: bench/NOTES.md, issue 11), 1 on the CPU (the ranks
-    need the cores; one front end keeps up with the CPU layer)."""
+    """--frontends, or the default: min(4, CPU cores // 2) front-end processes on a GPU host (one
+    Python process cannot feed one GPU: bench/NOTES.md, issue 11), 1 on the CPU (the ranks need the
+    cores; one front end keeps up with the CPU layer). CPU cores: service.config.usable_cpus."""
     if settings.frontends is not None:
         return settings.frontends
     if device != "cuda":
         return 1
-    return max(1, min(MAX_DEFAULT_FRONTENDS, len(os.sched_getaffinity(0)) // 2))
+    return max(1, min(MAX_DEFAULT_FRONTENDS, usable_cpus() // 2))
 
 
 class Server:

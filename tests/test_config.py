@@ -182,3 +182,37 @@ def test_the_server_warns_of_unknown_moe_variables(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="moe-serve"):
         assert server.serve(Settings(device="cpu")) == 2
     assert any("MOE_HTTP_PROT" in r.getMessage() and "no setting" in r.getMessage() for r in caplog.records)
+
+
+def _cgroup_tree(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+def test_usable_cpus_is_the_affinity_capped_by_every_cgroup_quota_above(monkeypatch, tmp_path):
+    """A container's CPU quota caps the cores the service sizes itself by (CPU ranks' threads, the
+    default front ends), wherever it is set above the process; no quota or "max" leaves the affinity."""
+    from service.config import usable_cpus
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    proc = tmp_path / "cgroup"
+    v2 = tmp_path / "v2"
+    proc.write_text("0::/pod/box\n")
+    _cgroup_tree(v2, {"cpu.max": "max 100000\n", "pod/cpu.max": "250000 100000\n",
+                      "pod/box/cpu.max": "max 100000\n"})
+    assert usable_cpus(str(v2), str(proc)) == 3  # 2.5 cores, rounded up, set on the parent
+    (v2 / "pod/box/cpu.max").write_text("50000 100000\n")
+    assert usable_cpus(str(v2), str(proc)) == 1  # the tighter one wins; half a core is one
+    _cgroup_tree(v2, {"pod/cpu.max": "max 100000\n", "pod/box/cpu.max": "max 100000\n"})
+    assert usable_cpus(str(v2), str(proc)) == 64  # no limit anywhere
+    assert usable_cpus(str(tmp_path / "absent"), str(proc)) == 64
+    assert usable_cpus(str(v2), str(tmp_path / "no-proc-file")) == 64
+
+    v1 = tmp_path / "v1"
+    proc.write_text("12:memory:/other\n4:cpu,cpuacct:/docker/abc\n0::/\n")
+    _cgroup_tree(v1, {"cpu/docker/abc/cpu.cfs_quota_us": "400000\n", "cpu/docker/abc/cpu.cfs_period_us": "100000\n",
+                      "cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"})
+    assert usable_cpus(str(v1), str(proc)) == 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert usable_cpus(str(v1), str(proc)) == 2  # a cpuset narrower than the quota

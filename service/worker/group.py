@@ -48,7 +48,7 @@ from multiprocessing.connection import wait
 
 import torch
 
-from service.config import LayerConfig
+from service.config import LayerConfig, usable_cpus
 from service.errors import BackendUnavailable, GroupUnavailable, InvalidInput, MoEError, WeightsError, WorkerError
 from service.metrics import STEP_PHASES
 from service.moe.hostcomm import HostPeers
@@ -248,7 +248,7 @@ class WorkerGroup:
         self._slots = create_slots(cfg, self.num_slots)
         for slot in self._slots:
             self._free.put(slot)
-        threads = max(1, (os.cpu_count() or 1) // cfg.R) if self.device == "cpu" else 4
+        threads = max(1, usable_cpus() // cfg.R) if self.device == "cpu" else 4
         ctx = mp.get_context("spawn")
         opts = RankOptions(cfg=cfg, device=self.device, store_host="127.0.0.1",
                            store_port=port, slot_paths=tuple(s.path for s in self._slots),

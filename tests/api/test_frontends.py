@@ -301,11 +301,12 @@ def test_taken_port_is_refused(server, tmp_path):
 
 def test_default_count(monkeypatch):
     """min(4, cores // 2) front ends with a GPU, 1 on the CPU; the flag wins."""
+    from service import server
     from service.config import Settings
     from service.server import frontend_count
 
     for cores, expected in ((16, 4), (64, 4), (6, 3), (3, 1), (1, 1)):
-        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        monkeypatch.setattr(server, "usable_cpus", lambda n=cores: n)
         assert frontend_count(Settings(), "cuda") == expected, cores
         assert frontend_count(Settings(), "cpu") == 1
     assert frontend_count(Settings(frontends=3), "cpu") == 3
