@@ -1,10 +1,19 @@
 """Markers: `gpu` tests need a CUDA device, `multigpu` several; both are skipped otherwise. The
-selected modules' background jobs start once collection ends (tests/background.py)."""
+selected modules' background jobs start once collection ends (tests/background.py). Proxy variables
+are dropped from the environment."""
+
+import os
 
 import pytest
 import torch
 
 from tests import background
+
+# Every server the tests start is on this host: a proxy named in the environment (a CI runner's, say)
+# must not get their requests. urllib, httpx and grpc read these; the servers and clients the tests
+# start as processes inherit their absence.
+for _name in [n for n in os.environ if n.lower() in ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy")]:
+    del os.environ[_name]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -36,8 +36,11 @@ def main() -> int:
     host = probe_host(os.environ.get("MOE_HOST", DEFAULT_HOST))
     port = os.environ.get("MOE_HTTP_PORT", "").strip() or DEFAULT_HTTP_PORT
     url = f"http://{host}:{port}/v2/health/ready"
+    # Never through a proxy: the check asks its own container, and a proxy set in the container's
+    # environment (http_proxy, for pulling models, say) would otherwise get the request.
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
+        with direct.open(url, timeout=TIMEOUT_S) as response:
             return 0 if response.status == 200 else 1
     except (urllib.error.URLError, OSError, ValueError) as exc:  # HTTPError (503: not ready) is a URLError
         sys.stderr.write(f"not ready: {url}: {exc}\n")

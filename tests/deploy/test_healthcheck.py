@@ -95,3 +95,15 @@ def test_not_ready_and_nothing_listening_fail():
         assert r.returncode == 1 and "503" in r.stderr, r.stderr
     r = healthcheck(MOE_HOST="127.0.0.1", MOE_HTTP_PORT=str(port))  # (its server is gone)
     assert r.returncode == 1 and "not ready" in r.stderr, r.stderr
+
+
+def test_a_proxy_in_the_environment_is_not_used():
+    """A container whose environment names a proxy (a dead one here): the check still asks the
+    service directly, as it did before the proxy was set."""
+    with socket.socket() as dead:
+        dead.bind(("127.0.0.1", 0))  # bound, never listening: a connection to it is refused
+        proxy = f"http://127.0.0.1:{dead.getsockname()[1]}"
+        with stand_in(ONLY_HERE) as port:
+            for name in ("http_proxy", "HTTP_PROXY", "all_proxy"):
+                r = healthcheck(MOE_HOST=ONLY_HERE, MOE_HTTP_PORT=str(port), **{name: proxy, "no_proxy": ""})
+                assert r.returncode == 0, (name, r.stderr)
