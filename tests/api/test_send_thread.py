@@ -112,13 +112,22 @@ def test_a_client_that_does_not_read_holds_no_send_thread(monkeypatch):
         writers: list[ThreadedWrites] = []
         server, port = await serve_writes(writers.append)
         for _ in range(THREADS + 2):
-            idle.append(connect(port))
+            sock = socket.socket()
+            sock.settimeout(10)
+            # a small fixed receive buffer (no autotuning): 48 MiB is far more than the connection
+            # holds whatever the host's tcp_rmem/tcp_wmem allow
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+            sock.connect(("127.0.0.1", port))
+            idle.append(sock)
         while len(writers) < len(idle):
             await asyncio.sleep(0.01)
         for w in writers:
             w.write(memoryview(big))
-        await asyncio.sleep(0.2)
-        assert all(w.get_write_buffer_size() > 0 or w._transport.get_write_buffer_size() > 0 for w in writers)
+        deadline = time.monotonic() + 10
+        while any(w._sending for w in writers):  # each thread send returns once its socket is full
+            assert time.monotonic() < deadline, "a send thread still sends to a client that does not read"
+            await asyncio.sleep(0.01)
+        assert all(w._transport.get_write_buffer_size() > 0 for w in writers)  # the rest: the transport's
         reader = connect(port)  # a held thread: a timeout, no hang
         while len(writers) < len(idle) + 1:
             await asyncio.sleep(0.01)
