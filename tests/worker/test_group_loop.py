@@ -330,18 +330,28 @@ def test_a_step_while_the_send_lock_is_held_waits_in_a_thread(group):
     g = group
     slot = g.acquire_slot()
     inputs = _fill(slot, 90)
-    held = threading.Event()
+    held, in_thread = threading.Event(), threading.Event()
+    run = g.run
 
-    def hold():
+    def run_in_thread(*args, **kwargs):
+        in_thread.set()
+        return run(*args, **kwargs)
+
+    def hold():  # until the step has gone to a thread (a fixed hold lost the race on a stalled machine)
         with g._send_lock:
             held.set()
-            time.sleep(0.3)
+            in_thread.wait(10)
 
+    g.run = run_in_thread
     holder = threading.Thread(target=hold)
     holder.start()
-    held.wait(5)
-    asyncio.run(g.run_async(slot, T))
-    holder.join()
+    try:
+        assert held.wait(5)
+        asyncio.run(g.run_async(slot, T))
+    finally:
+        del g.run
+        holder.join()
+    assert in_thread.is_set()
     assert [on_main for _, on_main in g.reads] == [False]
     got = slot.out[:T].clone()
     g.release(slot)
