@@ -35,7 +35,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from service.api import arena_objects
-from tests.api.common import check, inputs
+from tests.api.common import check, check_like_solo, inputs
 from tests.api.test_e2e import triton_inputs
 from tests.api.test_wire_arena import full_count, metric_value, v2_binary
 from tests.helpers import side_by_side
@@ -286,7 +286,7 @@ def test_grpc_requests_in_the_arena_are_answered_right_and_their_rows_are_the_ra
         before = rows_count(url)
         solo = grpc_answer(grpc_url, *work[i])
         assert rows_count(url) == before + work[i][0].shape[0], i
-        assert torch.equal(solo, results[i]), i
+        check_like_solo(results[i], solo, what=i)
 
 
 def test_what_the_arena_does_not_take_is_answered_by_the_copies(server):
