@@ -40,12 +40,16 @@ def test_a_queued_child_runs_at_the_lowest_priority_and_its_result_waits_for_it(
 
 def test_a_child_asked_for_before_the_queue_reaches_it_runs_at_once_at_the_tests_priority(tmp_path):
     queue = Queue()
-    ahead = Job.of("ahead", [sys.executable, "-c", "import time; time.sleep(1)"], timeout_s=60)
+    go = tmp_path / "go"  # the child ahead runs until the test has its answer (60 s at most)
+    wait_for_go = (f"import os, time\nfor _ in range(6000):\n"
+                   f"    if os.path.exists({str(go)!r}): break\n    time.sleep(0.01)")
+    ahead = Job.of("ahead", [sys.executable, "-c", wait_for_go], timeout_s=120)
     asked = niceness_job("asked", tmp_path / "log")
     worker = queue.start([ahead, asked])
-    t0 = time.monotonic()
-    done = queue.result(asked)
-    assert time.monotonic() - t0 < 1, "the asked child waited for the one ahead of it in the queue"
+    try:  # (had it waited for the child ahead, which waits for `go`, this would time out)
+        done = queue.result(asked)
+    finally:
+        go.touch()
     assert done.returncode == 0 and int(done.stdout) == os.nice(0), (done.stdout, done.stderr)
     assert queue.result(ahead).returncode == 0
     worker.join(60)
@@ -56,7 +60,7 @@ def test_a_child_asked_for_before_the_queue_reaches_it_runs_at_once_at_the_tests
 def test_a_wait_past_the_timeout_kills_the_child(tmp_path):
     pid_file = tmp_path / "pid"
     code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
-    job = Job.of("slow", [sys.executable, "-c", code], timeout_s=1)
+    job = Job.of("slow", [sys.executable, "-c", code], timeout_s=4)  # (the child's start: ~0.1-1 s)
     with pytest.raises(subprocess.TimeoutExpired):
         Queue().result(job)
     with pytest.raises(ProcessLookupError):  # killed and reaped
@@ -89,7 +93,7 @@ def test_a_killed_child_takes_its_own_children_with_it(tmp_path):
     grandchild = "import time; time.sleep(60)"
     code = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {grandchild!r}]); "
             f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
-    job = Job.of("parent", [sys.executable, "-c", code], timeout_s=2)
+    job = Job.of("parent", [sys.executable, "-c", code], timeout_s=4)  # (two starts: ~0.2-2 s)
     with pytest.raises(subprocess.TimeoutExpired):
         Queue().result(job)
     pid = int(pid_file.read_text())
