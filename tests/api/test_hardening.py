@@ -160,8 +160,11 @@ def test_grpc_contents_beyond_the_declared_shape_cost_nothing(server):
     # converting them would add 12 x ~0.7 s.
     assert spent < sends * convert_cpu_s / 2, f"the front end spent {spent:.1f} s of CPU on {sends} messages " \
         f"(converting half of them costs {sends * convert_cpu_s / 2:.1f} s)"
-    # A probe queued behind a conversion on the loop would wait about as long as one conversion.
-    assert max(live_s) < convert_s, f"/v2/health/live took up to {max(live_s):.2f} s (a conversion {convert_s:.2f} s)"
+    # A probe queued behind a conversion on the loop would wait about as long as one conversion, and
+    # twelve conversions would hold about twelve probes: one slow probe is let pass (a stall of this
+    # 2-core machine; a faster one converts in less time than a loaded GET can take).
+    slow = [round(t, 2) for t in live_s if t >= convert_s]
+    assert len(live_s) >= 2 and len(slow) <= 1, f"/v2/health/live took {slow} s (a conversion {convert_s:.2f} s)"
     answers_correctly(server)
 
 
