@@ -171,43 +171,52 @@ def usable_cpus(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/s
     by it, four CPU ranks in a 2-core container on a 64-core host took 16 intra-op threads each."""
     cpus = len(os.sched_getaffinity(0))
     for quota, period in _cpu_quotas(cgroup_root, proc_cgroup):
-        if quota > 0 and period > 0:
-            cpus = min(cpus, math.ceil(quota / period))
+        cpus = min(cpus, math.ceil(quota / period))
     return max(1, cpus)
 
 
 def _cpu_quotas(root: str, proc_cgroup: str) -> list[tuple[int, int]]:
     """(quota, period) of each CPU limit over this process: cgroup v2's cpu.max, v1's cfs files, from
-    its own cgroup up to the root; none where the files are absent, unreadable or "max" (no limit)."""
-    try:
-        with open(proc_cgroup) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return []
+    its own cgroup up to the hierarchy's root, wherever the hierarchy may be mounted (v2 at the root or,
+    on a hybrid host, at unified/; v1's cpu controller at cpu/ or cpu,cpuacct/). None where the files
+    are absent, unreadable or "max"/-1 (no limit); nothing at all if /proc/self/cgroup cannot be read
+    or parsed (a server start never fails here)."""
     found = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        v2 = controllers == ""
-        if not v2 and "cpu" not in controllers.split(","):
-            continue
-        base = root if v2 else os.path.join(root, "cpu")  # (v1's cpu,cpuacct is linked there too)
-        parts = [p for p in path.split("/") if p]
-        for depth in range(len(parts), -1, -1):
-            d = os.path.join(base, *parts[:depth])
-            try:
-                if v2:
-                    with open(os.path.join(d, "cpu.max")) as f:
-                        quota, period = f.read().split()[:2]
-                else:
-                    with open(os.path.join(d, "cpu.cfs_quota_us")) as f:
-                        quota = f.read().strip()
-                    with open(os.path.join(d, "cpu.cfs_period_us")) as f:
-                        period = f.read().strip()
-                if quota != "max":
-                    found.append((int(quota), int(period)))
-            except (OSError, ValueError):
+    try:
+        with open(proc_cgroup, errors="surrogateescape") as f:
+            lines = f.read().splitlines()
+        for line in lines:
+            _, controllers, path = line.split(":", 2)
+            v2 = controllers == ""
+            if not v2 and "cpu" not in controllers.split(","):
                 continue
+            bases = ("", "unified") if v2 else ("cpu", "cpu,cpuacct", "cpuacct,cpu")
+            parts = [p for p in path.split("/") if p]
+            for base in bases:
+                for depth in range(len(parts), -1, -1):
+                    limit = _cpu_limit(os.path.join(root, base, *parts[:depth]), v2)
+                    if limit is not None:
+                        found.append(limit)
+    except (OSError, ValueError):
+        return []
     return found
+
+
+def _cpu_limit(folder: str, v2: bool) -> tuple[int, int] | None:
+    """The (quota, period) a cgroup folder sets; None without one (no such files, "max", -1)."""
+    try:
+        if v2:
+            with open(os.path.join(folder, "cpu.max")) as f:
+                quota, period = f.read().split()[:2]
+        else:
+            with open(os.path.join(folder, "cpu.cfs_quota_us")) as f:
+                quota = f.read().strip()
+            with open(os.path.join(folder, "cpu.cfs_period_us")) as f:
+                period = f.read().strip()
+        limit = (int(quota), int(period)) if quota != "max" else None
+    except (OSError, ValueError):
+        return None
+    return limit if limit is not None and limit[0] > 0 and limit[1] > 0 else None
 
 
 # The largest time setting, in seconds (~11.6 days: "never" for a deadline or a timeout): what the

@@ -216,3 +216,27 @@ def test_usable_cpus_is_the_affinity_capped_by_every_cgroup_quota_above(monkeypa
     assert usable_cpus(str(v1), str(proc)) == 4
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     assert usable_cpus(str(v1), str(proc)) == 2  # a cpuset narrower than the quota
+
+
+def test_usable_cpus_finds_each_mount_layout_and_never_fails_a_start(monkeypatch, tmp_path):
+    """A container with its own cgroup namespace ("0::/": its own limit at the root), a hybrid host's
+    v2 tree at unified/, v1's cpu,cpuacct without a cpu link; a /proc/self/cgroup that cannot be
+    parsed counts no limit rather than failing the server's start."""
+    from service.config import usable_cpus
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/\n")
+    _cgroup_tree(tmp_path / "ns", {"cpu.max": "200000 100000\n"})
+    assert usable_cpus(str(tmp_path / "ns"), str(proc)) == 2
+    proc.write_text("4:memory:/x\n0::/svc\n")
+    _cgroup_tree(tmp_path / "hybrid", {"unified/svc/cpu.max": "300000 100000\n"})
+    assert usable_cpus(str(tmp_path / "hybrid"), str(proc)) == 3
+    proc.write_text("3:cpu,cpuacct:/job\n")
+    _cgroup_tree(tmp_path / "v1", {"cpu,cpuacct/job/cpu.cfs_quota_us": "150000\n",
+                                   "cpu,cpuacct/job/cpu.cfs_period_us": "100000\n"})
+    assert usable_cpus(str(tmp_path / "v1"), str(proc)) == 2
+    _cgroup_tree(tmp_path / "bad", {"cpu.max": "garbage\n"})
+    for text in (b"not a cgroup line\n", b"0::/\xff\xfe\n", b""):
+        proc.write_bytes(text)
+        assert usable_cpus(str(tmp_path / "bad"), str(proc)) == 64, text

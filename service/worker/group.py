@@ -248,7 +248,8 @@ class WorkerGroup:
         self._slots = create_slots(cfg, self.num_slots)
         for slot in self._slots:
             self._free.put(slot)
-        threads = max(1, usable_cpus() // cfg.R) if self.device == "cpu" else 4
+        threads = max(1, usable_cpus() // cfg.R)  # (a CUDA rank's host work: at most 4)
+        threads = threads if self.device == "cpu" else min(4, threads)
         ctx = mp.get_context("spawn")
         opts = RankOptions(cfg=cfg, device=self.device, store_host="127.0.0.1",
                            store_port=port, slot_paths=tuple(s.path for s in self._slots),
