@@ -8,12 +8,14 @@ import pytest
 import torch
 
 from tests import background
+from tests.helpers import OUTSIDE_PROXIES
 
 # Every server the tests start is on this host: a proxy named in the environment (a CI runner's, say)
 # must not get their requests. urllib, httpx and grpc read these; the servers and clients the tests
-# start as processes inherit their absence.
+# start as processes inherit their absence. The one child that reaches outside (the image recipe's
+# pip) gets them back from OUTSIDE_PROXIES.
 for _name in [n for n in os.environ if n.lower() in ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy")]:
-    del os.environ[_name]
+    OUTSIDE_PROXIES[_name] = os.environ.pop(_name)
 
 
 def pytest_collection_modifyitems(config, items):

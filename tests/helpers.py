@@ -31,6 +31,10 @@ SIM_TOL = 1e-6
 
 ROUTING_KINDS = ("balanced", "skewed", "single", "empty_expert")
 
+# The proxy variables tests/conftest.py took out of the tests' environment (their servers are all on
+# this host), for a child that reaches outside: the image recipe's pip installs.
+OUTSIDE_PROXIES: dict[str, str] = {}
+
 
 def external_tool(name: str) -> str:
     """The path of a command-line tool that `.ci/install-tools` installs. Where it is missing the

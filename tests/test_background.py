@@ -5,6 +5,7 @@ scheduling group); a timed-out wait and the session's end leave no child behind.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import shutil
@@ -44,7 +45,7 @@ def test_a_child_asked_for_before_the_queue_reaches_it_runs_at_once_at_the_tests
     wait_for_go = (f"import os, time\nfor _ in range(6000):\n"
                    f"    if os.path.exists({str(go)!r}): break\n    time.sleep(0.01)")
     ahead = Job.of("ahead", [sys.executable, "-c", wait_for_go], timeout_s=120)
-    asked = niceness_job("asked", tmp_path / "log")
+    asked = dataclasses.replace(niceness_job("asked", tmp_path / "log"), timeout_s=20)  # < the 60 s ahead
     worker = queue.start([ahead, asked])
     try:  # (had it waited for the child ahead, which waits for `go`, this would time out)
         done = queue.result(asked)

@@ -160,11 +160,13 @@ def test_grpc_contents_beyond_the_declared_shape_cost_nothing(server):
     # converting them would add 12 x ~0.7 s.
     assert spent < sends * convert_cpu_s / 2, f"the front end spent {spent:.1f} s of CPU on {sends} messages " \
         f"(converting half of them costs {sends * convert_cpu_s / 2:.1f} s)"
-    # A probe queued behind a conversion on the loop would wait about as long as one conversion, and
-    # twelve conversions would hold about twelve probes: one slow probe is let pass (a stall of this
-    # 2-core machine; a faster one converts in less time than a loaded GET can take).
-    slow = [round(t, 2) for t in live_s if t >= convert_s]
-    assert len(live_s) >= 2 and len(slow) <= 1, f"/v2/health/live took {slow} s (a conversion {convert_s:.2f} s)"
+    # A probe queued behind a conversion on the loop waits for what is left of it: up to a whole one,
+    # half of one on average, so about half the probes would take over half a conversion. Here they
+    # take 0.16-0.22 s against a 0.9 s conversion; a quarter of them are let pass for the stalls of a
+    # loaded 2-core machine (a GET can take 0.6 s there).
+    slow = [round(t, 2) for t in live_s if t >= convert_s / 2]
+    assert len(live_s) >= 4 and len(slow) <= len(live_s) // 4, \
+        f"/v2/health/live took {slow} s of {len(live_s)} probes (a conversion: {convert_s:.2f} s)"
     answers_correctly(server)
 
 

@@ -718,7 +718,7 @@ def test_a_server_with_a_small_arena_answers_every_client_right(server):
         assert status == 200, (i, out)
         check(out, *work[i])
         solo = v2_binary(url, *work[i])[1]
-        check_like_solo(out, solo, CFG.dtype, i)
+        check_like_solo(out, solo, what=i)  # (the cpu preset's fp32, as check())
     assert full_count(url) >= before + 1  # T=600 at least
     x, ids, w = inputs(100, 700)
     x[37, 3] = NAN

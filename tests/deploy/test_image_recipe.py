@@ -45,6 +45,7 @@ from tests.deploy.common import (
     in_build_context,
     split_flags,
 )
+from tests.helpers import OUTSIDE_PROXIES
 from tests.serverproc import START_TIMEOUT_S, ServerProcess
 
 # `docker build --build-arg` equivalents: the CPU torch (the +cpu local version exists only as
@@ -160,8 +161,9 @@ def build_job() -> background.Job:
     """build_image in a child process (this file run as a module), into a fresh folder of ~1 GB (its
     scratch: removed by the test, else at the session's end); ~50 s of pip installs."""
     root = tempfile.mkdtemp(prefix="moe-image-")
+    env = {**os.environ, **OUTSIDE_PROXIES} if OUTSIDE_PROXIES else None  # (pip may need the runner's proxy)
     return background.Job.of("image recipe", [sys.executable, "-m", "tests.deploy.test_image_recipe", root],
-                             2 * STEP_TIMEOUT_S + 60, cwd=ROOT, scratch=root)
+                             2 * STEP_TIMEOUT_S + 60, env=env, cwd=ROOT, scratch=root)
 
 
 def background_jobs() -> list[background.Job]:
