@@ -236,7 +236,8 @@ class DirectBody:
     control pauses: the buffer is bounded by the length, itself bounded by max_body_bytes). The
     parser, which saw only part of the body, is then replaced by a fresh one, and the request is
     complete as if the parser had seen it end. A response sent before its body has arrived (408,
-    413, an error) closes the connection: the rest of the body is never read. Larger bodies,
+    413, an error) says `Connection: close` and closes the connection: the rest of the body is never
+    read. Larger bodies,
     chunked ones and pipelined requests take uvicorn's own path."""
 
     # Provided by the uvicorn protocol it is mixed into.
@@ -284,6 +285,17 @@ class DirectBody:
             return message
 
         cycle.receive = receive_body  # run_asgi looks it up when the request's task starts
+        send = cycle.send
+
+        async def send_closing(message: dict) -> None:
+            if message["type"] == "http.response.start" and self._body is body:
+                # Answered before its body has all arrived (a 415, a 404, a 408...): the connection
+                # closes after the answer (on_response_complete), and the answer says so; a client
+                # that kept it alive sent its next request into a reset.
+                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+            await send(message)
+
+        cycle.send = send_closing
 
     def _arena_buffer(self, length: int) -> memoryview | None:
         """A block of the wire arena for a v2 binary inference body (POST .../infer with its JSON

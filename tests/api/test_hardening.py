@@ -257,6 +257,35 @@ def test_a_408_before_the_body_is_in_closes_the_connection_and_counts_the_bytes(
             pass
 
 
+def test_an_early_answer_either_says_close_or_keeps_the_connection_whole(http_server):
+    """A 415 (the wrong Content-Type) answered before its 2 MB body has arrived. Either the answer says
+    Connection: close and the server closes (httptools' one-buffer read), or, once the client sends
+    the rest of the body, the connection answers the next request (h11 reads the rest). Before:
+    httptools closed without saying so, and a client keeping the connection got a reset."""
+    with socket.create_connection(("127.0.0.1", http_server.http_port), timeout=10) as s:
+        s.sendall(b"POST /moe/forward HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\n"
+                  b"Content-Length: 2000000\r\n\r\n" + b"x" * 100_000)
+        answer = b""
+        while b"}" not in answer:
+            chunk = s.recv(65536)
+            assert chunk, answer
+            answer += chunk
+        head = answer.split(b"\r\n\r\n", 1)[0].lower()
+        assert answer.startswith(b"HTTP/1.1 415"), answer
+        closes = b"connection: close" in head
+        try:
+            s.sendall(b"x" * 1_900_000 + b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            rest = b""
+            while b"}" not in rest and (chunk := s.recv(65536)):
+                rest += chunk
+        except (ConnectionResetError, BrokenPipeError):
+            rest = b""
+    if closes:
+        assert rest == b"", rest  # (a reset or the end: the server said it would close)
+    else:
+        assert rest.startswith(b"HTTP/1.1 200") and b'"live":true' in rest.replace(b" ", b""), (head, rest)
+
+
 def test_client_gone_mid_body_is_not_a_server_error(http_server):
     log_before = len(http_server.log().splitlines())
     gone_before = {protocol: metric(http_server, protocol, "499") for protocol in ("http_json", "v2_json")}
