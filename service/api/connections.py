@@ -291,8 +291,10 @@ class DirectBody:
             if message["type"] == "http.response.start" and self._body is body:
                 # Answered before its body has all arrived (a 415, a 404, a 408...): the connection
                 # closes after the answer (on_response_complete), and the answer says so; a client
-                # that kept it alive sent its next request into a reset.
-                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+                # that kept it alive sent its next request into a reset. (A 408 or 413 says it already.)
+                headers = list(message.get("headers", ()))
+                if not any(n.lower() == b"connection" and b"close" in v.lower() for n, v in headers):
+                    message = {**message, "headers": [*headers, (b"connection", b"close")]}
             await send(message)
 
         cycle.send = send_closing
