@@ -284,7 +284,9 @@ class Settings(BaseSettings):
                     "larger one gets 413)")
     max_request_bytes: int = Field(256 << 20, ge=1024, description="largest HTTP request body; a larger one gets 413")
     grpc_max_message_bytes: int = Field(256 << 20, ge=1024, le=MAX_GRPC_MESSAGE_BYTES,
-                                        description="largest gRPC message, received or sent")
+                                        description="largest gRPC message, received or sent (grpc itself "
+                                                    "refuses a larger request with RESOURCE_EXHAUSTED, before "
+                                                    "the service sees it)")
     request_timeout_s: float = Field(30.0, gt=0, le=MAX_SECONDS, description="default per-request deadline")
     step_timeout_s: float = Field(60.0, gt=0, le=MAX_SECONDS,
         description="a step slower than this fails the group; once steps are measured the bound is the smaller "
