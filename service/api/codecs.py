@@ -500,7 +500,27 @@ def decoded_v2(tensors: dict[str, Rows], spec: ModelSpec, request_id, timeout,
         region, offset, size = out_shm
         decoded.out_region = enabled(regions).rows(region, offset, size, out_dtype, list(x.shape),
                                                    f"output '{OUTPUT_NAME}'", output=True)
+        if isinstance(tensors[INPUT_NAMES[0]], RegionRows):
+            check_overlap(tensors[INPUT_NAMES[0]], decoded.out_region)
     return decoded
+
+
+def check_overlap(x: RegionRows, out: RegionRows) -> None:
+    """Refuse an output region over hidden_states' bytes where an answer could land on rows not read
+    yet. A request of several steps reads each step's rows just before that step and writes its
+    answer after it: an answer row that ends at or before the end of its own input row (in place, or
+    the output starting earlier, rows no longer than the input's) covers only rows already read; any
+    other overlap overwrote the rows of later steps (a 200 with wrong rows, before this check)."""
+    same_object = (x.obj.region.dev, x.obj.region.ino) == (out.obj.region.dev, out.obj.region.ino)
+    x_end, out_end = x.at + x.shape[0] * x.row_bytes, out.at + out.shape[0] * out.row_bytes
+    if not same_object or out_end <= x.at or x_end <= out.at:
+        return
+    if out.at <= x.at and out.row_bytes <= x.row_bytes:
+        return
+    raise InvalidInput(
+        f"output '{OUTPUT_NAME}' (bytes {out.at}-{out_end} of its shared-memory object) overlaps input "
+        f"'{INPUT_NAMES[0]}' (bytes {x.at}-{x_end}) where it would overwrite rows not yet read: write the "
+        f"answer in place (the same offset and datatype), before the input, or elsewhere")
 
 
 SHM_REGION, SHM_OFFSET, SHM_SIZE = "shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"

@@ -367,6 +367,33 @@ def test_bad_infer_calls(server, objects, protocol):
     check(answer, x, ids, w)
 
 
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_an_output_over_its_input_is_answered_where_safe_and_refused_where_not(server, objects, protocol):
+    """T past one step (R*C = 512): each step reads its rows just before it runs and writes its answer
+    after, so an answer written in place, or starting before its input, covers only rows already
+    read, and is right; one starting a row after its input would overwrite the next step's rows
+    (before: a 200 with those rows wrong) and is refused before the step, the object untouched."""
+    c = client(server, protocol)
+    T, shift = 700, 100
+    x, ids, w = inputs(T, seed=31)
+    wire, _ = infer(c, protocol, x, ids, w)
+    row = nbytes(x) // T
+    obj = objects(nbytes(x) + shift * row)
+    c.register_system_shared_memory("io", obj.key, obj.size)
+    for x_at, out_at in ((0, 0), (shift * row, 0)):  # in place; the answer 100 rows before the input
+        obj.write(torch.full((obj.size // 4,), NAN))
+        obj.write(x, x_at)
+        infer(c, protocol, x, ids, w, inputs_in={"hidden_states": ("io", x_at, nbytes(x))},
+              output_in=("io", nbytes(x), out_at))
+        assert torch.equal(obj.read(torch.float32, x.shape, out_at), wire), (x_at, out_at)
+    obj.write(x, 0)
+    got, text = error_of(lambda: infer(c, protocol, x, ids, w, inputs_in={"hidden_states": ("io", 0, nbytes(x))},
+                                       output_in=("io", nbytes(x), row)))
+    assert got == ("400" if protocol == "http" else "INVALID_ARGUMENT") and "overlaps input 'hidden_states'" in text, \
+        (got, text)
+    assert torch.equal(obj.read(torch.float32, x.shape, 0), x)
+
+
 def test_bad_v2_json_combinations(server, objects):
     """What the JSON header can get wrong that tritonclient never sends: a region with data or a
     binary blob, a region without its byte size, an offset alone, an output with both a region and
