@@ -374,9 +374,11 @@ def _json_finite(out: torch.Tensor) -> None:
     it becomes a list."""
     if not all_finite(out):
         name = _name(out.dtype)
-        raise InvalidInput(f"the answer has values beyond the {name} range (the layer's {name} output overflowed "
-                           "on these inputs); JSON cannot carry them: send smaller values, or use a binary "
-                           "format")
+        # (not "beyond the float32 range": an fp16 layer's NaN, past 65504 inside it, reached a float32
+        # answer and was named as float32's overflow)
+        raise InvalidInput(f"the {name} answer holds NaN or infinity: the layer overflowed on these inputs (the "
+                           f"range of its compute dtype, or of {name}); JSON cannot carry them: send smaller "
+                           "values, or use a binary format")
 
 
 def require_keys(found, names: tuple[str, ...], where: str) -> None:

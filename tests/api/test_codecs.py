@@ -176,8 +176,9 @@ def test_v2_json_output_choice():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_an_overflowed_json_answer_names_its_dtype(dtype):
-    """An answer that overflowed cannot be strict JSON: the error names the dtype that overflowed
-    (before: "beyond the float32 range" for an FP16 answer too)."""
+    """An answer that overflowed cannot be strict JSON: the error names the answer's dtype and that
+    the layer overflowed, in its compute dtype or the answer's (an fp16 layer's NaN in a float32
+    answer was called float32's overflow)."""
     x, ids, w = tensors(T=2, x_dtype=dtype, seed=3)
     name = codecs.V2_NAMES[dtype]
     doc = {"inputs": [{"name": "hidden_states", "datatype": name, "shape": [2, 5],
@@ -188,7 +189,7 @@ def test_an_overflowed_json_answer_names_its_dtype(dtype):
     for value in (float("inf"), float("nan")):  # a NaN too: orjson would write it as null
         out = x.clone()
         out[1, 3] = value  # what the layer's answer holds when it overflowed its dtype
-        expected = f"beyond the {codecs.DTYPE_NAMES[dtype]} range"
+        expected = f"the {codecs.DTYPE_NAMES[dtype]} answer holds NaN or infinity: the layer overflowed"
         with pytest.raises(InvalidInput, match=expected):
             codecs.encode_v2_http(out, req, "moe")
         with pytest.raises(InvalidInput, match=expected):
