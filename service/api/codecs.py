@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 import warnings
 
@@ -158,11 +159,17 @@ def validate(x: X, ids: torch.Tensor, w: torch.Tensor, spec: ModelSpec) -> tuple
     return x, ids.to(torch.int32).contiguous(), w.to(torch.float32).contiguous()
 
 
+# A decimal number as a header writes it (Python's float() also takes "1_0", read as 10, and "inf")
+_DECIMAL = re.compile(r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*")
+
+
 def parse_timeout_s(value: str | float | int | None, what: str) -> float | None:
     """A per-request deadline in seconds; None when absent."""
     if value is None:
         return None
     try:
+        if isinstance(value, str) and not _DECIMAL.fullmatch(value):
+            raise ValueError(value)
         seconds = float(value)
     except (TypeError, ValueError):
         raise InvalidInput(f"{what} must be a number of seconds, got {value!r}") from None

@@ -300,7 +300,8 @@ def test_grpc_decode_errors():
 
 def test_timeouts():
     assert codecs.parse_timeout_s(None, "t") is None and codecs.parse_timeout_s("0.5", "t") == 0.5
-    for bad in ("abc", "0", "-1", "inf", "nan"):
+    assert [codecs.parse_timeout_s(v, "t") for v in (" 2 ", "1.", ".5", "1e1", "3", 2)] == [2, 1, 0.5, 10, 3, 2]
+    for bad in ("abc", "0", "-1", "inf", "nan", "1_0", "0x10", "1e", ""):  # ("1_0" was 10 s)
         with pytest.raises(InvalidInput):
             codecs.parse_timeout_s(bad, "t")
 
