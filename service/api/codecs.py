@@ -509,8 +509,9 @@ def decoded_v2(tensors: dict[str, Rows], spec: ModelSpec, request_id, timeout,
         region, offset, size = out_shm
         decoded.out_region = enabled(regions).rows(region, offset, size, out_dtype, list(x.shape),
                                                    f"output '{OUTPUT_NAME}'", output=True)
-        if isinstance(tensors[INPUT_NAMES[0]], RegionRows):
-            check_overlap(tensors[INPUT_NAMES[0]], decoded.out_region)
+        x_sent = tensors[INPUT_NAMES[0]]
+        if isinstance(x_sent, RegionRows):
+            check_overlap(x_sent, decoded.out_region)
     return decoded
 
 
