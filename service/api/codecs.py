@@ -433,6 +433,8 @@ def _v2_json_data(data, dtype: torch.dtype, shape: list[int], name: str) -> torc
     turn a float beyond FP16's range into an infinity the error would misname)."""
     if dtype in INT_DTYPES:
         t = within(json_array(data, name, None), dtype, name)
+    elif dtype == torch.bfloat16:  # rounded once, as FP16 (through float32 nearest, 1 + 2**-8 + 2**-30 was 1.0)
+        t = torch.from_numpy(round_to_odd_float32(json_array(data, name, np.float64, V2_NAMES[dtype]).numpy()))
     else:  # numpy rounds the parsed float64 to FP16 once (through float32, 65519.999 became 65520: inf)
         t = json_array(data, name, np.float16 if dtype == torch.float16 else np.float32, V2_NAMES[dtype])
     if t.numel() != shape[0] * shape[1]:
@@ -441,6 +443,21 @@ def _v2_json_data(data, dtype: torch.dtype, shape: list[int], name: str) -> torc
     if dtype in FLOAT_DTYPES and dtype != t.dtype and not all_finite(out) and all_finite(t):
         raise InvalidInput(f"input '{name}' has values outside the range of {V2_NAMES[dtype]}")
     return out
+
+
+def round_to_odd_float32(a: np.ndarray) -> np.ndarray:
+    """float64 values as float32, rounded to odd (toward zero, the last bit set where that was
+    inexact): float32 keeps 16 bits more than bfloat16, so the nearest-even cast to bfloat16 after
+    this is the one correct rounding of the float64 (nearest float32 first can round twice). A value
+    past float32's range becomes its largest finite value, which bfloat16 rounds to infinity."""
+    a = np.ascontiguousarray(a, dtype=np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        f = a.astype(np.float32)
+        away = np.isfinite(a) & (np.abs(f.astype(np.float64)) > np.abs(a))
+        f = np.where(away, np.nextafter(f, np.float32(0)), f)
+        inexact = np.isfinite(a) & (f.astype(np.float64) != a)
+    bits = f.view(np.uint32)
+    return np.where(inexact, bits | np.uint32(1), bits).view(np.float32)
 
 
 def within(t: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:

@@ -6,6 +6,7 @@ import json
 import math
 
 import grpc
+import numpy as np
 import pytest
 import safetensors.torch
 import torch
@@ -296,6 +297,32 @@ def test_grpc_decode_errors():
         codecs.check_model("other", "", "moe")
     with pytest.raises(ModelNotFound, match="version"):
         codecs.check_model("moe", "3", "moe")
+
+
+def test_json_bf16_values_are_rounded_once():
+    """v2 JSON BF16 data is parsed as float64 and rounded once to the nearest bfloat16 (ties to even),
+    as FP16's is: through float32's nearest first, values just past a halfway point rounded twice and
+    down (1 + 2**-8 + 2**-30 became 1.0)."""
+    gen = torch.Generator().manual_seed(7)
+    base = (torch.randn(2, 5, generator=gen, dtype=torch.float64) * 10.0 ** torch.randint(-20, 20, (2, 5),
+                                                                                         generator=gen)).bfloat16()
+    bits = base.view(torch.int16)
+    nxt = (bits + 1).view(torch.bfloat16)
+    ulp = nxt.double() - base.double()
+    cases = [(base.double() + (0.5 + 2**-30) * ulp, nxt),  # just past halfway: up
+             (base.double() + (0.5 - 2**-30) * ulp, base),  # just short of it: down
+             (base.double() + 0.5 * ulp, torch.where(bits % 2 == 0, base, nxt))]  # halfway: to even
+    _, ids, w = tensors(T=2)
+    for values, expected in cases:
+        doc = {"inputs": [{"name": "hidden_states", "datatype": "BF16", "shape": [2, 5],
+                           "data": values.flatten().tolist()},
+                          {"name": "topk_ids", "datatype": "INT64", "shape": [2, 2], "data": ids.tolist()},
+                          {"name": "topk_weights", "datatype": "FP32", "shape": [2, 2], "data": w.tolist()}]}
+        x = codecs.decode_v2_http(json.dumps(doc).encode(), None, SPEC).x
+        assert x.dtype == torch.bfloat16 and torch.equal(x.view(torch.int16), expected.view(torch.int16)), \
+            (values, x, expected)
+    t = torch.from_numpy(codecs.round_to_odd_float32(np.array([1 + 2**-8 + 2**-30, -1e-45, 1e300])))
+    assert t.bfloat16().tolist() == [1.0078125, -0.0, math.inf]
 
 
 def test_timeouts():
