@@ -257,6 +257,12 @@ class _Handlers:
         self.service, self.handlers = service, handlers
 
 
+async def _stream_refused(requests, context) -> None:
+    await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                        "ModelStreamInfer is not served: the model answers each request once (it is not "
+                        "decoupled); use ModelInfer (tritonclient: infer or async_infer)")
+
+
 def _add_inference_service(servicer: InferenceServicer, server) -> None:
     """The generated registration, with ModelInfer's (de)serializers replaced by codecs' own."""
     recorded = _Handlers()
@@ -265,6 +271,9 @@ def _add_inference_service(servicer: InferenceServicer, server) -> None:
     handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(
         servicer.ModelInfer, request_deserializer=grpc_codec.parse_grpc_request,
         response_serializer=grpc_codec.serialize_grpc_response)
+    # Triton's streaming call (tritonclient's start_stream / async_stream_infer), which our proto leaves
+    # out: named, rather than grpc's "Method not found!"
+    handlers.setdefault("ModelStreamInfer", grpc.stream_stream_rpc_method_handler(_stream_refused))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(recorded.service, handlers),))
     server.add_registered_method_handlers(recorded.service, handlers)
 

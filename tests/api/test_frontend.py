@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import queue
 import threading
 
 import grpc
+import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
@@ -218,6 +220,25 @@ def grpc_serving(fe: frontend.Frontend):
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)
         loop.close()
+
+
+def test_the_grpc_stream_call_is_refused_by_name():
+    """tritonclient's start_stream / async_stream_infer: UNIMPLEMENTED naming ModelStreamInfer and
+    what to use instead, at once (before: grpc's "Method not found!")."""
+    fe = make_frontend()
+    with grpc_serving(fe) as url:
+        client = grpcclient.InferenceServerClient(url)
+        answers: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: answers.put((result, error)), stream_timeout=10)
+        try:
+            item = grpcclient.InferInput("hidden_states", [1, 4], "FP32")
+            item.set_data_from_numpy(np.zeros((1, 4), dtype=np.float32))
+            client.async_stream_infer(fe.model_name, [item])
+            result, error = answers.get(timeout=10)
+        finally:
+            client.stop_stream()
+    assert result is None and error is not None
+    assert error.status() == "StatusCode.UNIMPLEMENTED" and "ModelStreamInfer is not served" in error.message(), error
 
 
 def test_the_grpc_repository_index_follows_readiness_as_http_does():
