@@ -30,9 +30,16 @@ def payload(n: int, seed: int) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
-def connect(port: int) -> socket.socket:
-    """A client connection whose every wait ends in 10 s (a regression fails the test, never hangs it)."""
-    return socket.create_connection(("127.0.0.1", port), timeout=10)
+def connect(port: int, small: bool = False) -> socket.socket:
+    """A client connection whose every wait ends in 10 s (a regression fails the test, never hangs it);
+    `small`: a fixed 64 KiB receive buffer (no autotuning), so what the connection holds does not
+    depend on the host's tcp_rmem/tcp_wmem."""
+    sock = socket.socket()
+    sock.settimeout(10)
+    if small:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)  # (before connect: the window)
+    sock.connect(("127.0.0.1", port))
+    return sock
 
 
 def read_all(sock: socket.socket) -> bytes:
@@ -112,13 +119,7 @@ def test_a_client_that_does_not_read_holds_no_send_thread(monkeypatch):
         writers: list[ThreadedWrites] = []
         server, port = await serve_writes(writers.append)
         for _ in range(THREADS + 2):
-            sock = socket.socket()
-            sock.settimeout(10)
-            # a small fixed receive buffer (no autotuning): 48 MiB is far more than the connection
-            # holds whatever the host's tcp_rmem/tcp_wmem allow
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
-            sock.connect(("127.0.0.1", port))
-            idle.append(sock)
+            idle.append(connect(port, small=True))  # 48 MiB is far more than the connection holds
         while len(writers) < len(idle):
             await asyncio.sleep(0.01)
         for w in writers:
@@ -359,10 +360,7 @@ def test_an_abort_during_a_thread_send_ends_the_connection(monkeypatch):
 
     async def main() -> bytes:
         server, port = await serve_writes(state.append)
-        client = socket.socket()
-        client.settimeout(10)
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)  # fixed: no autotuning
-        client.connect(("127.0.0.1", port))
+        client = connect(port, small=True)
         while not state:
             await asyncio.sleep(0.01)
         w = state[0]
