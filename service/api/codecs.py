@@ -24,7 +24,7 @@ import safetensors.torch
 import torch
 
 from service.api.error_map import ModelNotFound, PayloadTooLarge
-from service.api.json_codec import json_array, json_bytes, json_object
+from service.api.json_codec import echoed, json_array, json_bytes, json_object, past_64_bits
 from service.api.regions import RegionRows, Regions, Rows, enabled, sent_row
 from service.config import DTYPE_NAMES, LayerConfig
 from service.errors import InvalidInput
@@ -406,12 +406,18 @@ def v2_tensor_header(name, datatype, shape, seen) -> tuple[str, torch.dtype, lis
         raise InvalidInput(f"input '{name}' appears twice")
     if datatype not in V2_ACCEPTED[name]:
         raise InvalidInput(f"input '{name}' has datatype {datatype!r}; accepted: {', '.join(V2_ACCEPTED[name])}")
-    if (not isinstance(shape, list) or len(shape) != 2
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-        raise InvalidInput(f"input '{name}' must have a 2-D shape of non-negative integers, got {shape!r}")
+    if not isinstance(shape, list) or len(shape) != 2 or not all(map(_dimension, shape)):
+        raise InvalidInput(f"input '{name}' must have a 2-D shape of non-negative integers, got {echoed(shape)}")
     if any(d > MAX_DIM for d in shape):
-        raise InvalidInput(f"input '{name}' has shape {shape}: a dimension over {MAX_DIM} cannot be a real request")
+        raise InvalidInput(f"input '{name}' has shape {echoed(shape)}: a dimension over {MAX_DIM} cannot be a "
+                           f"real request")
     return name, V2_DTYPES[datatype], shape
+
+
+def _dimension(d) -> bool:
+    """A shape's item: a non-negative integer, or one past 64 bits (which orjson reads as a float:
+    refused as over MAX_DIM, not as a non-integer)."""
+    return (isinstance(d, int) and not isinstance(d, bool) and d >= 0) or (past_64_bits(d) and d > 0)
 
 
 def from_bytes(buf: memoryview, dtype: torch.dtype, shape: list[int], name: str) -> torch.Tensor:
@@ -567,7 +573,7 @@ def shm_params(params: dict, what: str) -> tuple[str, int, int] | None:
         raise InvalidInput(f"{what}: shared_memory_region must be a region's name, got {region!r}")
     for key, value in ((SHM_SIZE, size), (SHM_OFFSET, offset)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidInput(f"{what}: {key} must be a non-negative integer, got {value!r}")
+            raise InvalidInput(f"{what}: {key} must be a non-negative integer, got {echoed(value)}")
     return region, offset, size
 
 

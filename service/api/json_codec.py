@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 
 import numpy as np
 import orjson
@@ -89,6 +90,24 @@ def json_array(data, name: str, np_dtype, range_name: str | None = None) -> torc
             raise InvalidInput(f"{name} has values outside the range of {range_name or np.dtype(np_dtype).name}") \
                 from None
     return torch.from_numpy(np.ascontiguousarray(arr))
+
+
+def echoed(value) -> str:
+    """A JSON header value as an error message shows it (its repr). orjson reads an integer of 2^64
+    or more, or below -2^63, as a float (18446744073709551616 as 1.8446744073709552e+19; -2^63 - 1,
+    rounded, as -2.0^63), so such a float is shown by its size ("a number of 2^64 or more"), true
+    whichever the client wrote: a "must be an integer" is never answered with a float the client did
+    not send. Lists (a shape) are echoed item by item."""
+    if isinstance(value, list):
+        return "[" + ", ".join(map(echoed, value)) + "]"
+    if past_64_bits(value):
+        return "a number of 2^64 or more" if value > 0 else "a number of -2^63 or less"
+    return repr(value)
+
+
+def past_64_bits(value) -> bool:
+    """Whether a parsed JSON value is orjson's float for an integer past 64 bits (see `echoed`)."""
+    return isinstance(value, float) and math.isfinite(value) and (value >= 2.0**64 or value <= -(2.0**63))
 
 
 def _past_int64(arr: np.ndarray) -> bool:

@@ -499,6 +499,28 @@ def test_integers_past_64_bits_are_named_as_before():
         codecs.decode_forward_json(forward_body(topk_ids=[[0, 1.5]] * 3), SPEC)
 
 
+def test_header_integers_past_64_bits_are_not_echoed_as_floats():
+    """A v2 header's shape or shared-memory integer of 2^64 or more (a float to orjson) is refused as
+    too large, named by its size; before, "must be integers, got [1.8446744073709552e+19, 5]" answered a
+    client that had sent integers."""
+    for big, needle in ((2 ** 64, r"has shape \[a number of 2\^64 or more, 5\]: a dimension over"),
+                        (10 ** 30, r"has shape \[a number of 2\^64 or more, 5\]: a dimension over"),
+                        (-(2 ** 63) - 1, r"non-negative integers, got \[a number of -2\^63 or less, 5\]")):
+        doc = v2_doc()
+        doc["inputs"][0]["shape"] = [big, 5]
+        with pytest.raises(InvalidInput, match=needle) as e:
+            codecs.decode_v2_http(json.dumps(doc).encode(), None, SPEC)
+        assert "e+" not in str(e.value)
+    doc = v2_doc()
+    doc["inputs"][0]["shape"] = [3.0, 5]  # a float the client wrote is still named as it was
+    with pytest.raises(InvalidInput, match=r"non-negative integers, got \[3\.0, 5\]"):
+        codecs.decode_v2_http(json.dumps(doc).encode(), None, SPEC)
+    params = codecs.json_object(json.dumps({"shared_memory_region": "r", "shared_memory_byte_size": 2 ** 64}).encode())
+    with pytest.raises(InvalidInput, match=r"shared_memory_byte_size must be a non-negative integer, got a "
+                                           r"number of 2\^64 or more"):
+        codecs.shm_params(params, "input 'hidden_states'")
+
+
 def test_json_bodies_orjson_refuses_keep_their_old_answer():
     """UTF-16 (json detects it; orjson reads UTF-8 only) is still read, invalid UTF-8 is malformed
     JSON, a request id with a lone surrogate is echoed, and a duplicate key keeps its last value:
