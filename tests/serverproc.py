@@ -114,6 +114,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.http_port}"
         self.grpc_url = f"127.0.0.1:{self.grpc_port}"
         self.http_hostport = f"127.0.0.1:{self.http_port}"
+        self.metrics_port: int | None = None  # a fixture that passes --metrics-port sets it
         self.log_path = Path(log_path)
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=cwd)

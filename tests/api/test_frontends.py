@@ -38,13 +38,12 @@ FLAGS = ("--frontends", "2", "--max-request-bytes", str(test_e2e.MAX_REQUEST_BYT
 CONNECTIONS = 24  # P(all on one of 2 processes) = 2 * 2**-24 with SO_REUSEPORT's hash
 
 
-METRICS_PORT = free_port()  # the module's server also serves --metrics-port (the owner, summed)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    metrics_port = free_port()  # the server also serves --metrics-port (the owner, summed); picked as it starts
     with ServerProcess.serving(tmp_path_factory.mktemp("frontends") / "server.log", *FLAGS,
-                               "--metrics-port", str(METRICS_PORT)) as proc:
+                               "--metrics-port", str(metrics_port)) as proc:
+        proc.metrics_port = metrics_port
         yield proc
 
 
@@ -129,7 +128,7 @@ def test_metrics_and_statistics_add_up_over_both_processes(server):
             assert after[0] - before[0] == CONNECTIONS
             assert after[1] - before[1] >= sent  # steps' tokens (the scrapes' answers add none)
             assert after[2] - before[2] == sent
-        with httpx.Client(base_url=f"http://127.0.0.1:{METRICS_PORT}", timeout=60) as c:
+        with httpx.Client(base_url=f"http://127.0.0.1:{server.metrics_port}", timeout=60) as c:
             fams = scrape(c)
             # the summed registry has no name[] filter: the whole exposition, not a 500
             filtered = c.get("/metrics", params={"name[]": "moe_ready"})

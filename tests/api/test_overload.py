@@ -24,10 +24,6 @@ QUEUE_TOKENS = 64
 # take 0.6 s (1.5 s left the drain test about three such round trips: 2.5 s, five).
 DELAY_MS = 2500
 
-
-METRICS_PORT = free_port()
-
-
 def process_running(pid: int) -> bool:
     """True while `pid` is a live process (not gone, not a zombie); the ranks are not our children."""
     try:
@@ -39,10 +35,12 @@ def process_running(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    metrics_port = free_port()  # picked as the server starts, not at import minutes before
     proc = ServerProcess.module(tmp_path_factory.mktemp("overload") / "server.log",
                                 "--queue-tokens", str(QUEUE_TOKENS), "--batch-delay-ms", str(DELAY_MS),
                                 "--batch-idle-wait", "true",
-                                "--drain-timeout-s", "20", env={"MOE_METRICS_PORT": str(METRICS_PORT)})
+                                "--drain-timeout-s", "20", env={"MOE_METRICS_PORT": str(metrics_port)})
+    proc.metrics_port = metrics_port
     try:
         proc.wait_ready()
         yield proc
@@ -99,8 +97,8 @@ def test_deadline_in_the_queue_drops_the_work(http):
     assert value(after["moe_requests"], "moe_requests_total", protocol="http_safetensors", status="504") == 1
 
 
-def test_metrics_on_their_own_port_set_from_the_environment(http):
-    r = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10)
+def test_metrics_on_their_own_port_set_from_the_environment(server):
+    r = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10)
     assert r.status_code == 200 and "moe_requests_total" in r.text
 
 

@@ -27,15 +27,16 @@ from tests.serverproc import ServerProcess, free_port, rss_bytes
 
 MODEL = "moe"
 BODY_LIMIT = 4 << 20  # the server's --max-request-bytes: a bomb's output must stop near it
-METRICS_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    metrics_port = free_port()  # picked as the server starts, not at import minutes before
     with ServerProcess.serving(tmp_path_factory.mktemp("triton") / "server.log", "--shared-memory", "system",
-                               "--metrics-port", str(METRICS_PORT),
+                               "--metrics-port", str(metrics_port),
                                "--max-request-bytes", str(BODY_LIMIT),
                                "--grpc-max-message-bytes", str(BODY_LIMIT)) as proc:
+        proc.metrics_port = metrics_port
         yield proc
 
 
@@ -234,8 +235,8 @@ def test_the_metrics_port_serves_only_metrics(server):
     """--metrics-port answers /metrics (the Prometheus text, or OpenMetrics on Accept) and a 404 on
     every other path (before: the metrics on any path, /v2/health/ready included). The start-up
     log names its address as it names HTTP's and gRPC's (it said "metrics on :PORT", no host)."""
-    base = f"http://127.0.0.1:{METRICS_PORT}"
-    assert f"metrics on 127.0.0.1:{METRICS_PORT} " in server.log(), server.log()[-3000:]
+    base = f"http://127.0.0.1:{server.metrics_port}"
+    assert f"metrics on 127.0.0.1:{server.metrics_port} " in server.log(), server.log()[-3000:]
     r = httpx.get(f"{base}/metrics", timeout=10)
     assert r.status_code == 200 and "moe_requests_total" in r.text, r.text[:200]
     assert r.headers["content-type"].startswith("text/plain")
