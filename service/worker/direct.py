@@ -322,7 +322,35 @@ def _unmap(entry: _Entry) -> None:
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.process_vm_readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
+                                   ctypes.c_ulong]
+_LIBC.process_vm_readv.restype = ctypes.c_ssize_t
 MADV_POPULATE_READ = 22  # linux/mman.h (5.14+): fault the range in as reads would, without reading it
+IOV_MAX = 1024  # pages faulted per process_vm_readv call (the kernel's UIO_MAXIOV)
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def fault_in_by_read(ptr: int, n: int) -> None:
+    """Fault the pages of [ptr, ptr + n) in as reads would, touching no byte from Python: see `_map`
+    for why. MADV_POPULATE_READ where the kernel has it (5.14+); before it (EINVAL: RHEL 8's 4.18,
+    Ubuntu 20.04's 5.4) the same read faults through process_vm_readv of this process's own pages,
+    one byte of each into a scratch buffer, which like the madvise takes a page past the object's end
+    as EFAULT (the call stops there), never a SIGBUS. Best effort: what is not faulted in here, the
+    page-locking faults in itself."""
+    if _LIBC.madvise(ctypes.c_void_p(ptr), ctypes.c_size_t(n), MADV_POPULATE_READ) == 0:
+        return
+    page = mmap.PAGESIZE
+    pages = range(ptr - ptr % page, ptr + n, page)
+    scratch = ctypes.create_string_buffer(IOV_MAX)
+    local = _Iovec(ctypes.addressof(scratch), IOV_MAX)
+    for i in range(0, len(pages), IOV_MAX):
+        chunk = pages[i:i + IOV_MAX]
+        remote = (_Iovec * len(chunk))(*((max(a, ptr), 1) for a in chunk))
+        if _LIBC.process_vm_readv(os.getpid(), ctypes.byref(local), 1, remote, len(chunk), 0) < len(chunk):
+            return  # past the object's end (EFAULT) or not allowed (EPERM under a seccomp profile)
 
 
 def _map(entry: _Entry) -> None:
@@ -339,10 +367,9 @@ def _map(entry: _Entry) -> None:
     # not mapped yet, and on tmpfs a write fault moves the object's ctime, which would make every other
     # registration of the object (the other ranks', its other regions') look stale and be registered
     # again at each step, each time moving ctime anew. A read fault of a shared writable tmpfs mapping
-    # maps the page writable, so the locking takes no write fault. (The kernel faults; the CPU reads
-    # nothing; past the object's end it is EFAULT, no SIGBUS.) Best effort: where it fails (EINVAL: a
-    # kernel before 5.14) the locking faults the pages in itself, as before, and decides alone.
-    _LIBC.madvise(ctypes.c_void_p(base.data_ptr()), ctypes.c_size_t(n), MADV_POPULATE_READ)
+    # maps the page writable, so the locking takes no write fault. (The kernel faults; past the
+    # object's end it is EFAULT, no SIGBUS.)
+    fault_in_by_read(base.data_ptr(), n)
     err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), n, 0)
     if int(err) != 0:
         del base

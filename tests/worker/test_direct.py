@@ -8,6 +8,8 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import subprocess
+import sys
 import time
 import uuid
 
@@ -295,13 +297,19 @@ def test_writes_through_a_clients_mapping_register_nothing_again(objs, cudart):
     cache.close()
 
 
+@pytest.mark.parametrize("kernel", ["5.14+", "older"])
 @pytest.mark.parametrize("pin_s", [0.0, 0.005])
-def test_other_registrations_of_an_object_are_not_made_stale_by_page_locking(objs, cudart, pin_s):
+def test_other_registrations_of_an_object_are_not_made_stale_by_page_locking(objs, cudart, pin_s, kernel,
+                                                                            monkeypatch):
     """Page-locking write-faults the pages it maps, and on tmpfs that moves the object's ctime: every
     other registration of the object (its other regions, another rank's) then looked stale and was
     registered again at each step, each moving ctime anew (reviewer RZ2). Input and output regions
     of one object, two requests' regions of one object used in turn, and two ranks of one region:
-    each region registered once over the steps."""
+    each region registered once over the steps. "older": a kernel without MADV_POPULATE_READ
+    (EINVAL), where the pages are read-faulted through process_vm_readv (before, not at all: every
+    step registered every region again on RHEL 8 or Ubuntu 20.04 kernels)."""
+    if kernel == "older":
+        monkeypatch.setattr(direct, "MADV_POPULATE_READ", -1)  # an advice no kernel knows: EINVAL
     cudart.pin_s = pin_s  # a registration of milliseconds lets the clock move on (a 16 MiB region)
     one = objs(4 * 4096)
     first = [src(0, 2, one, 0, one, 4096, (0, 4096), (4096, 4096))]
@@ -322,6 +330,33 @@ def test_other_registrations_of_an_object_are_not_made_stale_by_page_locking(obj
     for rank_cache in ranks:
         rank_cache.close()
     assert len(cudart.registered) == 4 + 4, f"{len(cudart.registered) - 4} registrations of 2 regions x 2 ranks"
+
+
+def test_faulting_in_past_the_objects_end_is_no_sigbus(tmp_path):
+    """A region whose object a client truncated meanwhile: both ways of faulting its pages in stop at
+    the end (EFAULT) where touching them would raise SIGBUS, and the pages before it are faulted in.
+    In a child, so that a SIGBUS fails the test instead of killing the run."""
+    code = f"""if True:
+        import ctypes, mmap, os
+        from service.worker import direct
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open({str(tmp_path / "obj")!r}, os.O_CREAT | os.O_RDWR, 0o600)
+        for advice in (direct.MADV_POPULATE_READ, -1):  # 5.14+, and the older kernels' path (EINVAL)
+            direct.MADV_POPULATE_READ = advice
+            os.ftruncate(fd, 0)  # no page of the object exists
+            os.ftruncate(fd, 4 * mmap.PAGESIZE)
+            mm = mmap.mmap(fd, 4 * mmap.PAGESIZE)
+            os.ftruncate(fd, mmap.PAGESIZE + 1)  # two pages left of the four mapped
+            ptr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+            direct.fault_in_by_read(ptr, 4 * mmap.PAGESIZE)
+            vec = (ctypes.c_ubyte * 2)()  # which of the two pages left are in memory now
+            assert libc.mincore(ctypes.c_void_p(ptr), ctypes.c_size_t(2 * mmap.PAGESIZE), vec) == 0
+            print(sum(v & 1 for v in vec))
+        print("ok")
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])  # -7: SIGBUS
+    assert out.stdout.split() == ["2", "2", "ok"], out.stdout  # both pages faulted in, each way
 
 
 def punch_hole(path: str, at: int, n: int) -> None:
