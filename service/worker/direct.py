@@ -348,7 +348,7 @@ def fault_in_by_read(ptr: int, n: int) -> None:
     local = _Iovec(ctypes.addressof(scratch), IOV_MAX)
     for i in range(0, len(pages), IOV_MAX):
         chunk = pages[i:i + IOV_MAX]
-        remote = (_Iovec * len(chunk))(*((max(a, ptr), 1) for a in chunk))
+        remote = (_Iovec * len(chunk))(*(_Iovec(max(a, ptr), 1) for a in chunk))
         if _LIBC.process_vm_readv(os.getpid(), ctypes.byref(local), 1, remote, len(chunk), 0) < len(chunk):
             return  # past the object's end (EFAULT) or not allowed (EPERM under a seccomp profile)
 
