@@ -166,8 +166,6 @@ class Shards:
                                                f"is meant; remove the stale copy")
                         self.where[k] = os.path.join(path, f)
         elif path.endswith(".json"):
-            if not os.path.isfile(path):
-                raise WeightsError(f"checkpoint index {path!r} does not exist or is not a file")
             self.where = _read_index(path)
             beside = os.path.join(os.path.dirname(path), "config.json")
             if os.path.isfile(beside):
@@ -180,7 +178,7 @@ class Shards:
     def _open(self, file: str):
         if file not in self._handles:
             if not os.path.isfile(file):
-                raise WeightsError(f"shard {file!r} named by {self.path!r} does not exist")
+                raise WeightsError(f"shard {file!r} named by {self.path!r} does not exist or is not a file")
             try:
                 self._handles[file] = safe_open(file, framework="pt", device="cpu")
             except (OSError, SafetensorError) as exc:
@@ -235,9 +233,17 @@ def _read_config(path: str, where: str) -> dict:
 
 
 def _read_index(path: str) -> dict[str, str]:
+    if not os.path.isfile(path):  # a FIFO would block open() for ever
+        raise WeightsError(f"checkpoint index {path!r} does not exist or is not a file")
     weight_map = _read_json(path, "checkpoint index").get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise WeightsError(f"checkpoint index {path!r} has no 'weight_map'")
+    # Shards are named relative to the index, as transformers writes them: an absolute name or one through '..'
+    # would read outside what the user pointed at (symlinked shards, as in the Hub's cache, are followed).
+    for k, v in weight_map.items():
+        if not isinstance(v, str) or not v or os.path.isabs(v) or ".." in re.split(r"[/\\]", v):
+            raise WeightsError(f"checkpoint index {path!r} names shard {v!r} for key {k!r}: expected a file name "
+                               f"beside the index")
     base = os.path.dirname(path)
     return {k: os.path.join(base, v) for k, v in weight_map.items()}
 

@@ -1,0 +1,99 @@
+"""Checkpoints built to mislead the loader: every one is refused with a WeightsError naming the file, key or
+setting, never read outside what the user pointed at, never a hang, a traceback or wrong weights.
+
+E experts, H hidden, I intermediate, R ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from service.errors import WeightsError
+from service.moe.checkpoint import inspect_layer
+
+E, H, I = 4, 8, 6  # noqa: E741
+PREFIX = "model.layers.0.mlp."
+CONFIG = {"model_type": "qwen3_moe", "num_experts": E, "num_experts_per_tok": 2, "hidden_act": "silu"}
+
+
+def hf_tensors(prefix: str = PREFIX, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for e in range(E):
+        out[f"{prefix}experts.{e}.gate_proj.weight"] = torch.randn(I, H, generator=gen)  # [I, H]
+        out[f"{prefix}experts.{e}.up_proj.weight"] = torch.randn(I, H, generator=gen)  # [I, H]
+        out[f"{prefix}experts.{e}.down_proj.weight"] = torch.randn(H, I, generator=gen)  # [H, I]
+    return out
+
+
+def model_dir(path, shards: dict[str, dict], weight_map: dict | None = None, config: dict = CONFIG) -> str:
+    """A model directory: config.json, the shards and an index (its weight_map as given, else the shards')."""
+    os.makedirs(path, exist_ok=True)
+    for name, tensors in shards.items():
+        save_file(tensors, os.path.join(path, name))
+    if weight_map is None:
+        weight_map = {k: name for name, tensors in shards.items() for k in tensors}
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------- the index
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute"])
+def test_index_naming_a_shard_outside_its_directory_is_refused(tmp_path, where):
+    """A weight_map entry '../other/x.safetensors' or '/abs/x.safetensors' was read (os.path.join keeps an
+    absolute name whole): the service loaded weights from outside the directory it was pointed at."""
+    tensors = hf_tensors()
+    keys = sorted(tensors)
+    outside = tmp_path / "other"
+    outside.mkdir()
+    save_file({k: tensors[k] for k in keys[6:]}, str(outside / "x.safetensors"))
+    name = "../other/x.safetensors" if where == "parent" else str(outside / "x.safetensors")
+    weight_map = {k: "a.safetensors" for k in keys[:6]} | {k: name for k in keys[6:]}
+    m = model_dir(tmp_path / "model", {"a.safetensors": {k: tensors[k] for k in keys[:6]}}, weight_map)
+    with pytest.raises(WeightsError, match=r"model.safetensors.index.json' names shard '.*x.safetensors' for key"):
+        inspect_layer(m)
+
+
+def test_index_shard_in_a_subfolder_and_a_symlinked_shard_are_read(tmp_path):
+    """What the refusal above must not catch: a shard in a subfolder, a shard that is a symlink (the Hub's
+    cache links every file of a snapshot to its blob)."""
+    tensors = hf_tensors()
+    keys = sorted(tensors)
+    blob = tmp_path / "blobs" / "b"
+    blob.parent.mkdir()
+    save_file({k: tensors[k] for k in keys[6:]}, str(blob))
+    os.makedirs(tmp_path / "model" / "sub")
+    m = model_dir(tmp_path / "model", {"sub/a.safetensors": {k: tensors[k] for k in keys[:6]}},
+                  {k: "sub/a.safetensors" for k in keys[:6]} | {k: "b.safetensors" for k in keys[6:]})
+    os.symlink(blob, os.path.join(m, "b.safetensors"))
+    assert inspect_layer(m).E == E
+
+
+@pytest.mark.parametrize("value", [3, None, ""])
+def test_index_entry_that_is_not_a_file_name_is_refused(tmp_path, value):
+    """A weight_map value of another JSON type was a TypeError traceback from os.path.join."""
+    tensors = hf_tensors()
+    weight_map = {k: "a.safetensors" for k in tensors} | {sorted(tensors)[-1]: value}
+    m = model_dir(tmp_path, {"a.safetensors": tensors}, weight_map)
+    with pytest.raises(WeightsError, match=rf"names shard {value!r} for key"):
+        inspect_layer(m)
+
+
+def test_index_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
+    """A model directory whose *.safetensors.index.json is a FIFO: open() blocked for ever (the service hung at
+    start); now refused like any index that is not a file."""
+    m = model_dir(tmp_path, {"a.safetensors": hf_tensors()})
+    os.remove(os.path.join(m, "model.safetensors.index.json"))
+    os.mkfifo(os.path.join(m, "model.safetensors.index.json"))
+    with pytest.raises(WeightsError, match=r"model.safetensors.index.json' does not exist or is not a file"):
+        inspect_layer(m)
