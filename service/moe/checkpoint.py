@@ -550,6 +550,7 @@ def _inspect_fused(sh: Shards, prefix: str, interleaved: bool, E_config: int | N
                           (prefix + "experts.down_proj_bias", [E, H])):
             if sh.shape(key) != want:
                 raise WeightsError(f"key {key!r} in {path!r} has shape {sh.shape(key)}, expected {want}")
+            _check_dtype(sh, key, False)
     return layout, E, H, I, dtype, bias
 
 
@@ -563,6 +564,8 @@ def _inspect_dbrx(sh: Shards, prefix: str, E: int | None):
         raise WeightsError(f"dbrx expert tensors {dict(zip(keys, shapes, strict=True))} in {sh.path!r} are not "
                            f"[E*I, H] with E={E}")
     dtype = _check_dtype(sh, keys[0], False)
+    for key in keys[1:]:
+        _check_dtype(sh, key, False)
     return "dbrx", E, shapes[0][1], shapes[0][0] // E, dtype, False
 
 
@@ -597,6 +600,12 @@ def read_spec(sh: Shards, prefix: str = "", layer: int | None = None) -> LayerSp
     if E_config is not None and E_config != E:
         raise WeightsError(f"config.json of {path!r} says {E_config} routed experts, the tensors at "
                            f"prefix={prefix!r} hold {E}")
+    # dbrx's E comes from config.json alone: a wrong moe_num_experts still divides E*I rows, into the wrong experts.
+    I_dbrx = (config.get("ffn_config") or {}).get("ffn_hidden_size") if layout == "dbrx" else None
+    if I_dbrx is not None and I_dbrx != I:
+        raise WeightsError(f"config.json of {path!r} says ffn_config.ffn_hidden_size={I_dbrx}, but the dbrx tensors at "
+                           f"prefix={prefix!r} split into E={E} experts (ffn_config.moe_num_experts) of I={I} rows; "
+                           f"one of the two is wrong")
     moe_layers = sorted({n for p in _blocks(keys) if (n := _layer_of(p)) is not None})
     act = (_config_activation(config, (model_type, config.get("model_type", "")), _layer_of(prefix), path, moe_layers)
            if config is not None else Activation())

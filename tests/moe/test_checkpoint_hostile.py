@@ -97,3 +97,46 @@ def test_index_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
     os.mkfifo(os.path.join(m, "model.safetensors.index.json"))
     with pytest.raises(WeightsError, match=r"model.safetensors.index.json' does not exist or is not a file"):
         inspect_layer(m)
+
+
+# ------------------------------------------------------------------------------------ dtypes, dbrx
+
+
+def dbrx_dir(path, experts: int, tensors: dict | None = None) -> str:
+    """A dbrx block of E experts stacked [E*I, H], and a config.json saying `experts` of ffn_hidden_size I."""
+    gen = torch.Generator().manual_seed(1)
+    p = "transformer.blocks.0.ffn.experts.mlp."
+    stacked = {p + n: torch.randn(E * I, H, generator=gen) for n in ("w1", "v1", "w2")}  # [E*I, H]
+    config = {"model_type": "dbrx", "d_model": H, "ffn_config": {"moe_num_experts": experts, "moe_top_k": 2,
+                                                                 "ffn_hidden_size": I, "ffn_act_fn": {"name": "silu"}}}
+    return model_dir(path, {"model.safetensors": stacked | {p + k: v for k, v in (tensors or {}).items()}},
+                     config=config)
+
+
+@pytest.mark.parametrize("experts", [2, 8])
+def test_dbrx_experts_that_contradict_ffn_hidden_size_are_refused(tmp_path, experts):
+    """dbrx's E comes from config.json only: a moe_num_experts of 2 for 4 experts cut the [E*I, H] rows into
+    2 experts of 2I rows and served them, every weight in the wrong place, without a word."""
+    with pytest.raises(WeightsError, match=rf"ffn_hidden_size={I}, but .* split into E={experts} experts .* "
+                                           rf"of I={E * I // experts} rows"):
+        inspect_layer(dbrx_dir(tmp_path, experts))
+    assert inspect_layer(dbrx_dir(tmp_path / "right", E)).I == I
+
+
+@pytest.mark.parametrize("name,dtype", [("v1", torch.int32), ("w2", torch.float8_e4m3fn)])
+def test_dbrx_up_and_down_dtypes_are_checked(tmp_path, name, dtype):
+    """Only w1's dtype was checked: an integer v1, or an FP8 w2 without scales, was cast value by value."""
+    wrong = {name: torch.ones(E * I, H).to(dtype)}
+    with pytest.raises(WeightsError, match=rf"experts.mlp.{name}' in .* has dtype"):
+        inspect_layer(dbrx_dir(tmp_path, E, wrong))
+
+
+def test_gpt_oss_bias_dtype_is_checked(tmp_path):
+    """gpt-oss biases of an integer dtype were cast without a word (a bool bias read as 0 / 1)."""
+    gen = torch.Generator().manual_seed(2)
+    p = PREFIX + "experts."
+    tensors = {p + "gate_up_proj": torch.randn(E, H, 2 * I, generator=gen), p + "down_proj": torch.randn(E, I, H),
+               p + "gate_up_proj_bias": torch.zeros(E, 2 * I), p + "down_proj_bias": torch.ones(E, H, dtype=torch.bool)}
+    config = {"model_type": "gpt_oss", "num_local_experts": E, "num_experts_per_tok": 2}
+    with pytest.raises(WeightsError, match=r"down_proj_bias' in .* has dtype BOOL"):
+        inspect_layer(model_dir(tmp_path, {"model.safetensors": tensors}, config=config))
