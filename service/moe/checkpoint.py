@@ -340,10 +340,16 @@ def _config_refusal(config: dict, model_type: str) -> str | None:
     return None
 
 
-def _fp8_block(config: dict) -> tuple[int, int]:
+def _fp8_block(config: dict, where: str) -> tuple[int, int]:
     q = config.get("quantization_config") or {}
-    block = q.get("weight_block_size") or FP8_BLOCK
-    return int(block[0]), int(block[1])
+    if not isinstance(q, dict):
+        raise WeightsError(f"config.json of {where!r}: quantization_config is {q!r}, not a JSON object")
+    if (block := q.get("weight_block_size")) is None:
+        return FP8_BLOCK
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+        raise WeightsError(f"config.json of {where!r}: quantization_config.weight_block_size is {block!r}, expected "
+                           f"[rows, columns] of the FP8 scale blocks, two positive integers")
+    return block[0], block[1]
 
 
 # --------------------------------------------------------------------------- which block, which layout
@@ -612,16 +618,18 @@ def read_spec(sh: Shards, prefix: str = "", layer: int | None = None) -> LayerSp
     if bias and config is None:
         raise WeightsError(f"expert biases at prefix={prefix!r} in {path!r} (gpt-oss) need the model's config.json "
                            f"for their activation; pass the model directory")
-    block = _fp8_block(sh.config) if sh.config is not None else FP8_BLOCK
-    if dtype == FP8:  # the scales must tile the weights in blocks of `block`
-        for role in ("gate", "down"):
-            key = expert_key(prefix, 0, role, layout)
+    block = _fp8_block(sh.config, path) if dtype == FP8 and sh.config is not None else FP8_BLOCK
+    if dtype == FP8:  # every expert's scales must tile its weights in blocks of `block`, in a float dtype
+        for key in (expert_key(prefix, e, role, layout) for e in range(E) for role in ("gate", "up", "down")):
             out, inn = sh.shape(key)
             want = [cdiv(out, block[0]), cdiv(inn, block[1])]
             if (got := sh.shape(key + "_scale_inv")) != want:
                 raise WeightsError(f"{key + '_scale_inv'!r} in {path!r} has shape {got}, expected {want} for "
                                    f"{block[0]}x{block[1]} blocks of {key!r} {[out, inn]} (quantization_config."
                                    f"weight_block_size)")
+            if (got := sh.dtype(key + "_scale_inv")) not in FLOAT_DTYPES:
+                raise WeightsError(f"{key + '_scale_inv'!r} in {path!r} has dtype {got}; block scales are a float "
+                                   f"dtype ({', '.join(FLOAT_DTYPES)})")
     notes = []
     block_keys = [k for k in keys if k.startswith(prefix) and _SHARED.search(k[len(prefix):])]
     if block_keys:

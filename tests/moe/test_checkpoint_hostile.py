@@ -140,3 +140,57 @@ def test_gpt_oss_bias_dtype_is_checked(tmp_path):
     config = {"model_type": "gpt_oss", "num_local_experts": E, "num_experts_per_tok": 2}
     with pytest.raises(WeightsError, match=r"down_proj_bias' in .* has dtype BOOL"):
         inspect_layer(model_dir(tmp_path, {"model.safetensors": tensors}, config=config))
+
+
+# ------------------------------------------------------------------------------------------- FP8
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def fp8_tensors(block: int, scale_block: dict | None = None) -> dict:
+    """hf_tensors quantized to F8_E4M3 with `{key}_scale_inv` per block x block (scale_block: key -> another
+    block size for that key's scales)."""
+    out = {}
+    for key, w in hf_tensors().items():  # w [out, in]
+        b = (scale_block or {}).get(key, block)
+        rows, cols = -(-w.shape[0] // b), -(-w.shape[1] // b)
+        scale = torch.stack([torch.stack([w[r * b:(r + 1) * b, c * b:(c + 1) * b].abs().max() / FP8_MAX
+                                          for c in range(cols)]) for r in range(rows)])  # [rows, cols]
+        full = scale.repeat_interleave(b, 0).repeat_interleave(b, 1)[:w.shape[0], :w.shape[1]]
+        out[key], out[key + "_scale_inv"] = (w / full).to(torch.float8_e4m3fn), scale
+    return out
+
+
+def fp8_config(block) -> dict:
+    return CONFIG | {"quantization_config": {"quant_method": "fp8", "weight_block_size": block}}
+
+
+@pytest.mark.parametrize("e,role,block", [(0, "up", 2), (2, "gate", 2), (1, "down", 8)])
+def test_fp8_scales_of_every_expert_and_role_are_checked(tmp_path, e, role, block):
+    """Only expert 0's gate and down scales were checked against weight_block_size: scales of another block size
+    elsewhere were read as if of that one (wrong weights, no error) or broke the load with a traceback."""
+    key = f"{PREFIX}experts.{e}.{role}_proj.weight"
+    m = model_dir(tmp_path, {"model.safetensors": fp8_tensors(4, {key: block})}, config=fp8_config([4, 4]))
+    with pytest.raises(WeightsError, match=rf"'{key}_scale_inv' in .* has shape .* for 4x4 blocks"):
+        inspect_layer(m)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float8_e4m3fn])
+def test_fp8_scales_of_a_non_float_dtype_are_refused(tmp_path, dtype):
+    """Integer or FP8 scales were multiplied in as read: wrong weights without an error."""
+    tensors = fp8_tensors(4)
+    key = f"{PREFIX}experts.3.gate_proj.weight_scale_inv"
+    tensors[key] = tensors[key].to(dtype)
+    m = model_dir(tmp_path, {"model.safetensors": tensors}, config=fp8_config([4, 4]))
+    with pytest.raises(WeightsError, match=rf"'{key}' in .* has dtype .*; block scales are a float dtype"):
+        inspect_layer(m)
+
+
+@pytest.mark.parametrize("block", [[0, 4], [4], "4x4", [4.5, 4], [-4, -4]])
+def test_fp8_weight_block_size_that_is_not_two_positive_integers_is_refused(tmp_path, block):
+    """[0, 4] was a ZeroDivisionError, [4] an IndexError, '4x4' a ValueError: tracebacks at start."""
+    m = model_dir(tmp_path, {"model.safetensors": fp8_tensors(4)}, config=fp8_config(block))
+    with pytest.raises(WeightsError, match=r"quantization_config.weight_block_size is .*two positive integers"):
+        inspect_layer(m)
+    assert inspect_layer(model_dir(tmp_path / "right", {"model.safetensors": fp8_tensors(4)},
+                                   config=fp8_config([4, 4]))).block == (4, 4)
