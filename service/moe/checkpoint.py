@@ -54,7 +54,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from service.config import GPT_OSS_ALPHA, Activation, cdiv
-from service.errors import WeightsError
+from service.errors import MoEError, WeightsError
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,8 @@ PER_EXPERT_NAMES = {"gate_proj": ("hf", "gate"), "up_proj": ("hf", "up"), "down_
                     "w1": ("mixtral", "gate"), "w3": ("mixtral", "up"), "w2": ("mixtral", "down")}
 NAMINGS = {"hf": {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
            "mixtral": {"gate": "w1", "up": "w3", "down": "w2"}}
-_PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?)experts\.(?P<e>\d+)\.(?P<name>[^.]+)\.weight$")
+# The expert number as transformers writes it: "experts.01." is not expert 1 (expert_key would not find it).
+_PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?)experts\.(?P<e>0|[1-9]\d*)\.(?P<name>[^.]+)\.weight$")
 # Keys that mark an experts block, whatever the layout: group 1 is the block's prefix.
 _BLOCK_KEYS = (
     _PER_EXPERT,
@@ -253,7 +254,8 @@ def _read_index(path: str) -> dict[str, str]:
 
 def _text_config(config: dict) -> dict:
     """The language model's part of a config (multimodal configs nest it under text_config)."""
-    return config.get("text_config") or config
+    text = config.get("text_config")
+    return text if isinstance(text, dict) and text else config
 
 
 def _first(config: dict, *names):
@@ -581,6 +583,8 @@ def read_spec(sh: Shards, prefix: str = "", layer: int | None = None) -> LayerSp
     path, keys = sh.path, sh.keys()
     config = _text_config(sh.config) if sh.config is not None else None
     model_type = (sh.config or {}).get("model_type", "") if config is not None else ""
+    if not isinstance(model_type, str) or not isinstance((config or {}).get("model_type", ""), str):
+        raise WeightsError(f"config.json of {path!r}: model_type is not a string")
     if config is not None and (why := _config_refusal(config, model_type) or _config_refusal(sh.config, model_type)):
         raise WeightsError(f"{path!r} (model_type {model_type!r}) cannot be served: {why}")
     if config is None and layer is not None:
@@ -613,8 +617,14 @@ def read_spec(sh: Shards, prefix: str = "", layer: int | None = None) -> LayerSp
                            f"prefix={prefix!r} split into E={E} experts (ffn_config.moe_num_experts) of I={I} rows; "
                            f"one of the two is wrong")
     moe_layers = sorted({n for p in _blocks(keys) if (n := _layer_of(p)) is not None})
-    act = (_config_activation(config, (model_type, config.get("model_type", "")), _layer_of(prefix), path, moe_layers)
-           if config is not None else Activation())
+    try:
+        act = (_config_activation(config, (model_type, config.get("model_type", "")), _layer_of(prefix), path,
+                                  moe_layers) if config is not None else Activation())
+    except MoEError:
+        raise
+    except (TypeError, ValueError) as exc:  # hidden_act, swiglu_limit(s) of the wrong type: name it, do not crash
+        raise WeightsError(f"config.json of {path!r}: cannot read the experts' activation or its clamp "
+                           f"({exc})") from exc
     if bias and config is None:
         raise WeightsError(f"expert biases at prefix={prefix!r} in {path!r} (gpt-oss) need the model's config.json "
                            f"for their activation; pass the model directory")

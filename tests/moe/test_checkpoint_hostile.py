@@ -194,3 +194,31 @@ def test_fp8_weight_block_size_that_is_not_two_positive_integers_is_refused(tmp_
         inspect_layer(m)
     assert inspect_layer(model_dir(tmp_path / "right", {"model.safetensors": fp8_tensors(4)},
                                    config=fp8_config([4, 4]))).block == (4, 4)
+
+
+# ------------------------------------------------------------------------------ names and config.json
+
+
+def test_expert_number_with_a_leading_zero_is_not_expert_one(tmp_path):
+    """'experts.01.gate_proj.weight' counted as expert 1, then the key 'experts.1....' was looked up: a KeyError
+    traceback. Now it is no expert's key, and the missing expert 1 is named."""
+    tensors = {k.replace("experts.1.", "experts.01."): v for k, v in hf_tensors().items()}
+    m = model_dir(tmp_path, {"model.safetensors": tensors})
+    with pytest.raises(WeightsError, match=rf"missing key '{PREFIX}experts.1.gate_proj.weight'"):
+        inspect_layer(m)
+
+
+@pytest.mark.parametrize("change,why", [({"hidden_act": ["silu"]}, "activation"),
+                                        ({"swiglu_limit": "seven"}, "activation"),
+                                        ({"swiglu_limits": ["x"]}, "activation"),
+                                        ({"model_type": ["qwen3_moe"]}, "model_type is not a string")])
+def test_config_values_of_the_wrong_type_are_named(tmp_path, change, why):
+    """A config.json value of the wrong JSON type was a TypeError / ValueError traceback (exit 1), not exit 2."""
+    m = model_dir(tmp_path, {"model.safetensors": hf_tensors()}, config=CONFIG | change)
+    with pytest.raises(WeightsError, match=rf"config.json of .*{why}"):
+        inspect_layer(m)
+
+
+def test_text_config_that_is_not_an_object_is_ignored(tmp_path):
+    m = model_dir(tmp_path, {"model.safetensors": hf_tensors()}, config=CONFIG | {"text_config": "none"})
+    assert inspect_layer(m).E == E
