@@ -276,15 +276,22 @@ def _per_layer(value, layer: int | None, name: str, where: str):
 
 
 def _config_top_k(config: dict, layer: int | None, where: str) -> int | None:
+    """The config's top-k, at least 1: a 0 read as "not given" would let K fall back to --top-k or the
+    preset's without a word."""
     if isinstance(config.get("ffn_config"), dict) and "moe_top_k" in config["ffn_config"]:  # dbrx
-        return int(config["ffn_config"]["moe_top_k"])
-    # num_experts_per_tok as each model names it (transformers' attribute_map): moe_k ERNIE-4.5,
-    # num_experts_per_token Kimi-Linear / Bailing, top_k_experts Gemma 4, moe_topk Hunyuan.
-    for name in ("num_experts_per_tok", "moe_topk", "moe_top_k", "moe_k", "num_experts_per_token", "top_k_experts",
-                 "top_k", "num_selected_experts"):
-        if config.get(name) is not None:
-            return int(_per_layer(config[name], layer, name, where))
-    return None
+        name, k = "ffn_config.moe_top_k", int(config["ffn_config"]["moe_top_k"])
+    else:
+        # num_experts_per_tok as each model names it (transformers' attribute_map): moe_k ERNIE-4.5,
+        # num_experts_per_token Kimi-Linear / Bailing, top_k_experts Gemma 4, moe_topk Hunyuan.
+        names = ("num_experts_per_tok", "moe_topk", "moe_top_k", "moe_k", "num_experts_per_token", "top_k_experts",
+                 "top_k", "num_selected_experts")
+        name = next((n for n in names if config.get(n) is not None), "")
+        if not name:
+            return None
+        k = int(_per_layer(config[name], layer, name, where))
+    if k < 1:
+        raise WeightsError(f"config.json of {where!r} says {name}={k}: each token's experts (top-k) must be at least 1")
+    return k
 
 
 def _config_experts(config: dict, layer: int | None, where: str) -> int | None:

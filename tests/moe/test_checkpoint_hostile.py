@@ -222,3 +222,14 @@ def test_config_values_of_the_wrong_type_are_named(tmp_path, change, why):
 def test_text_config_that_is_not_an_object_is_ignored(tmp_path):
     m = model_dir(tmp_path, {"model.safetensors": hf_tensors()}, config=CONFIG | {"text_config": "none"})
     assert inspect_layer(m).E == E
+
+
+@pytest.mark.parametrize("change", [{"num_experts_per_tok": 0}, {"num_experts_per_tok": -2},
+                                    {"num_experts_per_tok": None, "moe_topk": [0, 2]}])
+def test_a_top_k_below_one_is_refused_not_taken_for_none(tmp_path, change):
+    """num_experts_per_tok 0 read as "no top-k" let K fall back to --top-k or the preset's without a word."""
+    m = model_dir(tmp_path, {"model.safetensors": hf_tensors()}, config=CONFIG | change)
+    with pytest.raises(WeightsError, match=r"config.json of .* says (num_experts_per_tok|moe_topk)=-?\d: each "
+                                           r"token's experts \(top-k\) must be at least 1"):
+        inspect_layer(m)
+    assert inspect_layer(model_dir(tmp_path / "good", {"model.safetensors": hf_tensors()})).K == 2
