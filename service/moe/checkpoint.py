@@ -471,7 +471,8 @@ def _check_dtype(sh: Shards, key: str, has_scale: bool) -> str:
     if dtype == FP8 and has_scale:
         return dtype
     if dtype not in FLOAT_DTYPES:
-        extra = (f" without its block scales {key + '_scale_inv'!r}" if dtype.startswith("F8") else "")
+        extra = (f" without its block scales {key + '_scale_inv'!r}" if dtype == FP8
+                 else f" (an FP8 format other than {FP8})" if dtype.startswith("F8") else "")
         raise WeightsError(f"key {key!r} in {sh.path!r} has dtype {dtype}{extra}; expected a float dtype "
                            f"({', '.join(FLOAT_DTYPES)}) or {FP8} with 128x128 'weight_scale_inv' block scales")
     return dtype

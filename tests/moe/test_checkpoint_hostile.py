@@ -196,6 +196,16 @@ def test_fp8_weight_block_size_that_is_not_two_positive_integers_is_refused(tmp_
                                    config=fp8_config([4, 4]))).block == (4, 4)
 
 
+def test_an_fp8_format_other_than_e4m3_is_named_as_such(tmp_path):
+    """E5M2 weights with their scales beside them were refused as "without its block scales"."""
+    tensors = fp8_tensors(4)
+    key = f"{PREFIX}experts.0.gate_proj.weight"
+    tensors[key] = tensors[key].float().to(torch.float8_e5m2)
+    m = model_dir(tmp_path, {"model.safetensors": tensors}, config=fp8_config([4, 4]))
+    with pytest.raises(WeightsError, match=rf"'{key}' in .* has dtype F8_E5M2 \(an FP8 format other than F8_E4M3\)"):
+        inspect_layer(m)
+
+
 # ------------------------------------------------------------------------------ names and config.json
 
 
