@@ -227,6 +227,8 @@ def _read_json(path: str, what: str) -> dict:
 
 
 def _read_config(path: str, where: str) -> dict:
+    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block open() for ever
+        raise WeightsError(f"the config.json of model directory {where!r} is not a regular file")
     if not os.path.isfile(path):
         raise WeightsError(f"model directory {where!r} has no config.json (E, H, I, K and the activation come "
                            f"from it); pass a .safetensors file or its index instead")

@@ -99,6 +99,15 @@ def test_index_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
         inspect_layer(m)
 
 
+def test_a_config_that_is_a_fifo_is_named_as_not_a_file(tmp_path):
+    """A config.json that is a FIFO was reported as missing ("has no config.json")."""
+    m = model_dir(tmp_path, {"a.safetensors": hf_tensors()})
+    os.remove(os.path.join(m, "config.json"))
+    os.mkfifo(os.path.join(m, "config.json"))
+    with pytest.raises(WeightsError, match=r"the config.json of model directory .* is not a regular file"):
+        inspect_layer(m)
+
+
 # ------------------------------------------------------------------------------------ dtypes, dbrx
 
 
