@@ -26,8 +26,9 @@ against each model's own experts module in tests/moe/test_hf_models.py):
                 (GraniteMoE, JetMoE)
     dbrx        P experts.mlp.w1 / v1 [E*I, H] (gate / up), experts.mlp.w2 [E*I, H] (down^T)
 
-FP8 (`F8_E4M3` per-expert weights with `{key}_scale_inv` [ceil(out/128), ceil(in/128)] fp32
-block scales, DeepSeek-V3's format) is dequantized while the slice is read: w = q * scale of its
+FP8 (`F8_E4M3` per-expert weights with `{key}_scale_inv` [ceil(out/b0), ceil(in/b1)] block scales
+of a float dtype, DeepSeek-V3's format; [b0, b1] is config.json's quantization_config.weight_block_size,
+default 128x128, checked for every expert) is dequantized while the slice is read: w = q * scale of its
 block. bf16 / fp16 / fp32 / fp64 tensors are cast to the layer dtype.
 
 What the layer cannot compute exactly is refused here (WeightsError, so the service exits 2
@@ -281,7 +282,8 @@ def _config_top_k(config: dict, layer: int | None, where: str) -> int | None:
     """The config's top-k, at least 1: a 0 read as "not given" would let K fall back to --top-k or the
     preset's without a word."""
     if isinstance(config.get("ffn_config"), dict) and "moe_top_k" in config["ffn_config"]:  # dbrx
-        name, k = "ffn_config.moe_top_k", int(config["ffn_config"]["moe_top_k"])
+        name = "ffn_config.moe_top_k"
+        k = _whole(config["ffn_config"]["moe_top_k"], name, where)
     else:
         # num_experts_per_tok as each model names it (transformers' attribute_map): moe_k ERNIE-4.5,
         # num_experts_per_token Kimi-Linear / Bailing, top_k_experts Gemma 4, moe_topk Hunyuan.
@@ -290,7 +292,7 @@ def _config_top_k(config: dict, layer: int | None, where: str) -> int | None:
         name = next((n for n in names if config.get(n) is not None), "")
         if not name:
             return None
-        k = int(_per_layer(config[name], layer, name, where))
+        k = _whole(_per_layer(config[name], layer, name, where), name, where)
     if k < 1:
         raise WeightsError(f"config.json of {where!r} says {name}={k}: each token's experts (top-k) must be at least 1")
     return k
@@ -298,11 +300,21 @@ def _config_top_k(config: dict, layer: int | None, where: str) -> int | None:
 
 def _config_experts(config: dict, layer: int | None, where: str) -> int | None:
     if isinstance(config.get("ffn_config"), dict) and "moe_num_experts" in config["ffn_config"]:  # dbrx
-        return int(config["ffn_config"]["moe_num_experts"])
+        return _whole(config["ffn_config"]["moe_num_experts"], "ffn_config.moe_num_experts", where)
     for name in ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts"):
         if config.get(name) is not None:
-            return int(_per_layer(config[name], layer, name, where))
+            return _whole(_per_layer(config[name], layer, name, where), name, where)
     return None
+
+
+def _whole(value, name: str, where: str) -> int:
+    """A count from config.json (experts, top-k): an integer, or a float that is one (8.0); 1.5, true,
+    Infinity or a string is named, not truncated or a traceback."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    if type(value) is not int:
+        raise WeightsError(f"config.json of {where!r} says {name}={value!r}: expected a whole number")
+    return value
 
 
 def _config_activation(config: dict, model_types: tuple[str, ...], layer: int | None, where: str,
@@ -311,7 +323,11 @@ def _config_activation(config: dict, model_types: tuple[str, ...], layer: int | 
     decoder layers that have routed experts."""
     name = _first(config, "hidden_act", "activation_function", "hidden_activation")
     if name is None and isinstance(config.get("ffn_config"), dict):  # dbrx: ffn_act_fn {"name": ...}
-        name = (config["ffn_config"].get("ffn_act_fn") or {}).get("name")
+        act_fn = config["ffn_config"].get("ffn_act_fn") or {}
+        if not isinstance(act_fn, (dict, str)):
+            raise WeightsError(f"config.json of {where!r}: ffn_config.ffn_act_fn is {act_fn!r}, expected "
+                               f'{{"name": ...}}')
+        name = act_fn.get("name") if isinstance(act_fn, dict) else act_fn
     name = name or next((ACT_DEFAULTS[t] for t in model_types if t in ACT_DEFAULTS), "silu")
     if any(t in SILU_ACT_MODELS for t in model_types):
         name = "silu"
@@ -476,7 +492,7 @@ def _check_dtype(sh: Shards, key: str, has_scale: bool) -> str:
         extra = (f" without its block scales {key + '_scale_inv'!r}" if dtype == FP8
                  else f" (an FP8 format other than {FP8})" if dtype.startswith("F8") else "")
         raise WeightsError(f"key {key!r} in {sh.path!r} has dtype {dtype}{extra}; expected a float dtype "
-                           f"({', '.join(FLOAT_DTYPES)}) or {FP8} with 128x128 'weight_scale_inv' block scales")
+                           f"({', '.join(FLOAT_DTYPES)}) or {FP8} with its 'weight_scale_inv' block scales")
     return dtype
 
 
@@ -621,11 +637,12 @@ def read_spec(sh: Shards, prefix: str = "", layer: int | None = None) -> LayerSp
         raise WeightsError(f"config.json of {path!r} says {E_config} routed experts, the tensors at "
                            f"prefix={prefix!r} hold {E}")
     # dbrx's E comes from config.json alone: a wrong moe_num_experts still divides E*I rows, into the wrong experts.
-    I_dbrx = (config.get("ffn_config") or {}).get("ffn_hidden_size") if layout == "dbrx" else None
+    ffn = (config or {}).get("ffn_config")
+    I_dbrx = ffn.get("ffn_hidden_size") if layout == "dbrx" and isinstance(ffn, dict) else None
     if I_dbrx is not None and I_dbrx != I:
-        raise WeightsError(f"config.json of {path!r} says ffn_config.ffn_hidden_size={I_dbrx}, but the dbrx tensors at "
-                           f"prefix={prefix!r} split into E={E} experts (ffn_config.moe_num_experts) of I={I} rows; "
-                           f"one of the two is wrong")
+        raise WeightsError(f"config.json of {path!r} says ffn_config.ffn_hidden_size={I_dbrx!r}, but the dbrx "
+                           f"tensors at prefix={prefix!r} split into E={E} experts (ffn_config.moe_num_experts) of "
+                           f"I={I} rows; one of the two is wrong")
     moe_layers = sorted({n for p in _blocks(keys) if (n := _layer_of(p)) is not None})
     try:
         act = (_config_activation(config, (model_type, config.get("model_type", "")), _layer_of(prefix), path,
@@ -647,9 +664,9 @@ def read_spec(sh: Shards, prefix: str = "", layer: int | None = None) -> LayerSp
                 raise WeightsError(f"{key + '_scale_inv'!r} in {path!r} has shape {got}, expected {want} for "
                                    f"{block[0]}x{block[1]} blocks of {key!r} {[out, inn]} (quantization_config."
                                    f"weight_block_size)")
-            if (got := sh.dtype(key + "_scale_inv")) not in FLOAT_DTYPES:
-                raise WeightsError(f"{key + '_scale_inv'!r} in {path!r} has dtype {got}; block scales are a float "
-                                   f"dtype ({', '.join(FLOAT_DTYPES)})")
+            if (scale_dtype := sh.dtype(key + "_scale_inv")) not in FLOAT_DTYPES:
+                raise WeightsError(f"{key + '_scale_inv'!r} in {path!r} has dtype {scale_dtype}; block scales are a "
+                                   f"float dtype ({', '.join(FLOAT_DTYPES)})")
     notes = []
     block_keys = [k for k in keys if k.startswith(prefix) and _SHARED.search(k[len(prefix):])]
     if block_keys:

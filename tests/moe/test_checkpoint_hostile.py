@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -252,3 +253,37 @@ def test_a_top_k_below_one_is_refused_not_taken_for_none(tmp_path, change):
                                            r"token's experts \(top-k\) must be at least 1"):
         inspect_layer(m)
     assert inspect_layer(model_dir(tmp_path / "good", {"model.safetensors": hf_tensors()})).K == 2
+
+
+@pytest.mark.parametrize("change,shown", [({"num_experts_per_tok": 1.5}, "num_experts_per_tok=1.5"),
+                                          ({"num_experts_per_tok": True}, "num_experts_per_tok=True"),
+                                          ({"num_experts_per_tok": float("inf")}, "num_experts_per_tok=inf"),
+                                          ({"num_experts": float("inf")}, "num_experts=inf"),
+                                          ({"num_experts": "4"}, "num_experts='4'")])
+def test_config_counts_must_be_whole_numbers(tmp_path, change, shown):
+    """A top-k of 1.5 or true was truncated to K=1 without a word; 1e400 (json's inf) was an OverflowError
+    traceback. 8.0 is 8."""
+    m = model_dir(tmp_path, {"model.safetensors": hf_tensors()}, config=CONFIG | change)
+    with pytest.raises(WeightsError, match=rf"config.json of .* says {re.escape(shown)}: expected a whole number"):
+        inspect_layer(m)
+    assert inspect_layer(model_dir(tmp_path / "float", {"model.safetensors": hf_tensors()},
+                                   config=CONFIG | {"num_experts_per_tok": 2.0})).K == 2
+
+
+def test_dbrx_config_oddities_are_named_not_tracebacks(tmp_path):
+    """ffn_act_fn as a bare name was an AttributeError traceback (it is read as the name now; a number is
+    refused); an ffn_hidden_size of the wrong type was shown as if equal to I."""
+    m = dbrx_dir(tmp_path, E)
+    config = json.load(open(os.path.join(m, "config.json")))
+    for act_fn, ok in (("silu", True), (5, False)):
+        config["ffn_config"]["ffn_act_fn"] = act_fn
+        json.dump(config, open(os.path.join(m, "config.json"), "w"))
+        if ok:
+            assert inspect_layer(m).I == I
+        else:
+            with pytest.raises(WeightsError, match=r"ffn_config.ffn_act_fn is 5, expected"):
+                inspect_layer(m)
+    config["ffn_config"].update(ffn_act_fn={"name": "silu"}, ffn_hidden_size=str(I))
+    json.dump(config, open(os.path.join(m, "config.json"), "w"))
+    with pytest.raises(WeightsError, match=rf"ffn_hidden_size='{I}', but"):
+        inspect_layer(m)
