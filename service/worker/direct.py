@@ -77,6 +77,7 @@ import collections
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import mmap
 import os
 import stat
@@ -340,7 +341,8 @@ def fault_in_by_read(ptr: int, n: int) -> None:
     one byte of each into a scratch buffer, which like the madvise takes a page past the object's end
     as EFAULT (the call stops there), never a SIGBUS. Best effort: what is not faulted in here, the
     page-locking faults in itself."""
-    if _LIBC.madvise(ctypes.c_void_p(ptr), ctypes.c_size_t(n), MADV_POPULATE_READ) == 0:
+    if _LIBC.madvise(ctypes.c_void_p(ptr), ctypes.c_size_t(n), MADV_POPULATE_READ) == 0 \
+            or ctypes.get_errno() != errno.EINVAL:  # done, or stopped past the object's end (EFAULT)
         return
     page = mmap.PAGESIZE
     pages = range(ptr - ptr % page, ptr + n, page)
