@@ -274,7 +274,8 @@ def decode_v2_http(body: Body, header_length: str | None, spec: ModelSpec, regio
             if "data" in item:
                 raise InvalidInput(f"input '{name}' has both 'data' and binary_data_size: send its values one way")
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise InvalidInput(f"input '{name}': binary_data_size must be a non-negative integer")
+                raise InvalidInput(f"input '{name}': binary_data_size must be a non-negative "
+                                   f"integer{_below_2_64(size)}")
             if offset + size > len(blobs):
                 raise InvalidInput(f"input '{name}': binary_data_size = {size} runs past the end of the body")
             tensors[name] = from_bytes(blobs[offset:offset + size], dtype, shape, name)
@@ -412,6 +413,12 @@ def v2_tensor_header(name, datatype, shape, seen) -> tuple[str, torch.dtype, lis
         raise InvalidInput(f"input '{name}' has shape {echoed(shape)}: a dimension over {MAX_DIM} cannot be a "
                            f"real request")
     return name, V2_DTYPES[datatype], shape
+
+
+def _below_2_64(value) -> str:
+    """" below 2^64" where a header's integer was past 64 bits (orjson's float: `json_codec.echoed`),
+    so that a client who sent a non-negative integer reads why it was refused."""
+    return " below 2^64" if past_64_bits(value) and value > 0 else ""
 
 
 def _dimension(d) -> bool:
@@ -573,7 +580,7 @@ def shm_params(params: dict, what: str) -> tuple[str, int, int] | None:
         raise InvalidInput(f"{what}: shared_memory_region must be a region's name, got {region!r}")
     for key, value in ((SHM_SIZE, size), (SHM_OFFSET, offset)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidInput(f"{what}: {key} must be a non-negative integer, got {echoed(value)}")
+            raise InvalidInput(f"{what}: {key} must be a non-negative integer{_below_2_64(value)}, got {echoed(value)}")
     return region, offset, size
 
 

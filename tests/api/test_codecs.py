@@ -11,7 +11,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from service.api import codecs, grpc_codec
+from service.api import codecs, grpc_codec, regions
 from service.api.error_map import ModelNotFound, PayloadTooLarge, UnsupportedMediaType, classify
 from service.api.proto import grpc_predict_v2_pb2 as pb
 from service.errors import DeadlineExceeded, GroupUnavailable, InvalidInput, Overloaded, WorkerError
@@ -516,9 +516,17 @@ def test_header_integers_past_64_bits_are_not_echoed_as_floats():
     with pytest.raises(InvalidInput, match=r"non-negative integers, got \[3\.0, 5\]"):
         codecs.decode_v2_http(json.dumps(doc).encode(), None, SPEC)
     params = codecs.json_object(json.dumps({"shared_memory_region": "r", "shared_memory_byte_size": 2 ** 64}).encode())
-    with pytest.raises(InvalidInput, match=r"shared_memory_byte_size must be a non-negative integer, got a "
-                                           r"number of 2\^64 or more"):
+    with pytest.raises(InvalidInput, match=r"shared_memory_byte_size must be a non-negative integer below 2\^64, "
+                                           r"got a number of 2\^64 or more"):
         codecs.shm_params(params, "input 'hidden_states'")
+    doc = v2_doc()
+    doc["inputs"][0]["parameters"] = {"binary_data_size": 2 ** 64}
+    del doc["inputs"][0]["data"]
+    with pytest.raises(InvalidInput, match=r"binary_data_size must be a non-negative integer below 2\^64$"):
+        codecs.decode_v2_http(json.dumps(doc).encode(), None, SPEC)
+    byte_size = codecs.json_object(json.dumps({"byte_size": 2 ** 64}).encode())["byte_size"]
+    with pytest.raises(InvalidInput, match=r"'byte_size' must be an integer >= 1 and below 2\^64, got a number of "):
+        regions._count(byte_size, "byte_size", 1)  # a region's registration
 
 
 def test_json_bodies_orjson_refuses_keep_their_old_answer():
