@@ -24,6 +24,7 @@ QUEUE_TOKENS = 64
 # take 0.6 s (1.5 s left the drain test about three such round trips: 2.5 s, five).
 DELAY_MS = 2500
 
+
 def process_running(pid: int) -> bool:
     """True while `pid` is a live process (not gone, not a zombie); the ranks are not our children."""
     try:
