@@ -170,8 +170,8 @@ class Shards:
         elif path.endswith(".json"):
             self.where = _read_index(path)
             beside = os.path.join(os.path.dirname(path), "config.json")
-            if os.path.isfile(beside):
-                self.config = _read_config(beside, path)
+            if os.path.exists(beside):  # (one that is not a regular file is refused there, not passed over)
+                self.config = _read_config(beside, os.path.dirname(path))
         else:
             if not os.path.isfile(path):
                 raise WeightsError(f"checkpoint {path!r} does not exist or is not a file")

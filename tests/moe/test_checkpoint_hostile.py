@@ -287,3 +287,13 @@ def test_dbrx_config_oddities_are_named_not_tracebacks(tmp_path):
     json.dump(config, open(os.path.join(m, "config.json"), "w"))
     with pytest.raises(WeightsError, match=rf"ffn_hidden_size='{I}', but"):
         inspect_layer(m)
+
+
+def test_a_config_beside_an_index_that_is_a_fifo_is_refused_not_passed_over(tmp_path):
+    """Given the index, a config.json beside it that is not a regular file was passed over: the layer then
+    loaded without the model's config (its top-k and activation from the defaults)."""
+    m = model_dir(tmp_path, {"a.safetensors": hf_tensors()})
+    os.remove(os.path.join(m, "config.json"))
+    os.mkfifo(os.path.join(m, "config.json"))
+    with pytest.raises(WeightsError, match=r"the config.json of model directory .* is not a regular file"):
+        inspect_layer(os.path.join(m, "model.safetensors.index.json"))
