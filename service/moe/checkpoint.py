@@ -27,7 +27,7 @@ against each model's own experts module in tests/moe/test_hf_models.py):
     dbrx        P experts.mlp.w1 / v1 [E*I, H] (gate / up), experts.mlp.w2 [E*I, H] (down^T)
 
 FP8 (`F8_E4M3` per-expert weights with `{key}_scale_inv` [ceil(out/b0), ceil(in/b1)] block scales
-of a float dtype, DeepSeek-V3's format; [b0, b1] is config.json's quantization_config.weight_block_size,
+of a float dtype or UE8M0, DeepSeek-V3's format; [b0, b1] is config.json's quantization_config.weight_block_size,
 default 128x128, checked for every expert) is dequantized while the slice is read: w = q * scale of its
 block. bf16 / fp16 / fp32 / fp64 tensors are cast to the layer dtype.
 
@@ -64,6 +64,8 @@ Tensor = torch.Tensor
 # safetensors dtypes cast straight to the layer dtype; F8_E4M3 needs its block scales.
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 FP8 = "F8_E4M3"
+# Block scales: a float dtype, or UE8M0 (powers of two; transformers' fine-grained FP8 "ue8m0" scales).
+SCALE_DTYPES = (*FLOAT_DTYPES, "F8_E8M0")
 FP8_BLOCK = (128, 128)  # DeepSeek-V3's weight_block_size; config.json's quantization_config may differ
 _EXAMPLES = 5  # keys quoted in an error message
 
@@ -664,9 +666,9 @@ def read_spec(sh: Shards, prefix: str = "", layer: int | None = None) -> LayerSp
                 raise WeightsError(f"{key + '_scale_inv'!r} in {path!r} has shape {got}, expected {want} for "
                                    f"{block[0]}x{block[1]} blocks of {key!r} {[out, inn]} (quantization_config."
                                    f"weight_block_size)")
-            if (scale_dtype := sh.dtype(key + "_scale_inv")) not in FLOAT_DTYPES:
+            if (scale_dtype := sh.dtype(key + "_scale_inv")) not in SCALE_DTYPES:
                 raise WeightsError(f"{key + '_scale_inv'!r} in {path!r} has dtype {scale_dtype}; block scales are a "
-                                   f"float dtype ({', '.join(FLOAT_DTYPES)})")
+                                   f"float dtype ({', '.join(SCALE_DTYPES)})")
     notes = []
     block_keys = [k for k in keys if k.startswith(prefix) and _SHARED.search(k[len(prefix):])]
     if block_keys:

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from service.errors import WeightsError
+from service.moe import checkpoint
 from service.moe.checkpoint import inspect_layer
 
 E, H, I = 4, 8, 6  # noqa: E741
@@ -297,3 +298,19 @@ def test_a_config_beside_an_index_that_is_a_fifo_is_refused_not_passed_over(tmp_
     os.mkfifo(os.path.join(m, "config.json"))
     with pytest.raises(WeightsError, match=r"the config.json of model directory .* is not a regular file"):
         inspect_layer(os.path.join(m, "model.safetensors.index.json"))
+
+
+def test_fp8_scales_in_ue8m0_are_read_as_powers_of_two(tmp_path):
+    """transformers' fine-grained FP8 may store its block scales as UE8M0 (F8_E8M0, powers of two): read
+    exactly, as before b6778ed refused every non-float scale dtype."""
+    tensors = fp8_tensors(4)
+    for key in [k for k in tensors if k.endswith("_scale_inv")]:
+        tensors[key] = tensors[key].to(torch.float8_e8m0fnu)
+    m = model_dir(tmp_path, {"model.safetensors": tensors}, config=fp8_config([4, 4]))
+    spec = inspect_layer(m)
+    with checkpoint.Shards(m) as sh:
+        (experts, gate, up, down, _, _), *_ = checkpoint.read_rank_slice(sh, spec, 0, I, [2])
+    key = f"{PREFIX}experts.2.gate_proj.weight"
+    scale = tensors[key + "_scale_inv"].float().repeat_interleave(4, 0).repeat_interleave(4, 1)[:I, :H]
+    assert torch.equal(gate[0], tensors[key].float() * scale)
+    assert scale.unique().log2().frac().eq(0).all()  # the scales are powers of two
