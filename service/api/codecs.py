@@ -24,7 +24,7 @@ import safetensors.torch
 import torch
 
 from service.api.error_map import ModelNotFound, PayloadTooLarge
-from service.api.json_codec import echoed, json_array, json_bytes, json_object, past_64_bits
+from service.api.json_codec import below_2_64, echoed, json_array, json_bytes, json_object, past_64_bits
 from service.api.regions import RegionRows, Regions, Rows, enabled, sent_row
 from service.config import DTYPE_NAMES, LayerConfig
 from service.errors import InvalidInput
@@ -275,7 +275,7 @@ def decode_v2_http(body: Body, header_length: str | None, spec: ModelSpec, regio
                 raise InvalidInput(f"input '{name}' has both 'data' and binary_data_size: send its values one way")
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise InvalidInput(f"input '{name}': binary_data_size must be a non-negative "
-                                   f"integer{_below_2_64(size)}")
+                                   f"integer{below_2_64(size)}")
             if offset + size > len(blobs):
                 raise InvalidInput(f"input '{name}': binary_data_size = {size} runs past the end of the body")
             tensors[name] = from_bytes(blobs[offset:offset + size], dtype, shape, name)
@@ -413,12 +413,6 @@ def v2_tensor_header(name, datatype, shape, seen) -> tuple[str, torch.dtype, lis
         raise InvalidInput(f"input '{name}' has shape {echoed(shape)}: a dimension over {MAX_DIM} cannot be a "
                            f"real request")
     return name, V2_DTYPES[datatype], shape
-
-
-def _below_2_64(value) -> str:
-    """" below 2^64" where a header's integer was past 64 bits (orjson's float: `json_codec.echoed`),
-    so that a client who sent a non-negative integer reads why it was refused."""
-    return " below 2^64" if past_64_bits(value) and value > 0 else ""
 
 
 def _dimension(d) -> bool:
@@ -580,7 +574,7 @@ def shm_params(params: dict, what: str) -> tuple[str, int, int] | None:
         raise InvalidInput(f"{what}: shared_memory_region must be a region's name, got {region!r}")
     for key, value in ((SHM_SIZE, size), (SHM_OFFSET, offset)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidInput(f"{what}: {key} must be a non-negative integer{_below_2_64(value)}, got {echoed(value)}")
+            raise InvalidInput(f"{what}: {key} must be a non-negative integer{below_2_64(value)}, got {echoed(value)}")
     return region, offset, size
 
 

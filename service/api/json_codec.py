@@ -105,6 +105,12 @@ def echoed(value) -> str:
     return repr(value)
 
 
+def below_2_64(value) -> str:
+    """" below 2^64" where a header's integer was past 64 bits (see `echoed`), for a message that says
+    what a size or offset must be: the client sent a non-negative integer and reads why it was refused."""
+    return " below 2^64" if past_64_bits(value) and value > 0 else ""
+
+
 def past_64_bits(value) -> bool:
     """Whether a parsed JSON value is orjson's float for an integer past 64 bits (see `echoed`)."""
     return isinstance(value, float) and math.isfinite(value) and (value >= 2.0**64 or value <= -(2.0**63))

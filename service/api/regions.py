@@ -84,7 +84,7 @@ from service.api.error_map import (
     SharedMemoryOff,
     TooManyRegions,
 )
-from service.api.json_codec import echoed, past_64_bits
+from service.api.json_codec import below_2_64, echoed
 from service.errors import InvalidInput
 from service.worker.direct import (  # OWN_PREFIX and SHM_ROOT re-exported (tests, bench)
     MAX_NAME,
@@ -537,6 +537,5 @@ def cuda_register(name: str) -> typing.NoReturn:
 
 def _count(value, what: str, least: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        below = " and below 2^64" if past_64_bits(value) and value > 0 else ""
-        raise InvalidInput(f"'{what}' must be an integer >= {least}{below}, got {echoed(value)}")
+        raise InvalidInput(f"'{what}' must be an integer >= {least}{below_2_64(value)}, got {echoed(value)}")
     return value

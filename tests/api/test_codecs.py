@@ -525,7 +525,7 @@ def test_header_integers_past_64_bits_are_not_echoed_as_floats():
     with pytest.raises(InvalidInput, match=r"binary_data_size must be a non-negative integer below 2\^64$"):
         codecs.decode_v2_http(json.dumps(doc).encode(), None, SPEC)
     byte_size = codecs.json_object(json.dumps({"byte_size": 2 ** 64}).encode())["byte_size"]
-    with pytest.raises(InvalidInput, match=r"'byte_size' must be an integer >= 1 and below 2\^64, got a number of "):
+    with pytest.raises(InvalidInput, match=r"'byte_size' must be an integer >= 1 below 2\^64, got a number of "):
         regions._count(byte_size, "byte_size", 1)  # a region's registration
 
 
