@@ -63,7 +63,7 @@ from service.moe import tables as torch_tables
 from service.moe.grouped import (
     PackedHits,
     grouped_mm,
-    grouped_mm_loop,
+    grouped_mm_host,
     native_grouped_mm_reason,
     pack_hits,
     prepare_weight,
@@ -185,18 +185,19 @@ class GroupedGemms:
 
     def _packed(self, x_g: torch.Tensor, hits: PackedHits, timer: StageTimer) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-expert loop over the hits alone (a step's cost follows its tokens): one gather,
-        one activation and E matmuls per GEMM over the M packed rows (`pack_hits`, by expert)."""
+        one activation and E matmuls per GEMM over the M packed rows (`pack_hits`, by expert; one
+        call on the CPU where torch's grouped GEMM runs there, `grouped_mm_host`)."""
         Ir = self.w2.shape[1]
         M = hits.tokens.numel()
         A = torch.index_select(x_g, 0, hits.tokens, out=self.A[:M])  # [M, H]
         timer.mark("scatter")
-        h = grouped_mm_loop(A, self.w13, hits.offsets, out=self.h[:M])  # [M, 2*Ir]
+        h = grouped_mm_host(A, self.w13, hits.offsets, out=self.h[:M])  # [M, 2*Ir]
         if self.b13 is not None:
             h += self.b13[hits.experts]
         timer.mark("gemm1")
         act = self.act.apply(h[:, :Ir], h[:, Ir:])                      # [M, Ir]
         timer.mark("swiglu")
-        d = grouped_mm_loop(act, self.w2, hits.offsets, out=self.d[:M])  # [M, H]
+        d = grouped_mm_host(act, self.w2, hits.offsets, out=self.d[:M])  # [M, H]
         if self.b2 is not None:
             d += self.b2[hits.experts]
         timer.mark("gemm2")

@@ -3,6 +3,7 @@ only, against a plain per-row product."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from service.moe import grouped
@@ -58,7 +59,50 @@ def test_loop_computes_real_rows_only(monkeypatch):
         torch.testing.assert_close(out[lo:hi], a[lo:hi] @ b[e])
 
 
-def test_serial_packed_loop_matches_the_reference_with_biases():
+def test_host_grouped_mm_is_the_loop_in_one_call(monkeypatch):
+    """grouped_mm_host on the CPU: torch's grouped GEMM where it takes the shape (the CPU preset's
+    fp32 rank shapes, bf16), the same product as the loop, empty experts included; the loop where
+    rows are not multiples of 16 bytes or this torch's `_grouped_mm` refuses (found at the trial)."""
+
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no torch._grouped_mm")
+    E, K, C = 6, 2, 37
+    gen = torch.Generator().manual_seed(7)
+    ids, _ = routing(C, E, K, "empty_expert", gen)
+    hits = grouped.pack_hits(ids.int(), torch.tensor([C - 3]), E, C)
+    M = int(hits.offsets[-1])
+    for dtype, Kd, N in ((torch.float32, 256, 256), (torch.float32, 128, 256), (torch.bfloat16, 64, 24)):
+        assert grouped.host_grouped_mm_reason(dtype, Kd, N) is None, (dtype, Kd, N)
+        a = torch.randn(M, Kd, generator=gen).to(dtype)
+        b = torch.randn(E, Kd, N, generator=gen).to(dtype)
+        out = torch.full((M, N), float("nan"), dtype=dtype)
+        with monkeypatch.context() as m:  # one native call: the loop's torch.mm is not reached
+            m.setattr(torch, "mm", lambda *args, **kwargs: pytest.fail("the loop ran"))
+            got = grouped.grouped_mm_host(a, b, hits.offsets, out=out)
+        torch.testing.assert_close(got, grouped.grouped_mm_loop(a, b, hits.offsets))
+    refused = []
+
+    def refuse(*args, **kwargs):
+        refused.append(args[0].dtype)
+        raise RuntimeError("no CPU kernel")
+
+    monkeypatch.setattr(torch, "_grouped_mm", refuse)
+    try:
+        for dtype, Kd, N in ((torch.float32, 18, 24), (torch.float16, 40, 8)):  # 72-byte rows; the trial refused
+            grouped.host_grouped_mm_reason.cache_clear()
+            a = torch.randn(M, Kd, generator=gen).to(dtype)
+            b = torch.randn(E, Kd, N, generator=gen).to(dtype)
+            reason = grouped.host_grouped_mm_reason(dtype, Kd, N)
+            assert reason and ("16 bytes" in reason if Kd == 18 else "refused" in reason), reason
+            torch.testing.assert_close(grouped.grouped_mm_host(a, b, hits.offsets),
+                                       grouped.grouped_mm_loop(a, b, hits.offsets))
+        assert refused == [torch.float16]  # the fp16 trial alone: the 72-byte shape never called it
+    finally:
+        grouped.host_grouped_mm_reason.cache_clear()  # the next test's reasons are this torch's
+
+
+@pytest.mark.parametrize("H", [20, 18])  # torch's CPU grouped GEMM (80-byte rows); the loop (72)
+def test_serial_packed_loop_matches_the_reference_with_biases(H):
     """SerialLayer's per-expert loop (CPU): hits packed, slots renumbered, biases by packed row's
     expert; R=1, T=1 and an odd T with empty experts, against the fp32 reference."""
     from service.config import Activation, LayerConfig
@@ -67,7 +111,7 @@ def test_serial_packed_loop_matches_the_reference_with_biases():
     from service.moe.weights import RankWeights
     from tests.helpers import TOL, random_experts, rel_err, slice_rank
 
-    cfg = LayerConfig(E=7, H=20, I=12, K=3, R=1, C=23, dtype=torch.float32, act=Activation("gpt_oss", limit=7.0),
+    cfg = LayerConfig(E=7, H=H, I=12, K=3, R=1, C=23, dtype=torch.float32, act=Activation("gpt_oss", limit=7.0),
                       bias=True)
     gen = torch.Generator().manual_seed(9)
     gate, up, down = random_experts(cfg.E, cfg.H, cfg.I, gen)
@@ -87,8 +131,6 @@ def test_serial_packed_loop_matches_the_reference_with_biases():
 def test_packed_hits_refuse_ids_outside_the_experts():
     """A real token's id outside [0, E) fails the step (the front end refuses it first); a padding
     token's id is never read."""
-    import pytest
-
     E, C = 4, 5
     ids = torch.randint(0, E, (C, 2), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
     ids[C - 1] = 1_000  # padding token (count C - 1): ignored
