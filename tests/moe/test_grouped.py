@@ -14,10 +14,11 @@ from tests.helpers import routing
 def test_packed_hits_are_the_real_hits_by_expert():
     """pack_hits: every real hit once, in expert order (within an expert by (token, k), as the padded
     layout orders them), padding tokens' hits left out (-1), empty experts with empty runs; R=3 blocks
-    of odd C with their own counts, one block empty, and a single-token step."""
+    of odd C with their own counts, one block empty, and one block (the CPU ranks' step) of one token,
+    none and all C."""
     E, K, C = 6, 2, 37
     gen = torch.Generator().manual_seed(5)
-    for counts in ([C - 4, 0, 11], [1]):
+    for counts in ([C - 4, 0, 11], [1], [0], [C]):
         R = len(counts)
         ids, _ = routing(R * C, E, K, "empty_expert", gen)   # some experts get no token
         ids = ids.int()
