@@ -257,7 +257,8 @@ class Settings(BaseSettings):
 
     preset: str | None = Field(None, description="layer preset: cpu or seed; unset: seed on GPU, cpu otherwise")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="`auto`: cuda when torch sees a GPU, else cpu")
-    world_size: int | None = Field(None, ge=1, description="ranks R; default the preset's (capped by GPUs)")
+    world_size: int | None = Field(
+        None, ge=1, description="ranks R; default the preset's (capped by GPUs, on the CPU by usable cores)")
     capacity: int | None = Field(None, ge=1, description="tokens per rank and step C; default the preset's")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None,
         description="compute dtype; default the preset's")
@@ -485,7 +486,17 @@ class Settings(BaseSettings):
                 R = max(r for r in range(1, gpus + 1) if PRESETS[name].I % r == 0)
                 log.warning("preset %s wants R=%d ranks, %d GPU(s) found: running R=%d", name,
                             PRESETS[name].R, gpus, R)
-        overrides = dict(R=R, C=self.capacity, K=self.top_k, dtype=DTYPES[self.dtype] if self.dtype else None)
+        C = self.capacity
+        if device == "cpu" and R is None and PRESETS[name].R > (cpus := usable_cpus()):
+            # More CPU ranks than cores only take turns on them (R=4 on 2 cores: a T=8 step 6.8 ->
+            # 4.2 ms served, T=512 20.5 -> 16.6; bench/NOTES.md, twenty-ninth): as many ranks as
+            # cores, the step's tokens (R*C) the preset's.
+            base = PRESETS[name]
+            R = max(r for r in range(1, cpus + 1) if base.I % r == 0 and base.R * base.C % r == 0)
+            C = C or base.R * base.C // R
+            log.warning("preset %s wants R=%d ranks, %d usable CPU(s): running R=%d, C=%d (--world-size %d to "
+                        "keep them)", name, base.R, cpus, R, C, base.R)
+        overrides = dict(R=R, C=C, K=self.top_k, dtype=DTYPES[self.dtype] if self.dtype else None)
         if self.weights:  # placeholders until checkpoint_layer: I a multiple of R, E at least K
             base = preset(name)
             overrides.update(I=math.lcm(base.I, R or base.R), E=max(base.E, self.top_k or base.K))

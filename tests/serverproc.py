@@ -139,8 +139,10 @@ class ServerProcess:
 
     @staticmethod
     def loopback_env(base: dict[str, str]) -> dict[str, str]:
-        """`base` with MOE_HOST on loopback and free MOE_HTTP_PORT / MOE_GRPC_PORT."""
-        return {**base, "MOE_HOST": "127.0.0.1", "MOE_HTTP_PORT": str(free_port()),
+        """`base` with MOE_HOST on loopback and free MOE_HTTP_PORT / MOE_GRPC_PORT; MOE_WORLD_SIZE 4
+        unless `base` names one: on the CPU the default R follows the usable cores (service.config),
+        and the tests' servers serve the preset's shape (tests/api/common.py's CFG) on any machine."""
+        return {"MOE_WORLD_SIZE": "4", **base, "MOE_HOST": "127.0.0.1", "MOE_HTTP_PORT": str(free_port()),
                 "MOE_GRPC_PORT": str(free_port())}
 
     @property

@@ -10,6 +10,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from service import config
 from service.config import PRESETS, LayerConfig, Settings, preset
 from service.errors import ConfigError
 
@@ -92,14 +93,30 @@ def test_env_example_uncommented_as_it_stands_gives_the_defaults(monkeypatch):
     assert Settings().model_dump() == defaults
 
 
-def test_device_resolution_without_gpu():
+def test_device_resolution_without_gpu(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     assert Settings().resolve_device()[0] == "cpu"
     with pytest.raises(ConfigError, match="no CUDA device"):
         Settings(device="cuda").resolve_device()
+    monkeypatch.setattr(config, "usable_cpus", lambda: 4)  # as many cores as the preset's ranks
     assert Settings().layer_config("cpu") == PRESETS["cpu"]
     assert isinstance(Settings(world_size=2).layer_config("cpu"), LayerConfig)
+
+
+@pytest.mark.parametrize("cpus,R,C", [(64, 4, 128), (4, 4, 128), (3, 2, 256), (2, 2, 256), (1, 1, 512)])
+def test_cpu_ranks_are_capped_by_the_usable_cores(monkeypatch, caplog, cpus, R, C):
+    """On the CPU the preset's R=4 ranks become as many as the usable cores (a divisor of I), the step's
+    tokens R*C the preset's; --world-size is kept whatever the cores (as is --capacity)."""
+    monkeypatch.setattr(config, "usable_cpus", lambda: cpus)
+    base = PRESETS["cpu"]
+    with caplog.at_level("WARNING", logger="service.config"):
+        cfg = Settings().layer_config("cpu")
+    assert (cfg.R, cfg.C, cfg.R * cfg.C) == (R, C, base.R * base.C)
+    assert cfg.replace(R=base.R, C=base.C) == base  # nothing else changes
+    assert (f"running R={R}, C={C}" in caplog.text) == (R != base.R), caplog.text
+    assert (Settings(world_size=4).layer_config("cpu").R, Settings(world_size=4).layer_config("cpu").C) == (4, 128)
+    assert Settings(capacity=64).layer_config("cpu").C == 64
 
 
 def test_top_k_flag_and_environment(monkeypatch):
