@@ -143,7 +143,7 @@ def grouped_mm_host(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
     """`grouped_mm_loop`'s product, from one call of `torch._grouped_mm` on the CPU where it takes
     the shape (it then allocates its own result; `out` is for the loop). Offsets must end at
     a.shape[0] (the packed hits do): the native call does not check them against the rows.
-    Measured on the CPU default's rank (T=8, both GEMMs, one thread): 0.58 -> 0.36 ms."""
+    Measured on the CPU default's rank shapes (T=8, both GEMMs, one thread): 0.51 -> 0.41 ms."""
     if a.device.type == "cpu" and host_grouped_mm_reason(a.dtype, b.shape[1], b.shape[2]) is None:
         assert int(offsets[-1]) == a.shape[0] and b.is_contiguous(), (offsets[-1], a.shape, b.stride())
         return torch._grouped_mm(a, b, offs=offsets[1:].to(torch.int32))
