@@ -138,13 +138,19 @@ def host_grouped_mm_reason(dtype: torch.dtype, Kd: int, N: int) -> str | None:
     return reason
 
 
+HOST_NATIVE_MAX_BYTES = 256 << 10  # grouped_mm_host's native call: results up to this size
+
+
 def grouped_mm_host(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """`grouped_mm_loop`'s product, from one call of `torch._grouped_mm` on the CPU where it takes
-    the shape (it then allocates its own result; `out` is for the loop). Offsets must end at
-    a.shape[0] (the packed hits do): the native call does not check them against the rows.
-    Measured on the CPU default's rank shapes (T=8, both GEMMs, one thread): 0.51 -> 0.41 ms."""
-    if a.device.type == "cpu" and host_grouped_mm_reason(a.dtype, b.shape[1], b.shape[2]) is None:
+    the shape and its result is small (it allocates that result; `out` is for the loop). The loop's
+    E trips through Python are a fair share of a small step (the CPU default's rank shapes, both
+    GEMMs, one thread: T=8 0.51 -> 0.41 ms, T=64 0.85x) and nothing of a large one (T=512: 0.99x),
+    where the loop writes into the step's kept buffers instead of a fresh block of megabytes a step.
+    Offsets must end at a.shape[0] (the packed hits do): the native call does not check them."""
+    small = a.shape[0] * b.shape[2] * a.element_size() <= HOST_NATIVE_MAX_BYTES
+    if a.device.type == "cpu" and small and host_grouped_mm_reason(a.dtype, b.shape[1], b.shape[2]) is None:
         assert int(offsets[-1]) == a.shape[0] and b.is_contiguous(), (offsets[-1], a.shape, b.stride())
         return torch._grouped_mm(a, b, offs=offsets[1:].to(torch.int32))
     return grouped_mm_loop(a, b, offsets, out)

@@ -62,8 +62,9 @@ def test_loop_computes_real_rows_only(monkeypatch):
 
 def test_host_grouped_mm_is_the_loop_in_one_call(monkeypatch):
     """grouped_mm_host on the CPU: torch's grouped GEMM where it takes the shape (the CPU preset's
-    fp32 rank shapes, bf16), the same product as the loop, empty experts included; the loop where
-    rows are not multiples of 16 bytes or this torch's `_grouped_mm` refuses (found at the trial)."""
+    fp32 rank shapes, bf16) and the result is small, the same product as the loop, empty experts
+    included; the loop for a large result, where rows are not multiples of 16 bytes or where this
+    torch's `_grouped_mm` refuses (found at the trial)."""
 
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no torch._grouped_mm")
@@ -81,6 +82,15 @@ def test_host_grouped_mm_is_the_loop_in_one_call(monkeypatch):
             m.setattr(torch, "mm", lambda *args, **kwargs: pytest.fail("the loop ran"))
             got = grouped.grouped_mm_host(a, b, hits.offsets, out=out)
         torch.testing.assert_close(got, grouped.grouped_mm_loop(a, b, hits.offsets))
+    # A large result (400 rows of 256 fp32: 400 KB) takes the loop, into `out`: no fresh block a step.
+    offsets = torch.tensor([0, 100, 100, 200, 300, 300, 400])
+    a, b = torch.randn(400, 64, generator=gen), torch.randn(E, 64, 256, generator=gen)
+    out, mm, calls = torch.empty(400, 256), torch.mm, []
+    with monkeypatch.context() as m:
+        m.setattr(torch, "mm", lambda x, y, out: (calls.append(x.shape[0]), mm(x, y, out=out))[1])
+        got = grouped.grouped_mm_host(a, b, offsets, out=out)
+    assert calls == [100, 100, 100, 100] and got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(got[100:200], a[100:200] @ b[2])
     refused = []
 
     def refuse(*args, **kwargs):
