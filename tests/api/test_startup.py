@@ -1,5 +1,6 @@
 """Where the server listens: a port another process holds is refused (never shared), IPv6
-addresses work on both protocols, and a bad or foreign --host is a clear start-up error."""
+addresses work on both protocols, and a bad or foreign --host is a clear start-up error. And how
+many ranks the CPU default starts on a host of few cores."""
 
 from __future__ import annotations
 
@@ -236,6 +237,37 @@ def test_an_ipv6_host_serves_both_protocols(tmp_path, host):
             result = client.infer("moe", triton_inputs(grpcclient, x, ids, w), client_timeout=60)
             check(result.as_numpy("output").copy(), x, ids, w)
         assert f"gRPC on [{host.strip('[]')}]:{proc.grpc_port}" in proc.log(), proc.log()[-3000:]
+    finally:
+        code = proc.stop()
+    assert code == 0, f"exit code {code}:\n{proc.log()[-3000:]}"
+
+
+def test_the_cpu_default_runs_as_many_ranks_as_its_cores(tmp_path):
+    """`python -m service` (no --world-size) on fewer usable cores than the cpu preset's 4 ranks (its
+    affinity here: the first one or two of this process's CPUs) runs that many ranks, each step's
+    512 tokens unchanged (C = 512 / R), says so, and answers right over both protocols: a whole step
+    and a request of several."""
+    from service.config import usable_cpus
+
+    cpus = set(sorted(os.sched_getaffinity(0))[:2])
+    R = min(len(cpus), usable_cpus())  # (a cgroup quota of one core caps it too); 512 % R == 0
+    launch = f"import os, runpy; os.sched_setaffinity(0, {cpus}); runpy.run_module('service', run_name='__main__')"
+    env = ServerProcess.loopback_env({**os.environ, "MOE_WORLD_SIZE": ""})  # unset: the tests' servers name 4
+    proc = ServerProcess([sys.executable, "-c", launch], tmp_path / "server.log", env=env)
+    try:
+        proc.wait_ready()
+        assert f"running R={R}, C={512 // R} (--world-size 4 to keep them)" in proc.log(), proc.log()[-3000:]
+        assert f"started {R} ranks on cpu" in proc.log(), proc.log()[-3000:]
+        client = grpcclient.InferenceServerClient(proc.grpc_url)
+        for T, seed in ((512, 51), (1100, 52)):
+            x, ids, w = inputs(T, seed=seed)
+            blob = safetensors.torch.save({"hidden_states": x, "topk_ids": ids, "topk_weights": w})
+            r = httpx.post(proc.url + "/moe/forward", content=blob, timeout=60,
+                           headers={"Content-Type": "application/x-safetensors"})
+            assert r.status_code == 200, r.text
+            check(safetensors.torch.load(r.content)["output"], x, ids, w)
+            result = client.infer("moe", triton_inputs(grpcclient, x, ids, w), client_timeout=60)
+            check(result.as_numpy("output").copy(), x, ids, w)
     finally:
         code = proc.stop()
     assert code == 0, f"exit code {code}:\n{proc.log()[-3000:]}"
