@@ -109,6 +109,8 @@ def test_cpu_ranks_are_capped_by_the_usable_cores(monkeypatch, caplog, cpus, R, 
     """On the CPU the preset's R=4 ranks become as many as the usable cores (a divisor of I), the step's
     tokens R*C the preset's; --world-size is kept whatever the cores (as is --capacity)."""
     monkeypatch.setattr(config, "usable_cpus", lambda: cpus)
+    for name in ("MOE_WORLD_SIZE", "MOE_CAPACITY", "MOE_PRESET"):  # (a test server's environment names R)
+        monkeypatch.delenv(name, raising=False)
     base = PRESETS["cpu"]
     with caplog.at_level("WARNING", logger="service.config"):
         cfg = Settings().layer_config("cpu")

@@ -150,7 +150,8 @@ def grouped_mm_host(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
     where the loop writes into the step's kept buffers instead of a fresh block of megabytes a step.
     Offsets must end at a.shape[0] (the packed hits do): the native call does not check them."""
     small = a.shape[0] * b.shape[2] * a.element_size() <= HOST_NATIVE_MAX_BYTES
-    if a.device.type == "cpu" and small and host_grouped_mm_reason(a.dtype, b.shape[1], b.shape[2]) is None:
+    if (a.device.type == "cpu" and small and a.is_contiguous()  # (the reason's 16-byte rows are a's too)
+            and host_grouped_mm_reason(a.dtype, b.shape[1], b.shape[2]) is None):
         assert int(offsets[-1]) == a.shape[0] and b.is_contiguous(), (offsets[-1], a.shape, b.stride())
         return torch._grouped_mm(a, b, offs=offsets[1:].to(torch.int32))
     return grouped_mm_loop(a, b, offsets, out)

@@ -105,8 +105,9 @@ def checkpoint_layer(cfg: LayerConfig, path: str | os.PathLike, *, prefix: str =
     if spec.I % cfg.R:  # R comes from --world-size or the preset, I from the checkpoint: say which is which
         fits = [r for r in range(1, min(spec.I, 8) + 1) if spec.I % r == 0]
         raise ConfigError(f"the checkpoint's expert intermediate size I={spec.I} ({where} of {spec.path!r}) does not "
-                          f"split over R={cfg.R} ranks (--world-size, default the preset's); each rank holds I/R "
-                          f"columns: set --world-size to a divisor of {spec.I} ({', '.join(map(str, fits))}, ...)")
+                          f"split over R={cfg.R} ranks (--world-size; default the preset's, capped by the GPUs or "
+                          f"CPU cores); each rank holds I/R columns: set --world-size to a divisor of {spec.I} "
+                          f"({', '.join(map(str, fits))}, ...)")
     return cfg.replace(E=spec.E, H=spec.H, I=spec.I, K=K, act=spec.act, bias=spec.bias), spec
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import subprocess
 import sys
 import typing
@@ -289,4 +290,4 @@ def test_slots_larger_than_dev_shm_exit_2_before_anything_starts(runs):
     first: exit 2 naming what to lower."""
     r = runs["slots"].result()
     assert r.returncode == 2, r.stderr[-3000:]
-    assert "lower capacity" in r.stderr and "started 4 ranks" not in r.stderr, r.stderr[-3000:]
+    assert "lower capacity" in r.stderr and not re.search(r"started \d+ ranks", r.stderr), r.stderr[-3000:]

@@ -82,6 +82,11 @@ def test_host_grouped_mm_is_the_loop_in_one_call(monkeypatch):
             m.setattr(torch, "mm", lambda *args, **kwargs: pytest.fail("the loop ran"))
             got = grouped.grouped_mm_host(a, b, hits.offsets, out=out)
         torch.testing.assert_close(got, grouped.grouped_mm_loop(a, b, hits.offsets))
+    # A non-contiguous `a` (rows of 68 bytes apart) takes the loop: the native call wants 16-byte rows.
+    wide = torch.randn(M, 17, generator=gen)
+    b = torch.randn(E, 16, 16, generator=gen)
+    torch.testing.assert_close(grouped.grouped_mm_host(wide[:, :16], b, hits.offsets),
+                               grouped.grouped_mm_loop(wide[:, :16].contiguous(), b, hits.offsets))
     # A large result (400 rows of 256 fp32: 400 KB) takes the loop, into `out`: no fresh block a step.
     offsets = torch.tensor([0, 100, 100, 200, 300, 300, 400])
     a, b = torch.randn(400, 64, generator=gen), torch.randn(E, 64, 256, generator=gen)
